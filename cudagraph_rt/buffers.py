@@ -1,0 +1,338 @@
+"""Static inputs: one device arena, per-width views, pad fill, validation, pinned staging.
+
+`StaticInputs` owns every buffer a graph reads its inputs from. Steps write the real rows
+and the padding rows into it; graphs captured over its views read them at replay.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from .errors import InputError, expected
+
+_ALIGN = 256  # bytes: keeps every view aligned for vectorised loads
+_ONE_COPY_BYTES = 64 * 1024  # below this a host-to-device copy costs its latency, not its size
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One input of a step function, declared once.
+
+    ``shape`` is the per-row shape (rows are the leading dimension and are not part of it),
+    ``dtype`` the dtype of the static buffer, ``pad`` the value written into padding rows.
+    A padding row must be a valid input whose outputs nothing reads back: for anything
+    that writes state (a KV cache), point it at a reserved scratch slot.
+    """
+
+    shape: tuple[int, ...] = ()
+    dtype: torch.dtype = torch.int64
+    pad: int | float | bool = 0
+
+    def __post_init__(self):
+        shape = (self.shape,) if isinstance(self.shape, int) else tuple(self.shape)
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape):
+            raise InputError(expected("InputSpec.shape", "a tuple of positive ints", self.shape))
+        object.__setattr__(self, "shape", shape)
+        if not isinstance(self.dtype, torch.dtype):
+            raise InputError(expected("InputSpec.dtype", "a torch.dtype", self.dtype))
+        pad = self.pad
+        if isinstance(pad, (np.integer, np.floating, np.bool_)):
+            pad = pad.item()
+            object.__setattr__(self, "pad", pad)
+        if not isinstance(pad, (int, float, bool)):
+            raise InputError(expected("InputSpec.pad", "an int, float or bool", repr(pad)))
+        if self.dtype.is_floating_point:
+            return
+        if isinstance(pad, float) and not (math.isfinite(pad) and pad.is_integer()):
+            raise InputError(expected("InputSpec.pad", f"a finite integer for {self.dtype}", pad))
+        if self.dtype != torch.bool:
+            info = torch.iinfo(self.dtype)
+            if not info.min <= int(pad) <= info.max:
+                raise InputError(expected("InputSpec.pad", f"a value in [{info.min}, {info.max}]", pad))
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.shape) * _itemsize(self.dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _as_tensor(name: str, value: Any, spec: InputSpec) -> torch.Tensor:
+    """Turn a tensor, numpy array or (nested) list into a tensor, without casting yet."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, np.ndarray):
+        if value.dtype == object or value.dtype.kind not in "biuf":
+            raise InputError(expected(name, "a numeric array", f"numpy dtype {value.dtype}"))
+        return torch.from_numpy(np.ascontiguousarray(value))
+    if isinstance(value, (list, tuple)):
+        try:
+            return torch.as_tensor(value)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise InputError(expected(name, "a list of numbers with one row per token", f"{e}")) from None
+    raise InputError(
+        expected(name, "a torch.Tensor, numpy array or list", type(value).__name__)
+    )
+
+
+def _cast(name: str, t: torch.Tensor, spec: InputSpec) -> torch.Tensor:
+    """Cast only where no value can change; host integers may narrow after a range check."""
+    if t.dtype == spec.dtype:
+        return t
+    if torch.promote_types(t.dtype, spec.dtype) == spec.dtype:
+        return t  # safe: the copy into the static buffer casts
+    both_int = not t.dtype.is_floating_point and not spec.dtype.is_floating_point
+    if both_int and t.device.type == "cpu" and spec.dtype != torch.bool and t.dtype != torch.bool:
+        info = torch.iinfo(spec.dtype)
+        if t.numel() == 0 or (int(t.min()) >= info.min and int(t.max()) <= info.max):
+            return t
+        raise InputError(
+            expected(name, f"values that fit {spec.dtype} [{info.min}, {info.max}]",
+                     f"values in [{int(t.min())}, {int(t.max())}]")
+        )
+    raise InputError(expected(name, f"dtype {spec.dtype} (or one that casts to it safely)", t.dtype))
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    if t.numel() == 0:
+        return (t.data_ptr(), t.data_ptr())
+    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    return (t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size())
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """Validated inputs of one step: ``T`` rows each; nothing has been written yet."""
+
+    T: int
+    tensors: Mapping[str, torch.Tensor]
+    zero_copy: frozenset  # names whose data already sits in the static (or staging) rows
+
+
+class StaticInputs:
+    """Owns the static input buffers of one runtime.
+
+    One device arena (``rows`` rows of every input, each input a contiguous aligned block,
+    plus fixed-size control blocks) and, on CUDA, two pinned staging arenas of the same
+    layout. ``views(N)`` gives the first N rows of every input: graphs are captured over
+    these views and read them at replay, so the arena is never reallocated.
+
+    The arena starts filled with the pad values, so warm-up and capture run on padding
+    rows only. Staging arenas alternate between steps; each waits for its own previous
+    host-to-device copy before it is rewritten, so the host never overwrites bytes still
+    in flight.
+    """
+
+    def __init__(self, specs: Mapping[str, InputSpec], rows: int, device: torch.device,
+                 control: Mapping[str, tuple[int, torch.dtype]] | None = None):
+        self.specs = dict(specs)
+        self.rows = rows
+        self.device = device
+        self._offsets: dict[str, int] = {}
+        off = 0
+        layout = [(n, s.row_bytes * rows) for n, s in self.specs.items()]
+        layout += [(n, numel * _itemsize(dt)) for n, (numel, dt) in (control or {}).items()]
+        for name, nbytes in layout:
+            self._offsets[name] = off
+            off += -(-nbytes // _ALIGN) * _ALIGN
+        self.nbytes = max(off, _ALIGN)
+        self.control_specs = dict(control or {})
+        self.arena = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        self._full = self._carve(self.arena)
+        self.staging: list[torch.Tensor] = []
+        self._staged: list[dict[str, torch.Tensor]] = []
+        self._events: list[torch.cuda.Event | None] = []
+        self._dirty: list[dict[str, int]] = []
+        self._next = 0
+        if device.type == "cuda":
+            for _ in range(2):
+                buf = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
+                self.staging.append(buf)
+                self._staged.append(self._carve(buf))
+                self._events.append(None)
+                self._dirty.append({n: rows for n in self.specs})
+        with torch.no_grad():
+            for views in [self._full, *self._staged]:
+                for name, spec in self.specs.items():
+                    views[name].fill_(spec.pad)
+                for name in self.control_specs:
+                    views[name].zero_()
+        for d in self._dirty:
+            d.update({n: 0 for n in self.specs})
+
+    def _carve(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, spec in self.specs.items():
+            o = self._offsets[name]
+            out[name] = buf[o:o + spec.row_bytes * self.rows].view(spec.dtype).view(self.rows, *spec.shape)
+        for name, (numel, dt) in self.control_specs.items():
+            o = self._offsets[name]
+            out[name] = buf[o:o + numel * _itemsize(dt)].view(dt)
+        return out
+
+    # -- views -----------------------------------------------------------------------
+    def views(self, n: int) -> dict[str, torch.Tensor]:
+        """The first ``n`` rows of every input in the device arena (what a graph reads)."""
+        return {name: self._full[name][:n] for name in self.specs}
+
+    def control(self, name: str) -> torch.Tensor:
+        """A fixed-size control block in the device arena (host-row indices, counts)."""
+        return self._full[name]
+
+    def host_views(self, T: int) -> dict[str, torch.Tensor]:
+        """Pinned staging rows ``[:T]`` of the arena the next step will use: write the next
+        step's rows here in place and pass these views to ``step`` to skip the packing."""
+        k = self._next
+        self._wait_staging(k)
+        if not self._staged:
+            return self.views(T)
+        return {name: self._staged[k][name][:T] for name in self.specs}
+
+    # -- validation (writes nothing) -----------------------------------------------------
+    def prepare(self, inputs: Mapping[str, Any]) -> Prepared:
+        """Check names, rows, per-row shapes, dtypes and devices of one step's inputs.
+
+        Raises InputError naming the input; writes nothing.
+        """
+        missing = [n for n in self.specs if n not in inputs]
+        extra = [n for n in inputs if n not in self.specs]
+        if missing or extra:
+            raise InputError(
+                expected("step inputs", f"exactly {sorted(self.specs)}",
+                         f"missing {missing}, unexpected {extra}")
+            )
+        tensors, zero_copy, T = {}, set(), None
+        for name, spec in self.specs.items():
+            t = _as_tensor(name, inputs[name], spec)
+            if t.dim() != 1 + len(spec.shape) or tuple(t.shape[1:]) != spec.shape:
+                raise InputError(
+                    expected(name, f"shape (T, {', '.join(map(str, spec.shape))})".replace(", )", ")"),
+                             tuple(t.shape))
+                )
+            if T is None:
+                T = t.shape[0]
+            elif t.shape[0] != T:
+                first = next(iter(self.specs))
+                raise InputError(expected(name, f"{T} rows like {first!r}", f"{t.shape[0]} rows"))
+            if t.device.type != "cpu" and t.device != self.device:
+                raise InputError(expected(name, f"a tensor on {self.device} or the host", f"one on {t.device}"))
+            if t.dtype.is_complex:
+                raise InputError(expected(name, f"dtype {spec.dtype}", t.dtype))
+            t = _cast(name, t, spec)
+            if self._is_static_rows(name, t):
+                zero_copy.add(name)
+            elif self._overlaps_buffers(t):
+                raise InputError(
+                    expected(name, "memory apart from the runtime's static buffers "
+                             "(or exactly the rows host_inputs()/device_inputs() gave)",
+                             "a tensor overlapping them")
+                )
+            tensors[name] = t
+        if T is None or T == 0:
+            raise InputError(expected("step inputs", "at least one row", "0 rows"))
+        return Prepared(T, tensors, frozenset(zero_copy))
+
+    def _is_static_rows(self, name: str, t: torch.Tensor) -> bool:
+        cands = [self._full[name]] + [s[name] for s in self._staged[self._next:self._next + 1]]
+        return any(
+            t.data_ptr() == c.data_ptr() and t.dtype == c.dtype and t.device == c.device
+            and t.stride() == c.stride() for c in cands
+        )
+
+    def _overlaps_buffers(self, t: torch.Tensor) -> bool:
+        a0, a1 = _span(t)
+        for buf in [self.arena, *self.staging]:
+            if buf.device == t.device or (buf.device.type == "cpu" and t.device.type == "cpu"):
+                b0, b1 = _span(buf)
+                if a0 < b1 and b0 < a1:
+                    return True
+        return False
+
+    # -- writing -----------------------------------------------------------------------
+    def _wait_staging(self, k: int) -> None:
+        if self._events and self._events[k] is not None:
+            self._events[k].synchronize()
+
+    @torch.no_grad()
+    def write(self, prep: Prepared, start: int, length: int, width: int,
+              control: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Write rows ``[start, start+length)`` of ``prep`` into arena rows ``[0, length)``,
+        fill rows ``[length, width)`` with the pad values, and set control blocks.
+
+        On CUDA, host rows go through the next pinned staging arena and reach the device
+        in one copy when the arena is small (else one copy per input); device rows are
+        copied device-to-device. Stream-ordered on the current stream.
+        """
+        control = control or {}
+        if self.device.type != "cuda":
+            for name, t in prep.tensors.items():
+                if name not in prep.zero_copy:
+                    self._full[name][:length].copy_(t[start:start + length])
+                self._full[name][length:width].fill_(self.specs[name].pad)
+            for name, v in control.items():
+                self._full[name][:v.numel()].copy_(v)
+            return
+        k = self._next
+        self._next = (k + 1) % len(self.staging)
+        self._wait_staging(k)
+        staged, dirty = self._staged[k], self._dirty[k]
+        host, dev = [], []
+        for name, t in prep.tensors.items():
+            if t.device.type == "cpu":
+                host.append(name)
+                if name not in prep.zero_copy or start != 0:
+                    staged[name][:length].copy_(t[start:start + length])
+                pad_to = max(dirty[name], length)
+                if pad_to > length:
+                    staged[name][length:min(pad_to, self.rows)].fill_(self.specs[name].pad)
+                dirty[name] = length
+            else:
+                dev.append(name)
+        for name, v in control.items():
+            staged[name][:v.numel()].copy_(v)
+            host.append(name)
+        if host:
+            self._copy_host(k, host, width, one_copy=not dev and self.nbytes <= _ONE_COPY_BYTES)
+        for name in dev:
+            t = prep.tensors[name]
+            if name not in prep.zero_copy:
+                self._full[name][:length].copy_(t[start:start + length], non_blocking=True)
+            if width > length:
+                self._full[name][length:width].fill_(self.specs[name].pad)
+        ev = self._events[k] or torch.cuda.Event()
+        ev.record()
+        self._events[k] = ev
+
+    @torch.no_grad()
+    def write_control(self, control: Mapping[str, torch.Tensor]) -> None:
+        """Set control blocks only (a commit between steps), through the staging arena."""
+        if self.device.type != "cuda":
+            for name, v in control.items():
+                self._full[name][:v.numel()].copy_(v)
+            return
+        k = self._next
+        self._next = (k + 1) % len(self.staging)
+        self._wait_staging(k)
+        for name, v in control.items():
+            self._staged[k][name][:v.numel()].copy_(v)
+        self._copy_host(k, list(control), 0, one_copy=False)
+        ev = self._events[k] or torch.cuda.Event()
+        ev.record()
+        self._events[k] = ev
+
+    def _copy_host(self, k: int, names: list[str], width: int, one_copy: bool) -> None:
+        if one_copy:
+            # Latency-bound: one copy of the whole (small) arena beats one per input.
+            self.arena.copy_(self.staging[k], non_blocking=True)
+            return
+        for name in names:
+            dst, src = self._full[name], self._staged[k][name]
+            if name in self.specs:
+                dst, src = dst[:width], src[:width]
+            dst.copy_(src, non_blocking=True)

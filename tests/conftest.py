@@ -1,0 +1,21 @@
+"""Shared test setup.
+
+TRITON_INTERPRET must be set before triton or any kernel is imported, so the CPU runs
+the Triton kernels in the interpreter; on a GPU machine it stays unset.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
