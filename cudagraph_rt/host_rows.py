@@ -128,11 +128,11 @@ class HostRowRing:
         return slot
 
     def acquire(self) -> int:
-        """Take the next slot (call only after ``check_free``); resets its meta."""
+        """Take the next slot (call only after ``check_free``). The gather rewrites the
+        slot's count and flag itself, so the host writes nothing here."""
         slot = self.check_free()
         self._next = (slot + 1) % self.depth
         self._gen[slot] += 1
-        self.meta[slot, :2].zero_()
         return slot
 
     def publish(self, slot: int, T: int, host_count: int | None) -> "HostRowsHandle":

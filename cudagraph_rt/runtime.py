@@ -580,6 +580,14 @@ class GraphRuntime:
                                                  "integer [N] indices and a [1] count",
                                                  f"{r.dtype}{tuple(r.shape)} and {c.dtype}{tuple(c.shape)}"))
         H = src.shape[1]
+        self._make_host_buffers(H, src.dtype)
+        self._check_structure(w, out)
+
+    @torch.inference_mode(False)
+    def _make_host_buffers(self, H: int, dtype: torch.dtype) -> None:
+        # Plain (not inference-mode) tensors: the host writes some of them between steps.
+        hr = self.host_rows_config
+        src = torch.empty(0, dtype=dtype)
         self._ring = HostRowRing(hr.depth, self._capacity, H, src.dtype, self.device)
         if hr.mode == "commit":
             self._snap = torch.empty((hr.depth + 1, self._rows, H), dtype=src.dtype, device=self.device)
@@ -588,7 +596,6 @@ class GraphRuntime:
             self._iota = torch.arange(self._rows, dtype=torch.int32, device=self.device)
             self._width_count = {n: torch.tensor([n], dtype=torch.int32, device=self.device)
                                  for n in range(1, self._rows + 1)}
-        self._check_structure(w, out)
 
     def _explain(self, width: int) -> tuple:
         try:

@@ -1,0 +1,62 @@
+"""Small step functions the runtime tests share: a few layers and a slot-indexed state."""
+import torch
+
+from cudagraph_rt import InputSpec
+
+
+class SlotModel:
+    """Embed tokens, a few tanh layers, write each row's hidden state into ``state[slot]``
+    and read ``state[read]`` back into the output. Slot ``n_slots`` is the scratch slot
+    that padding rows write and read."""
+
+    def __init__(self, device, H=32, vocab=50, layers=3, n_slots=256, seed=0, dtype=torch.float32):
+        g = torch.Generator().manual_seed(seed)
+        self.emb = (torch.randn(vocab, H, generator=g) * 0.5).to(device, dtype)
+        self.ws = [(torch.randn(H, H, generator=g) / H ** 0.5).to(device, dtype) for _ in range(layers)]
+        self.n_slots = n_slots
+        self.state = torch.zeros(n_slots + 1, H, device=device, dtype=dtype)
+
+    def specs(self):
+        return {
+            "tokens": InputSpec((), torch.int64, 0),
+            "slot": InputSpec((), torch.int64, self.n_slots),
+            "read": InputSpec((), torch.int64, self.n_slots),
+            "scale": InputSpec((1,), torch.float32, 0.0),
+        }
+
+    def __call__(self, x):
+        h = self.emb[x["tokens"]] * (1 + x["scale"]).to(self.emb.dtype)
+        for w in self.ws:
+            h = torch.tanh(h @ w)
+        self.state.index_copy_(0, x["slot"], h)
+        out = h + 0.5 * self.state[x["read"]]
+        return {"hidden": out, "tok": out.argmax(-1)}
+
+    def random_inputs(self, T, device="cpu", gen=None):
+        """Fresh rows; reads only hit slots this step does not write, so a sliced step
+        and one unsliced call agree (a step's rows never depend on each other here)."""
+        perm = torch.randperm(self.n_slots, generator=gen)
+        others = perm[T:]
+        return {
+            "tokens": torch.randint(0, self.emb.shape[0], (T,), generator=gen),
+            "slot": perm[:T],
+            "read": others[torch.randint(0, others.numel(), (T,), generator=gen)],
+            "scale": torch.rand(T, 1, generator=gen),
+        }
+
+
+class ChoosingSlotModel(SlotModel):
+    """SlotModel whose step also chooses its accepted rows on the device, with no host
+    sync: the rows whose argmax is even, in row order."""
+
+    def __call__(self, x):
+        out = super().__call__(x)
+        keep = (out["tok"] % 2 == 0).to(torch.int32)
+        out["accept_rows"] = torch.sort(1 - keep, stable=True).indices.to(torch.int32)
+        out["accept_count"] = keep.sum().to(torch.int32).reshape(1)
+        return out
+
+
+def chosen_rows(tok):
+    """The rows ChoosingSlotModel accepts, computed on the host."""
+    return [i for i, t in enumerate(tok.tolist()) if t % 2 == 0]

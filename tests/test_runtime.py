@@ -1,0 +1,240 @@
+"""CPU tests of GraphRuntime with graphs off: padding, slicing, stats, structure checks,
+and every bad input refused before anything is written."""
+import numpy as np
+import pytest
+import torch
+
+from cudagraph_rt import (
+    BusyError, CapacityError, GraphRuntime, InputError, InputSpec, StepFunctionError,
+)
+from models_for_tests import SlotModel
+
+
+class Spy:
+    """A step function that records (copies of) the inputs it saw."""
+
+    def __init__(self, specs):
+        self.specs, self.seen = specs, []
+
+    def __call__(self, x):
+        self.seen.append({k: v.clone() for k, v in x.items()})
+        return {"y": x["a"].float() * 2, "z": (x["b"].sum(-1),)}
+
+
+SPECS = {"a": InputSpec((), torch.int64, -5), "b": InputSpec((3,), torch.float32, 0.25)}
+
+
+def make(**kw):
+    spy = Spy(SPECS)
+    return spy, GraphRuntime(spy, SPECS, graphs=False, device="cpu", **kw)
+
+
+def test_padding_rows_filled_and_real_rows_copied():
+    spy, rt = make()
+    rt.step(a=torch.arange(60), b=torch.randn(60, 3))  # leave stale rows behind
+    for T in [1, 3, 5, 9, 17, 33, 64]:
+        a, b = torch.randint(0, 100, (T,)), torch.randn(T, 3)
+        r = rt.step(a=a, b=b)
+        seen = spy.seen[-1]
+        N = r.slices[0].width
+        assert seen["a"].shape[0] == N
+        assert torch.equal(seen["a"][:T], a) and torch.equal(seen["b"][:T], b)
+        assert (seen["a"][T:] == -5).all() and (seen["b"][T:] == 0.25).all()
+        assert torch.equal(r.outputs["y"], a.float() * 2)
+        assert torch.equal(r.outputs["z"][0], b.sum(-1))
+
+
+def test_sliced_step_joins_outputs_and_counts():
+    spy, rt = make(dynamic_limit=96)
+    T = 200
+    a, b = torch.randint(0, 100, (T,)), torch.randn(T, 3)
+    r = rt.step(a=a, b=b)
+    assert [(s.path, s.width, s.start, s.length) for s in r.slices] == [
+        ("dynamic", 96, 0, 96), ("dynamic", 96, 96, 96), ("graph", 8, 192, 8)]
+    assert torch.equal(r.outputs["y"], a.float() * 2)
+    torch.testing.assert_close(r.outputs["z"][0], b.sum(-1))
+    assert [s["a"].shape[0] for s in spy.seen[-3:]] == [96, 96, 8]
+    st = rt.stats()
+    assert st.steps == 1 and st.slices == 3 and st.padding_rows == 0
+    assert dict(st.dynamic_calls) == {96: 2} and dict(st.eager_calls) == {8: 1}
+
+
+def test_stats_count_widths_and_padding():
+    _, rt = make(widths=(1, 2, 3, 4, 8, 24, 64))
+    for T in [1, 2, 3, 5, 9, 24, 25, 70]:
+        rt.step(a=list(range(T)), b=np.zeros((T, 3), np.float32))
+    st = rt.stats()
+    assert dict(st.eager_calls) == {1: 1, 2: 1, 3: 1, 8: 1, 24: 2, 64: 1}
+    assert dict(st.dynamic_calls) == {70: 1}
+    assert st.padding_rows == 3 + 15 + 39
+
+
+def test_input_kinds_and_safe_casts():
+    _, rt = make()
+    T = 5
+    a = np.arange(T, dtype=np.int32)          # int32 -> int64 widens: fine
+    b = [[1.0, 2.0, 3.0]] * T                  # list of floats
+    r = rt.step(a=a, b=b)
+    assert torch.equal(r.outputs["y"], torch.arange(T).float() * 2)
+    nc = torch.randn(3, T).t()                 # non-contiguous: copied correctly
+    r = rt.step(a=torch.arange(T)[::1], b=nc)
+    torch.testing.assert_close(r.outputs["z"][0], nc.sum(-1))
+    ex = torch.tensor([[7.0, 1.0, 0.5]]).expand(T, 3)  # stride-0 rows: copied correctly
+    r = rt.step(a=torch.arange(T), b=ex)
+    torch.testing.assert_close(r.outputs["z"][0], ex.sum(-1))
+
+
+def _snapshot(rt, spy):
+    return rt._inputs.arena.clone(), len(spy.seen), rt.stats()
+
+
+BAD = [
+    ("T=0", dict(a=torch.zeros(0, dtype=torch.long), b=torch.zeros(0, 3)), InputError, "at least one row"),
+    ("missing", dict(a=torch.zeros(2, dtype=torch.long)), InputError, "missing \\['b'\\]"),
+    ("unexpected", dict(a=[1], b=[[0.0] * 3], c=[1]), InputError, "unexpected \\['c'\\]"),
+    ("rows disagree", dict(a=[1, 2], b=[[0.0] * 3]), InputError, "b: expected 2 rows"),
+    ("row shape", dict(a=[1, 2], b=torch.zeros(2, 4)), InputError, "b: expected shape \\(T, 3\\)"),
+    ("no row dim", dict(a=torch.tensor(3), b=torch.zeros(1, 3)), InputError, "a: expected shape"),
+    ("unsafe cast", dict(a=torch.tensor([1.5, 2.0]), b=torch.zeros(2, 3)), InputError, "a: expected dtype torch.int64"),
+    ("float64", dict(a=[1, 2], b=torch.zeros(2, 3, dtype=torch.float64)), InputError, "b: expected dtype torch.float32"),
+    ("nan as int", dict(a=np.array([np.nan, 1.0]), b=torch.zeros(2, 3)), InputError, "a: expected dtype"),
+    ("string", dict(a="12", b=torch.zeros(2, 3)), InputError, "a: expected a torch.Tensor"),
+    ("ragged", dict(a=[1, 2], b=[[0.0] * 3, [0.0]]), InputError, "b: expected a list"),
+    ("object array", dict(a=np.array([1, None]), b=torch.zeros(2, 3)), InputError, "a: expected a numeric array"),
+    ("meta device", dict(a=torch.zeros(2, dtype=torch.long, device="meta"), b=torch.zeros(2, 3)), InputError, "a: expected a tensor on cpu"),
+    ("complex", dict(a=[1, 2], b=torch.zeros(2, 3, dtype=torch.complex64)), InputError, "b: expected dtype"),
+]
+
+
+@pytest.mark.parametrize("name,inputs,exc,msg", BAD, ids=[b[0] for b in BAD])
+def test_bad_inputs_write_nothing(name, inputs, exc, msg):
+    spy, rt = make()
+    rt.step(a=[4, 5, 6], b=torch.randn(3, 3))
+    before = _snapshot(rt, spy)
+    with pytest.raises(exc, match=msg):
+        rt.step(**inputs)
+    after = _snapshot(rt, spy)
+    assert torch.equal(before[0], after[0]) and before[1:] == after[1:]
+    a = torch.randint(0, 9, (7,))
+    assert torch.equal(rt.step(a=a, b=torch.zeros(7, 3)).outputs["y"], a.float() * 2)
+
+
+def test_wide_step_with_slicing_off():
+    spy, rt = make(slicing=False, dynamic_limit=80)
+    before = _snapshot(rt, spy)
+    with pytest.raises(CapacityError, match="at most 80"):
+        rt.step(a=list(range(81)), b=torch.zeros(81, 3))
+    assert torch.equal(before[0], rt._inputs.arena)
+
+
+def test_input_overlapping_static_buffers_refused():
+    spy, rt = make()
+    arena_rows = rt.static_inputs(8)["a"]
+    with pytest.raises(InputError, match="overlapping"):
+        rt.step(a=arena_rows[1:4], b=torch.zeros(3, 3))
+    # the exact rows device_inputs() hands out are the zero-copy path
+    v = rt.device_inputs(4)
+    v["a"].copy_(torch.tensor([9, 8, 7, 6]))
+    v["b"].fill_(1.0)
+    r = rt.step(**v)
+    assert r.outputs["y"].tolist() == [18.0, 16.0, 14.0, 12.0]
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(widths=(4, 2)), "widths"), (dict(widths=[]), "widths"), (dict(max_width=0), "max_width"),
+    (dict(dynamic_limit=32), "dynamic_limit"), (dict(graphs=True), "graphs"),
+    (dict(on_capture_error="ignore"), "on_capture_error"), (dict(warmup=-1), "warmup"),
+    (dict(device="tpu"), "device"), (dict(host_rows="hidden"), "host_rows"),
+])
+def test_bad_construction(kw, msg):
+    kw.setdefault("graphs", False)
+    with pytest.raises(InputError, match=msg):
+        GraphRuntime(lambda x: x["a"], SPECS, device=kw.pop("device", "cpu"), **kw)
+
+
+@pytest.mark.parametrize("spec_kw,msg", [
+    (dict(pad=float("nan")), "pad"), (dict(pad=float("inf")), "pad"), (dict(pad=2**40, dtype=torch.int32), "pad"),
+    (dict(shape=(0,)), "shape"), (dict(shape=(-1,)), "shape"), (dict(dtype="int64"), "dtype"), (dict(pad="0"), "pad"),
+])
+def test_bad_input_specs(spec_kw, msg):
+    with pytest.raises(InputError, match=msg):
+        InputSpec(**spec_kw)
+
+
+def test_bad_input_names():
+    with pytest.raises(InputError, match="inputs"):
+        GraphRuntime(lambda x: x, {"rows": InputSpec()}, graphs=False, device="cpu")
+    with pytest.raises(InputError, match="InputSpec"):
+        GraphRuntime(lambda x: x, {"a": (3,)}, graphs=False, device="cpu")
+
+
+def test_output_without_width_dim():
+    rt = GraphRuntime(lambda x: {"s": x["a"].sum()}, SPECS, graphs=False, device="cpu")
+    with pytest.raises(StepFunctionError, match="leading dimension"):
+        rt.step(a=[1, 2], b=torch.zeros(2, 3))
+
+
+def test_output_structure_changes_between_widths():
+    def fn(x):
+        n = x["a"].shape[0]
+        return {"y": x["a"]} if n < 4 else {"y": x["a"], "extra": x["a"]}
+    rt = GraphRuntime(fn, SPECS, graphs=False, device="cpu")
+    rt.step(a=[1], b=torch.zeros(1, 3))
+    with pytest.raises(StepFunctionError, match="same structure"):
+        rt.step(a=[1, 2, 3, 4, 5], b=torch.zeros(5, 3))
+
+
+def test_step_function_that_raises_leaves_runtime_usable():
+    calls = {"n": 0}
+
+    def fn(x):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise ZeroDivisionError("boom")
+        return x["a"] * 3
+    rt = GraphRuntime(fn, SPECS, graphs=False, device="cpu")
+    rt.step(a=[1], b=torch.zeros(1, 3))
+    with pytest.raises(ZeroDivisionError):
+        rt.step(a=[1], b=torch.zeros(1, 3))
+    assert rt.step(a=[2, 3], b=torch.zeros(2, 3)).outputs.tolist() == [6, 9]
+
+
+def test_tensor_and_tuple_outputs():
+    rt = GraphRuntime(lambda x: x["a"] + 1, SPECS, graphs=False, device="cpu")
+    assert rt.step(a=[1, 2, 3], b=torch.zeros(3, 3)).outputs.tolist() == [2, 3, 4]
+    rt = GraphRuntime(lambda x: (x["a"], x["b"]), SPECS, graphs=False, device="cpu")
+    out = rt.step(a=[1] * 100, b=torch.ones(100, 3)).outputs
+    assert isinstance(out, tuple) and out[0].shape == (100,) and out[1].shape == (100, 3)
+
+
+def test_stateful_model_graphs_off_matches_unpadded_reference():
+    m, ref = SlotModel("cpu", seed=1), SlotModel("cpu", seed=1)
+    rt = GraphRuntime(m, m.specs(), graphs=False, device="cpu")
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    for T in [1, 2, 3, 7, 33, 64, 65, 97, 130]:
+        x = m.random_inputs(T, gen=gen)
+        got = rt.step(**x).outputs
+        want = ref(x)
+        torch.testing.assert_close(got["hidden"], want["hidden"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(m.state[:-1], ref.state[:-1], rtol=1e-5, atol=1e-5)
+
+
+def test_two_threads_never_interleave():
+    import threading
+
+    gate = threading.Event()
+    release = threading.Event()
+
+    def fn(x):
+        gate.set()
+        release.wait(5)
+        return x["a"] + 0
+    rt = GraphRuntime(fn, SPECS, graphs=False, device="cpu")
+    t = threading.Thread(target=lambda: rt.step(a=[1], b=torch.zeros(1, 3)))
+    t.start()
+    assert gate.wait(5)
+    with pytest.raises(BusyError):
+        rt.step(a=[2], b=torch.zeros(1, 3))
+    release.set()
+    t.join()
+    assert rt.step(a=[5], b=torch.zeros(1, 3)).outputs.tolist() == [5]
