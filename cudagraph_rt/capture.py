@@ -40,17 +40,33 @@ class CaptureReport:
         }
 
 
-def _reset_after_failure(stream: torch.cuda.Stream) -> None:
-    """End a capture left open by an exception, and clear the (non-sticky) error state."""
+def _end_open_capture(stream: torch.cuda.Stream) -> None:
+    """End the stream's capture if an exception left it open (torch's graph context does
+    not when its own capture_end raises)."""
     try:
-        if stream.is_capturing() if hasattr(stream, "is_capturing") else torch.cuda.is_current_stream_capturing():
-            torch.cuda.cudart().cudaStreamEndCapture(stream.cuda_stream)
-    except Exception:  # noqa: BLE001 - best effort; the checks below tell if it worked
-        pass
-    try:
-        torch.cuda.cudart().cudaGetLastError()
-    except Exception:  # noqa: BLE001
-        pass
+        from cuda.bindings import runtime as cudart
+    except ImportError:  # cuda-python missing: torch's own state is all we can fix
+        return
+    err, status = cudart.cudaStreamIsCapturing(stream.cuda_stream)
+    if err == cudart.cudaError_t.cudaSuccess and status != cudart.cudaStreamCaptureStatus.cudaStreamCaptureStatusNone:
+        cudart.cudaStreamEndCapture(stream.cuda_stream)
+    cudart.cudaGetLastError()  # capture errors are not sticky: clear them
+
+
+def _reset_after_failure(stream: torch.cuda.Stream, caller: torch.cuda.Stream, pool) -> None:
+    """Leave the CUDA context as it was before a failed capture: no stream capturing, the
+    caller's stream current again, the allocator no longer routing into the pool."""
+    _end_open_capture(stream)
+    dev = stream.device.index if stream.device.index is not None else torch.cuda.current_device()
+    for end in ("_cuda_endAllocateToPool", "_cuda_endAllocateCurrentStreamToPool"):
+        fn = getattr(torch._C, end, None)
+        if fn is not None:
+            try:
+                fn(dev, pool) if end == "_cuda_endAllocateToPool" else fn(dev)
+            except Exception:  # noqa: BLE001 - already ended by torch: nothing to undo
+                pass
+            break
+    torch.cuda.set_stream(caller)
     torch.cuda.synchronize()
 
 
@@ -59,6 +75,7 @@ def capture_width(
     run: Callable[[], Any],
     *,
     pool,
+    stream: torch.cuda.Stream,
     warmup: int,
     keep_graph: bool,
     explain: Callable[[], tuple] = lambda: (),
@@ -68,10 +85,14 @@ def capture_width(
     Returns ``(graph, outputs, warmup_s, capture_s)``; ``outputs`` are the static tensors
     the graph writes. Raises CaptureError naming the width, the failing operation and,
     through ``explain`` (the hazard finder), the user's source line; afterwards no stream
-    is capturing and graphs captured before still replay.
+    is capturing and graphs captured before still replay; the caller should capture later
+    widths on a fresh stream and pool (``stream`` and ``pool`` may be left unusable).
     """
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
+    # One side stream for every width: cuBLAS keeps a workspace per stream, and a new
+    # stream per width would put one more workspace into the pool each time.
+    side = stream
+    caller = torch.cuda.current_stream()
+    side.wait_stream(caller)
     t0 = time.perf_counter()
     try:
         with torch.cuda.stream(side):
@@ -94,7 +115,7 @@ def capture_width(
         if keep_graph:
             graph.instantiate()
     except Exception as e:  # noqa: BLE001 - every capture failure becomes a CaptureError
-        _reset_after_failure(side)
+        _reset_after_failure(side, caller, pool)
         hazards = explain()
         where = "".join(f"\n  {h}" for h in hazards) or "\n  (the hazard finder saw no known hazard)"
         raise CaptureError(

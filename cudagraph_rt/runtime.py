@@ -181,6 +181,7 @@ class GraphRuntime:
         self._eager_widths: set[int] = set()
         self._commit_graph = None
         self._pool = None
+        self._stream = None  # the capture stream, shared by every width
         self._watched: list[tuple[int, tuple]] | None = None
         self._ready = False
         self.capture_report: CaptureReport | None = None
@@ -242,17 +243,22 @@ class GraphRuntime:
             torch.cuda.empty_cache()
             base = torch.cuda.memory_reserved(self.device)
             self._pool = torch.cuda.graph_pool_handle()
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(self.device)
             for w in sorted(self.widths, reverse=True):
                 if w in self._graphs:
                     continue
                 views = self._inputs.views(w)
                 try:
                     g, out, tw, tc = capture_width(
-                        w, lambda: self._body(w, views, self.step_fn), pool=self._pool,
+                        w, lambda: self._body(w, views, self.step_fn), pool=self._pool, stream=self._stream,
                         warmup=self.warmup, keep_graph=self.keep_graphs,
                         explain=lambda: self._explain(w),
                     )
                 except CaptureError as e:
+                    # The failed capture may have spoiled its stream and pool: later widths
+                    # get fresh ones (they no longer share memory with the widths before).
+                    self._stream, self._pool = torch.cuda.Stream(self.device), torch.cuda.graph_pool_handle()
                     if self.on_capture_error == "raise":
                         raise
                     self._eager_widths.add(w)
@@ -515,7 +521,7 @@ class GraphRuntime:
 
     def _capture_commit(self) -> None:
         g = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream()
+        side = self._stream
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             self._commit_body()

@@ -1,0 +1,380 @@
+"""The embedded toy decoder: random weights with wide greedy margins, a cell-layout KV pool,
+batched padded steps that can be captured in a CUDA graph, and an eager reference.
+
+How the weights are built (in a "design basis", then turned by one random orthogonal
+matrix ``Q`` so every weight is dense and reduction order matters as in a real model):
+
+* A token ``t`` is a pair ``(a, b) = (t // B, t % B)`` with ``vocab = A * B``.
+* The residual stream is ``[a-code (A) | b-code (B) | ctx (B) | scratch (rest)]``.
+  The embedding writes ``s * onehot(a)`` and ``s * onehot(b)`` plus a small random scratch
+  vector; a random position table writes scratch only.
+* Head 0 of every layer is a previous-token head: a relative-position bias
+  ``-16 * |pos_q - 1 - pos_k|`` (the rest of the attention mask is owner and causality)
+  puts all but ~1e-7 of its weight on position ``p - 1`` (on itself at ``p = 0``); its value
+  copies the b-code into ctx. Other heads attend softly by content and, like the MLPs,
+  write scratch only, so every hidden row depends on every visible cell.
+* The head reads ``a`` and ``ctx`` through two random permutations, so the greedy next
+  token is ``pi_a(a(t_p)) * B + pi_b(b(t_{p-1}))`` (:meth:`ToyDecoder.design_next`): the
+  winner matches both one-hots (logit ``2m``), every other token at most one (``m``), so the
+  top1-top2 gap is about ``m = 8`` logits whatever the dtype, batching or padding, while
+  the token still depends on context through attention.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..buffers import InputSpec
+from ..errors import InputError, expected
+
+_EMB = 4.0  # scale of the one-hot token codes
+_OUT = 2.0  # readout gain: designed margin _EMB * _OUT = 8 logits
+_SLOPE = 16.0  # previous-token head: each neighbour gets exp(-16) ~ 1e-7 of the weight
+_NOISE = 0.1  # std of the random part of each logit (breaks ties below the top two)
+_INPUTS = ("tokens", "positions", "seq_ids", "cells", "want")
+
+
+@dataclass(frozen=True)
+class ToyConfig:
+    """Sizes of a :class:`ToyDecoder`. Immutable; the defaults are :meth:`tiny`.
+
+    ``vocab`` must factor as ``A * B`` with ``A >= B >= 2`` (A the smallest divisor
+    >= sqrt(vocab)); ``hidden`` needs room for ``A + 2B`` code dimensions plus 8 scratch
+    dimensions and ``hidden // heads >= B``; ``taps`` are layer indices whose output hidden
+    states the step returns, in that order. Raises :class:`InputError` when violated.
+    """
+
+    vocab: int = 128
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    taps: tuple[int, ...] = (0, 1)
+    max_seqs: int = 8
+    max_len: int = 128
+    dtype: torch.dtype = torch.float32
+    seed: int = 0
+
+    @classmethod
+    def tiny(cls, **overrides) -> ToyConfig:
+        """CPU default: fp32, 64 hidden, 2 layers, vocab 128, 8 sequences x 128 positions."""
+        return cls(**overrides)
+
+    @classmethod
+    def bench(cls, **overrides) -> ToyConfig:
+        """GPU benchmark: bf16, 1024 hidden, 6 layers, vocab 8192, 16 sequences x 512 positions."""
+        base = dict(vocab=8192, hidden=1024, layers=6, heads=8, taps=(1, 3, 5),
+                    max_seqs=16, max_len=512, dtype=torch.bfloat16)
+        return cls(**{**base, **overrides})
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "taps", tuple(self.taps))
+        for name in ("vocab", "hidden", "layers", "heads", "max_seqs", "max_len", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "seed" else 1):
+                raise InputError(expected(f"ToyConfig.{name}", "a positive int", repr(v)))
+        if self.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise InputError(expected("ToyConfig.dtype", "float32, float16 or bfloat16", self.dtype))
+        a, b = self.factors
+        if b < 2:
+            raise InputError(expected("ToyConfig.vocab", "a product A*B with A >= B >= 2", self.vocab))
+        if self.hidden % self.heads or self.hidden // self.heads < b:
+            raise InputError(expected("ToyConfig.heads", f"a divisor of hidden with head dim >= {b}", self.heads))
+        if self.hidden < a + 2 * b + 8:
+            raise InputError(expected("ToyConfig.hidden", f">= {a + 2 * b + 8} for vocab {self.vocab}", self.hidden))
+        if not self.taps or any(not isinstance(t, int) or not 0 <= t < self.layers for t in self.taps):
+            raise InputError(expected("ToyConfig.taps", f"layer indices in [0, {self.layers})", self.taps))
+
+    @property
+    def factors(self) -> tuple[int, int]:
+        """``(A, B)``: token ``t`` is ``(t // B, t % B)``."""
+        a = next(d for d in range(math.isqrt(self.vocab - 1) + 1, self.vocab + 1) if self.vocab % d == 0)
+        return a, self.vocab // a
+
+
+def _design_weights(cfg: ToyConfig) -> tuple[dict[str, Tensor], Tensor, list[int], list[int]]:
+    """Weights in the design basis (fp32, CPU, from ``cfg.seed`` only), the rotation Q, and
+    the permutations (pi_a, pi_b) the readout implements."""
+    g = torch.Generator().manual_seed(cfg.seed)
+
+    def randn(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=g)
+
+    (A, B), H, L, nh, V = cfg.factors, cfg.hidden, cfg.layers, cfg.heads, cfg.vocab
+    d, Fd, S, c0 = H // nh, 4 * H, H - A - 2 * B, A + B  # c0: first ctx dim
+    zn = math.sqrt(3 * _EMB**2 + 2 + 2 * L)  # rough |residual|: codes, ctx, O(1) scratch per block
+    tok = torch.arange(V)
+    emb = torch.zeros(V, H)
+    emb[tok, tok // B] = _EMB
+    emb[tok, A + tok % B] = _EMB
+    emb[:, c0 + B:] = randn(V, S) / math.sqrt(S)
+    pos = torch.zeros(cfg.max_len, H)
+    pos[:, c0 + B:] = randn(cfg.max_len, S) / math.sqrt(S)
+    # q.k / sqrt(d) has std ~1.2: soft, content-dependent attention. Head 0 is steered by
+    # the position bias alone (its q, k are 10x smaller, far below the slope of 16).
+    wq, wk = randn(L, H, H) * (1.2 / zn), randn(L, H, H) * (1.2 / zn)
+    wq[:, :, :d] *= 0.1
+    wk[:, :, :d] *= 0.1
+    wv = randn(L, H, H) / (zn * math.sqrt(d))  # |value of a head| ~ 1
+    wv[:, :, :d] = 0
+    wv[:, A + torch.arange(B), torch.arange(B)] = 1.0  # head 0 copies the b-code...
+    # ...and a strong read of scratch (position and token features), so a stolen or
+    # missing predecessor cell changes every hidden row that reads it by O(1).
+    wv[:, c0 + B:, B:d] = randn(L, S, d - B) * (1.5 / math.sqrt((2 + L) * (d - B)))
+    wo = torch.zeros(L, H, H)
+    wo[:, :, c0 + B:] = randn(L, H, S) / math.sqrt(S * nh)  # heads write scratch only
+    wo[:, :d, c0 + B:] *= math.sqrt(nh)
+    wo[:, :B, :] = 0
+    wo[:, torch.arange(B), c0 + torch.arange(B)] = 1.0 / L  # b-code into ctx, 1/L per layer
+    w1 = randn(L, H, Fd) / zn
+    w2 = torch.zeros(L, Fd, H)
+    w2[:, :, c0 + B:] = randn(L, Fd, S) * math.sqrt(2.0 / (Fd * S))  # MLP writes scratch only
+    pi_a, pi_b = torch.randperm(A, generator=g), torch.randperm(B, generator=g)
+    wout = randn(H, V) * (_NOISE / zn)
+    wout[torch.argsort(pi_a)[tok // B], tok] += _OUT  # logit(a', b') reads a = pi_a^-1(a')
+    wout[c0 + torch.argsort(pi_b)[tok % B], tok] += _OUT  # and ctx b = pi_b^-1(b')
+    q, r = torch.linalg.qr(torch.randn(H, H, generator=g, dtype=torch.float64))
+    q = (q * torch.sign(torch.diagonal(r))).float()
+    w = dict(emb=emb, pos=pos, wqkv=torch.cat([wq, wk, wv], -1), wo=wo, w1=w1, w2=w2, wout=wout)
+    return w, q, pi_a.tolist(), pi_b.tolist()
+
+
+class ToyDecoder:
+    """A small decoder that every command can run with no weights to fetch.
+
+    Lifetime: weights are fixed at construction (from ``config.seed``); the KV pool
+    (``k_cache``, ``v_cache``, ``cell_owner``, ``cell_pos``) lives as long as the object and
+    is MUTATED BY EVERY :meth:`step` / :meth:`verify_step`, including padding rows (which
+    write only :attr:`scratch_cell`). :meth:`reset_cache` frees every cell. Outputs are fresh
+    tensors (graph-owned memory when the step is replayed from a CUDA graph).
+
+    KV layout: cell ``cell_for(seq, pos) = seq * max_len + pos``; the last cell
+    (``scratch_cell == num_cells``) is reserved for padding rows. A row attends to the cells
+    whose owner equals its ``seq_id`` and whose position is ``<=`` its own, after every row
+    of the step has written its cell in that layer. Cells of a sequence beyond its current
+    position (rejected drafts) stay invisible until overwritten, so a sequence id may be
+    reused without freeing as long as each sequence feeds its positions from 0 in order.
+
+    Failure modes: the step checks names, shapes, dtypes and devices on the host and
+    raises :class:`InputError`; values are NOT checked (that would need a host sync inside
+    a captured graph): out-of-range tokens, positions or cells fail on the device (an
+    index error on the CPU, a device assert on CUDA), two live rows sharing a cell or a
+    (seq, pos) stored in two cells silently corrupt attention, and a padding row pointing
+    at a live cell steals it from its sequence.
+    """
+
+    def __init__(self, config: ToyConfig | None = None, device: str | torch.device | None = None):
+        self.config = cfg = config or ToyConfig.tiny()
+        self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        w, q, self._pi_a, self._pi_b = _design_weights(cfg)
+        q = q.to(self.device)
+        # Rotate on the target device (fast there): weights that read the residual get Q @ W,
+        # weights that write it get W @ Q^T, so the design holds in any basis.
+        reads, writes = ("wqkv", "w1", "wout"), ("emb", "pos", "wo", "w2")
+        for k, v in w.items():
+            v = v.to(self.device)
+            v = q @ v if k in reads else v @ q.T if k in writes else v
+            setattr(self, k, v.to(cfg.dtype).contiguous())
+        self.slopes = torch.zeros(cfg.heads, device=self.device)
+        self.slopes[0] = _SLOPE
+        self.head_dim = cfg.hidden // cfg.heads
+        self.num_cells = cfg.max_seqs * cfg.max_len
+        self.scratch_cell = self.num_cells
+        shape = (cfg.layers, cfg.heads, self.num_cells + 1, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=cfg.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=cfg.dtype, device=self.device)
+        self.cell_owner = torch.empty(self.num_cells + 1, dtype=torch.int64, device=self.device)
+        self.cell_pos = torch.empty(self.num_cells + 1, dtype=torch.int64, device=self.device)
+        self.reset_cache()
+
+    # ----------------------------------------------------------------- public surface
+    @property
+    def hidden_width(self) -> int:
+        """Width of the "hidden" output: ``len(taps) * hidden``."""
+        return len(self.config.taps) * self.config.hidden
+
+    @property
+    def design_margin(self) -> float:
+        """Nominal top1-top2 logit gap the weights are built for (measure: :meth:`logit_margin`)."""
+        return _EMB * _OUT
+
+    def reset_cache(self) -> None:
+        """Free every cell (owner -2) and zero K/V. Zeroed K/V matter: masked cells get
+        probability exactly 0, and 0 * garbage could be NaN."""
+        self.k_cache.zero_()
+        self.v_cache.zero_()
+        self.cell_owner.fill_(-2)
+        self.cell_pos.zero_()
+
+    def cell_for(self, seq: int, pos: int) -> int:
+        """The cell of ``(seq, pos)``; :class:`InputError` outside the pool."""
+        if not 0 <= seq < self.config.max_seqs:
+            raise InputError(expected("seq", f"in [0, {self.config.max_seqs})", seq))
+        if not 0 <= pos < self.config.max_len:
+            raise InputError(expected("pos", f"in [0, {self.config.max_len})", pos))
+        return seq * self.config.max_len + pos
+
+    def inputs(self, verify: bool = False) -> dict[str, InputSpec]:
+        """Per-row int64 inputs and their pad values (``next_tokens`` only for the verify step).
+
+        A padding row (token 0, position 0, seq -1, scratch cell, want 0) writes only the
+        scratch cell and attends only to it, so it cannot change any live row.
+        """
+        specs = dict(tokens=InputSpec(pad=0), positions=InputSpec(pad=0), seq_ids=InputSpec(pad=-1),
+                     cells=InputSpec(pad=self.scratch_cell), want=InputSpec(pad=0))
+        if verify:
+            specs["next_tokens"] = InputSpec(pad=-1)
+        return specs
+
+    def step(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+        """One batched step of N rows (N = any width; capturable: no host sync, static shapes).
+
+        Returns ``tokens`` [N] int64 (greedy argmax where ``want == 1``, else -1) and
+        ``hidden`` [N, len(taps) * hidden] (the tapped layers' outputs, model dtype).
+        Logits are computed for all N rows (static shapes) and masked.
+        """
+        t, pos, seq, cells, want = self._take(inputs, _INPUTS)
+        # Owner and position first: every layer's mask then sees all rows of this step.
+        self.cell_owner.index_copy_(0, cells, seq)
+        self.cell_pos.index_copy_(0, cells, pos)
+        visible = (self.cell_owner[None, :] == seq[:, None]) & (self.cell_pos[None, :] <= pos[:, None])
+        bias = self._bias(pos, self.cell_pos, visible)
+        x, taps = self._embed(t, pos), []
+        for layer in range(self.config.layers):
+            q, k, v = self._qkv(x, layer)
+            self.k_cache[layer].index_copy_(1, cells, k)  # duplicates only from padding rows
+            self.v_cache[layer].index_copy_(1, cells, v)
+            x = self._block_out(x, self._attend(q, self.k_cache[layer], self.v_cache[layer], bias), layer)
+            taps.append(x)
+        greedy = (x @ self.wout).argmax(-1).masked_fill(want != 1, -1)
+        return {"tokens": greedy, "hidden": torch.cat([taps[i] for i in self.config.taps], -1)}
+
+    def verify_step(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+        """:meth:`step` plus greedy speculative acceptance on the device (no host sync).
+
+        ``next_tokens[i]`` is the token fed at ``positions[i] + 1`` of the same sequence in
+        this step (the draft the next row checks), -1 if none. Row i MISMATCHES when
+        ``want[i] == 1`` and its argmax != ``next_tokens[i]`` (so -1 always mismatches). Row i
+        is COMMITTED when ``want[i] == 1`` and no row of the same sequence at a smaller
+        position mismatches: per sequence the longest matching prefix plus the first
+        mismatching row (the bonus / correction). Rows with ``want == 0`` (prefill rows,
+        padding) are never committed and never block. Extra outputs:
+        ``committed`` [N] bool; ``accept_rows`` [N] int32: committed row indices, increasing,
+        packed at the front, zeros after; ``accept_count`` [1] int32.
+
+        A host runner appends ``tokens[committed]`` (in row order) to each row's sequence;
+        the last of them per sequence is not yet fed (its K/V is not written), and cells of
+        rejected positions stay invisible until overwritten (see the class docstring).
+        Rows of one sequence need not be consecutive; equal positions never block each other.
+        """
+        (nxt,) = self._take(inputs, ("next_tokens",))
+        pos, seq, want = inputs["positions"], inputs["seq_ids"], inputs["want"] == 1
+        out = self.step(inputs)
+        mismatch = want & (out["tokens"] != nxt)
+        earlier = (seq[None, :] == seq[:, None]) & (pos[None, :] < pos[:, None])  # [i, j]: j before i
+        committed = want & ~(earlier & mismatch[None, :]).any(1)
+        n = committed.shape[0]
+        rows = torch.arange(n, device=committed.device)
+        # Pack without nonzero(): committed rows go to their rank, others to distinct dump slots.
+        dest = torch.where(committed, torch.cumsum(committed, 0) - 1, n + rows)
+        packed = torch.zeros(2 * n, dtype=torch.int32, device=committed.device)
+        packed.scatter_(0, dest, rows.to(torch.int32))
+        count = committed.sum().to(torch.int32).reshape(1)
+        return {**out, "accept_rows": packed[:n], "accept_count": count, "committed": committed}
+
+    # ----------------------------------------------------------------- eager reference
+    @torch.no_grad()
+    def reference_logits(self, tokens: list[int]) -> tuple[Tensor, Tensor]:
+        """Logits [L, vocab] and tapped hidden [L, len(taps) * hidden] of one sequence at
+        positions 0..L-1: full causal attention, no cache, no padding, no batching. Reads and
+        writes no KV cell. :class:`InputError` for an empty/too long sequence or a bad token."""
+        n, vocab = len(tokens), self.config.vocab
+        if not 1 <= n <= self.config.max_len:
+            raise InputError(expected("tokens", f"1..{self.config.max_len} tokens", n))
+        if any(not 0 <= int(t) < vocab for t in tokens):
+            raise InputError(expected("tokens", f"ids in [0, {vocab})", list(tokens)))
+        t = torch.tensor([int(v) for v in tokens], dtype=torch.int64, device=self.device)
+        pos = torch.arange(n, device=self.device)
+        bias = self._bias(pos, pos, pos[None, :] <= pos[:, None])
+        x, taps = self._embed(t, pos), []
+        for layer in range(self.config.layers):
+            x = self._block_out(x, self._attend(*self._qkv(x, layer), bias), layer)
+            taps.append(x)
+        return (x @ self.wout).float(), torch.cat([taps[i] for i in self.config.taps], -1)
+
+    def reference(self, tokens: list[int]) -> tuple[Tensor, Tensor]:
+        """``(greedy [L] int64, hidden [L, len(taps) * hidden])``: greedy[p] is the next token
+        after tokens[:p+1], hidden[p] the tapped row at p."""
+        logits, hidden = self.reference_logits(tokens)
+        return logits.argmax(-1), hidden
+
+    def greedy_generate(self, prompt: list[int], n: int) -> list[int]:
+        """The ``n`` tokens plain greedy decoding appends to ``prompt`` (through :meth:`reference`)."""
+        if len(prompt) + max(n, 1) - 1 > self.config.max_len:
+            raise InputError(expected("prompt + n", f"<= {self.config.max_len + 1} tokens", len(prompt) + n))
+        seq = [int(t) for t in prompt]
+        for _ in range(n):
+            seq.append(int(self.reference(seq)[0][-1]))
+        return seq[len(prompt):]
+
+    def design_next(self, prev: int, token: int) -> int:
+        """The rule the weights implement: greedy next after ``token`` whose predecessor is
+        ``prev`` (pass ``prev = token`` at position 0)."""
+        b = self.config.factors[1]
+        return self._pi_a[token // b] * b + self._pi_b[prev % b]
+
+    def logit_margin(self, contexts: int = 64, length: int | None = None, seed: int = 0) -> float:
+        """Measured minimum top1-top2 logit gap over ``contexts`` random sequences of
+        ``length`` tokens (default max_len), every position."""
+        g = torch.Generator().manual_seed(seed)
+        length = length or self.config.max_len
+        gaps = []
+        for _ in range(contexts):
+            toks = torch.randint(0, self.config.vocab, (length,), generator=g).tolist()
+            top2 = self.reference_logits(toks)[0].topk(2, -1).values
+            gaps.append((top2[:, 0] - top2[:, 1]).min())
+        return float(torch.stack(gaps).min())
+
+    # ----------------------------------------------------------------- shared math
+    def _take(self, inputs: dict[str, Tensor], names: tuple[str, ...]) -> list[Tensor]:
+        """Host-side checks only (names, 1-D, one N, int64, device): no device values read."""
+        missing = [k for k in names if k not in inputs]
+        if missing:
+            raise InputError(expected("inputs", f"keys {list(names)}", f"missing {missing}"))
+        n = inputs["tokens"].shape[0] if "tokens" in inputs else None
+        out = []
+        for k in names:
+            v = inputs[k]
+            if not isinstance(v, Tensor) or v.dim() != 1 or (n is not None and v.shape[0] != n):
+                raise InputError(expected(k, f"a 1-D tensor of {n} rows", getattr(v, "shape", type(v))))
+            if v.dtype != torch.int64 or v.device != self.device:
+                raise InputError(expected(k, f"int64 on {self.device}", f"{v.dtype} on {v.device}"))
+            out.append(v)
+        return out
+
+    def _embed(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        return self.emb.index_select(0, tokens) + self.pos.index_select(0, positions)
+
+    def _bias(self, pos_q: Tensor, pos_k: Tensor, visible: Tensor) -> Tensor:
+        """[heads, Nq, Nk] fp32: previous-token bias per head, -inf where not visible."""
+        rel = (pos_q[:, None] - 1 - pos_k[None, :]).abs().float()
+        return (rel[None] * -self.slopes[:, None, None]).masked_fill(~visible[None], float("-inf"))
+
+    def _qkv(self, x: Tensor, layer: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Three [heads, N, head_dim] projections of x [N, hidden]."""
+        qkv = (x @ self.wqkv[layer]).view(x.shape[0], 3, self.config.heads, self.head_dim)
+        q, k, v = qkv.permute(1, 2, 0, 3).unbind(0)
+        return q, k, v
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
+        """Softmax attention in fp32 over k/v [heads, M, head_dim]; returns [N, hidden]."""
+        scores = (q @ k.transpose(-1, -2)).float() * self.head_dim**-0.5 + bias
+        out = torch.softmax(scores, -1).to(v.dtype) @ v
+        return out.transpose(0, 1).reshape(q.shape[1], self.config.hidden)
+
+    def _block_out(self, x: Tensor, attn: Tensor, layer: int) -> Tensor:
+        x = x + attn @ self.wo[layer]
+        return x + F.silu(x @ self.w1[layer]) @ self.w2[layer]
