@@ -55,8 +55,23 @@ class InputSpec:
                 raise InputError(expected("InputSpec.pad", f"a value in [{info.min}, {info.max}]", pad))
 
     @property
+    def ndim1(self) -> int:
+        """Dimensions of a step's tensor for this input: rows plus the per-row shape."""
+        return 1 + len(self.shape)
+
+    @property
     def row_bytes(self) -> int:
         return math.prod(self.shape) * _itemsize(self.dtype)
+
+
+_NUMPY_OK = {torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool,
+              torch.float16, torch.float32, torch.float64}
+
+
+def _numpy_views(views: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """numpy views of host tensors (None for dtypes numpy lacks, and for device memory)."""
+    return {n: (v.numpy() if v.device.type == "cpu" and v.dtype in _NUMPY_OK else None)
+            for n, v in views.items()}
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -97,13 +112,6 @@ def _cast(name: str, t: torch.Tensor, spec: InputSpec) -> torch.Tensor:
                      f"values in [{int(t.min())}, {int(t.max())}]")
         )
     raise InputError(expected(name, f"dtype {spec.dtype} (or one that casts to it safely)", t.dtype))
-
-
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    if t.numel() == 0:
-        return (t.data_ptr(), t.data_ptr())
-    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
-    return (t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size())
 
 
 @dataclass(frozen=True)
@@ -165,6 +173,11 @@ class StaticInputs:
                     views[name].zero_()
         for d in self._dirty:
             d.update({n: 0 for n in self.specs})
+        self._full_np = _numpy_views(self._full)
+        self._staged_np = [_numpy_views(v) for v in self._staged]
+        self._pads_np = {n: s.pad for n, s in self.specs.items()}
+        self._ranges = [(b.data_ptr(), b.data_ptr() + b.numel(), b.device.type)
+                        for b in [self.arena, *self.staging]]
 
     def _carve(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         out = {}
@@ -198,43 +211,50 @@ class StaticInputs:
     def prepare(self, inputs: Mapping[str, Any]) -> Prepared:
         """Check names, rows, per-row shapes, dtypes and devices of one step's inputs.
 
-        Raises InputError naming the input; writes nothing.
+        Raises InputError naming the input; writes nothing. This is on every step's path,
+        so the common case (tensors of the declared dtype) takes few Python operations.
         """
-        missing = [n for n in self.specs if n not in inputs]
-        extra = [n for n in inputs if n not in self.specs]
-        if missing or extra:
+        if inputs.keys() != self.specs.keys():
+            missing = [n for n in self.specs if n not in inputs]
+            extra = [n for n in inputs if n not in self.specs]
             raise InputError(
-                expected("step inputs", f"exactly {sorted(self.specs)}",
-                         f"missing {missing}, unexpected {extra}")
+                expected("step inputs", f"exactly {sorted(self.specs)}", f"missing {missing}, unexpected {extra}")
             )
-        tensors, zero_copy, T = {}, set(), None
+        tensors, zero_copy, T = {}, (), -1
         for name, spec in self.specs.items():
-            t = _as_tensor(name, inputs[name], spec)
-            if t.dim() != 1 + len(spec.shape) or tuple(t.shape[1:]) != spec.shape:
+            t = inputs[name]
+            if type(t) is not torch.Tensor:
+                t = _as_tensor(name, t, spec)
+            if t.dim() != spec.ndim1 or t.shape[1:] != spec.shape:
                 raise InputError(
-                    expected(name, f"shape (T, {', '.join(map(str, spec.shape))})".replace(", )", ")"),
-                             tuple(t.shape))
+                    expected(name, f"shape (T, {', '.join(map(str, spec.shape))})".replace(", )", ")"), tuple(t.shape))
                 )
-            if T is None:
+            if T < 0:
                 T = t.shape[0]
             elif t.shape[0] != T:
                 first = next(iter(self.specs))
                 raise InputError(expected(name, f"{T} rows like {first!r}", f"{t.shape[0]} rows"))
-            if t.device.type != "cpu" and t.device != self.device:
-                raise InputError(expected(name, f"a tensor on {self.device} or the host", f"one on {t.device}"))
-            if t.dtype.is_complex:
-                raise InputError(expected(name, f"dtype {spec.dtype}", t.dtype))
-            t = _cast(name, t, spec)
-            if self._is_static_rows(name, t):
-                zero_copy.add(name)
-            elif self._overlaps_buffers(t):
-                raise InputError(
-                    expected(name, "memory apart from the runtime's static buffers "
-                             "(or exactly the rows host_inputs()/device_inputs() gave)",
-                             "a tensor overlapping them")
-                )
+            if t.dtype != spec.dtype:
+                if t.dtype.is_complex:
+                    raise InputError(expected(name, f"dtype {spec.dtype}", t.dtype))
+                t = _cast(name, t, spec)
+            dev = t.device
+            if dev.type != "cpu" and dev != self.device:
+                raise InputError(expected(name, f"a tensor on {self.device} or the host", f"one on {dev}"))
+            # Only a view of one of our own buffers can overlap them, and such a view
+            # starts inside the buffer: one range test per buffer is exact.
+            p = t.data_ptr()
+            for lo, hi, kind in self._ranges:
+                if lo <= p < hi and kind == dev.type:
+                    if not self._is_static_rows(name, t):
+                        raise InputError(
+                            expected(name, "memory apart from the runtime's static buffers "
+                                     "(or exactly the rows host_inputs()/device_inputs() gave)",
+                                     "a tensor overlapping them")
+                        )
+                    zero_copy += (name,)
             tensors[name] = t
-        if T is None or T == 0:
+        if T <= 0:
             raise InputError(expected("step inputs", "at least one row", "0 rows"))
         return Prepared(T, tensors, frozenset(zero_copy))
 
@@ -245,23 +265,24 @@ class StaticInputs:
             and t.stride() == c.stride() for c in cands
         )
 
-    def _overlaps_buffers(self, t: torch.Tensor) -> bool:
-        a0, a1 = _span(t)
-        for buf in [self.arena, *self.staging]:
-            if buf.device == t.device or (buf.device.type == "cpu" and t.device.type == "cpu"):
-                b0, b1 = _span(buf)
-                if a0 < b1 and b0 < a1:
-                    return True
-        return False
-
     # -- writing -----------------------------------------------------------------------
     def _wait_staging(self, k: int) -> None:
         if self._events and self._events[k] is not None:
             self._events[k].synchronize()
 
+    @staticmethod
+    def _put(dst: torch.Tensor, dst_np, t: torch.Tensor, start: int, length: int) -> None:
+        """Host rows into host memory: through numpy where it can (a fraction of torch's
+        per-op cost), else torch (bfloat16 and other dtypes numpy lacks)."""
+        if dst_np is not None and t.dtype in _NUMPY_OK:
+            src = t.numpy() if not t.requires_grad else t.detach().numpy()
+            dst_np[:length] = src[start:start + length]
+        else:
+            dst[:length].copy_(t[start:start + length])
+
     @torch.no_grad()
     def write(self, prep: Prepared, start: int, length: int, width: int,
-              control: Mapping[str, torch.Tensor] | None = None) -> None:
+              control: Mapping[str, Any] | None = None) -> None:
         """Write rows ``[start, start+length)`` of ``prep`` into arena rows ``[0, length)``,
         fill rows ``[length, width)`` with the pad values, and set control blocks.
 
@@ -269,33 +290,35 @@ class StaticInputs:
         in one copy when the arena is small (else one copy per input); device rows are
         copied device-to-device. Stream-ordered on the current stream.
         """
-        control = control or {}
         if self.device.type != "cuda":
             for name, t in prep.tensors.items():
                 if name not in prep.zero_copy:
-                    self._full[name][:length].copy_(t[start:start + length])
+                    if t.device.type == "cpu":
+                        self._put(self._full[name], self._full_np[name], t, start, length)
+                    else:
+                        self._full[name][:length].copy_(t[start:start + length])
                 self._full[name][length:width].fill_(self.specs[name].pad)
-            for name, v in control.items():
-                self._full[name][:v.numel()].copy_(v)
+            for name, v in (control or {}).items():
+                self._full_np[name][:len(v)] = v
             return
         k = self._next
         self._next = (k + 1) % len(self.staging)
         self._wait_staging(k)
-        staged, dirty = self._staged[k], self._dirty[k]
+        staged, staged_np, dirty = self._staged[k], self._staged_np[k], self._dirty[k]
         host, dev = [], []
         for name, t in prep.tensors.items():
             if t.device.type == "cpu":
                 host.append(name)
                 if name not in prep.zero_copy or start != 0:
-                    staged[name][:length].copy_(t[start:start + length])
-                pad_to = max(dirty[name], length)
-                if pad_to > length:
-                    staged[name][length:min(pad_to, self.rows)].fill_(self.specs[name].pad)
+                    self._put(staged[name], staged_np[name], t, start, length)
+                pad_to = dirty[name]
+                if pad_to > length:  # rows a wider step left behind go back to the pad value
+                    staged_np[name][length:pad_to] = self._pads_np[name]
                 dirty[name] = length
             else:
                 dev.append(name)
-        for name, v in control.items():
-            staged[name][:v.numel()].copy_(v)
+        for name, v in (control or {}).items():
+            staged_np[name][:len(v)] = v
             host.append(name)
         if host:
             self._copy_host(k, host, width, one_copy=not dev and self.nbytes <= _ONE_COPY_BYTES)
@@ -305,22 +328,23 @@ class StaticInputs:
                 self._full[name][:length].copy_(t[start:start + length], non_blocking=True)
             if width > length:
                 self._full[name][length:width].fill_(self.specs[name].pad)
-        ev = self._events[k] or torch.cuda.Event()
+        ev = self._events[k]
+        if ev is None:
+            ev = self._events[k] = torch.cuda.Event()
         ev.record()
-        self._events[k] = ev
 
     @torch.no_grad()
-    def write_control(self, control: Mapping[str, torch.Tensor]) -> None:
+    def write_control(self, control: Mapping[str, Any]) -> None:
         """Set control blocks only (a commit between steps), through the staging arena."""
         if self.device.type != "cuda":
             for name, v in control.items():
-                self._full[name][:v.numel()].copy_(v)
+                self._full_np[name][:len(v)] = v
             return
         k = self._next
         self._next = (k + 1) % len(self.staging)
         self._wait_staging(k)
         for name, v in control.items():
-            self._staged[k][name][:v.numel()].copy_(v)
+            self._staged_np[k][name][:len(v)] = v
         self._copy_host(k, list(control), 0, one_copy=False)
         ev = self._events[k] or torch.cuda.Event()
         ev.record()

@@ -47,6 +47,7 @@ from .errors import CgrtError
 __all__ = [
     "HAZARD_KINDS", "Hazard", "find_capture_hazards", "explain_capture_failure",
     "NeedsCudaError", "GraphInspectError", "GraphNode", "graph_nodes", "node_counts",
+    "short_kernel_name",
     "NodeDiff", "diff_nodes", "to_dot", "OutputDiff", "compare_outputs", "WidthReport", "InspectReport",
     "inspect_runtime",
 ]
@@ -520,11 +521,16 @@ class GraphNode:
     @property
     def short_name(self) -> str:
         """The kernel's name without return type, template arguments or parameters."""
-        n = self.name[5:] if self.name.startswith("void ") else self.name
-        return n.split("<", 1)[0].split("(", 1)[0] or self.type
+        return short_kernel_name(self.name) or self.type
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def short_kernel_name(name: str) -> str:
+    """``"void at::native::f<float, 4>(int)"`` -> ``"at::native::f"``."""
+    name = name[5:] if name.startswith("void ") else name
+    return name.split("<", 1)[0].split("(", 1)[0]
 
 
 def _raw_graph(drv, graph):
@@ -825,35 +831,23 @@ class InspectReport:
                 "width_diffs": [{"a": a, "b": b, **d.to_json()} for a, b, d in self.width_diffs]}
 
 
-def _capture_facts(report, width: int) -> tuple[float | None, float | None, int | None]:
-    """(capture s, instantiate s, pool bytes) for one width from ``rt.capture_report``.
-    Tolerant of its exact shape: a mapping or ``.widths``/``.per_width`` of entries with
-    ``seconds``/``capture_s`` and ``instantiate_s`` and ``pool_bytes``, or report-level
-    dicts keyed by width."""
-    if report is None:
-        return None, None, None
-    entry = None
-    for holder in (report, getattr(report, "widths", None), getattr(report, "per_width", None)):
-        if isinstance(holder, Mapping) and width in holder:
-            entry = holder[width]
-            break
-    if entry is None:
-        for e in getattr(report, "entries", None) or (report if isinstance(report, (list, tuple)) else ()):
-            if getattr(e, "width", None) == width:
-                entry = e
-    def pick(obj, *names):
-        for n in names:
-            v = obj.get(n) if isinstance(obj, Mapping) else getattr(obj, n, None)
-            if isinstance(v, Mapping):
-                v = v.get(width)
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                return v
-        return None
-    src = entry if entry is not None else report
-    pool = pick(src, "pool_bytes") if entry is not None else pick(report, "pool_bytes")
-    return (pick(src, "seconds", "capture_s", "capture_seconds"),
-            pick(src, "instantiate_s", "instantiate_seconds"),
-            None if pool is None else int(pool))
+def _capture_facts(report, width: int) -> dict:
+    """capture_s / instantiate_s / pool_bytes / error of one width from ``rt.capture_report``
+    (a CaptureReport: ``.widths`` holds WidthCapture entries; a mapping width -> entry
+    works too). For kept graphs the runtime instantiates inside the timed capture, so
+    capture_s includes instantiation and instantiate_s stays None unless reported."""
+    entries = getattr(report, "widths", None) or ()
+    if isinstance(entries, Mapping):
+        entry = entries.get(width)
+    else:
+        entry = next((e for e in entries if getattr(e, "width", None) == width), None)
+    get = (lambda k: entry.get(k)) if isinstance(entry, Mapping) else (lambda k: getattr(entry, k, None))
+    return {k: get(k) for k in ("capture_s", "instantiate_s", "pool_bytes", "error")}
+
+
+def _graphs(rt) -> Mapping[int, Any]:
+    graphs = getattr(rt, "graphs_captured", None)
+    return graphs if graphs is not None else (getattr(rt, "graphs", None) or {})
 
 
 def _leaves(obj, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
@@ -897,48 +891,50 @@ def _replay_seconds(graph, replays: int) -> float:
 
 def inspect_runtime(rt, *, widths=None, replays: int = 20, reference=None,
                     inputs: Callable[[int], Mapping[str, Any]] | None = None,
-                    hazards: bool = True) -> InspectReport:
-    """Gather per-width facts of a GraphRuntime: capture/instantiate time (as
+                    hazards: bool = True, on_width: Callable[[int], None] | None = None) -> InspectReport:
+    """Gather per-width facts of a GraphRuntime: capture time and pool bytes (as
     ``rt.capture_report`` gives them), replay time (CUDA events, median of ``replays``),
-    pool bytes, node counts, kernel and memcpy/memset nodes, static input addresses,
-    hazards found by :func:`find_capture_hazards` on ``rt.step_fn(rt.static_inputs(w))``,
-    and graphs on vs off per output.
+    node counts, kernel and memcpy/memset nodes, static input addresses, hazards found by
+    :func:`find_capture_hazards` on ``rt.step_fn(rt.static_inputs(w))``, and graphs on
+    vs off per output.
 
     ``rt`` must have been built with ``keep_graphs=True`` and captured. ``reference``: a
     graphs-off runtime computing the same function with the same state (build both from
     one seeded factory), or a zero-argument callable returning one; ``inputs(T)`` gives
     step inputs of T rows. Both are needed for the on/off comparison, which runs
-    ``rt.step`` and ``reference.step`` once per width with T = width.
+    ``rt.step`` and ``reference.step`` once per width with T = width. ``on_width(w)`` is
+    called before each width (a progress bar).
 
     Side effects: replays each graph ``replays + 1`` times on its current static inputs
     and runs the step eagerly once per width for the hazard finder (both rewrite what the
     last step wrote, e.g. its KV cells; results of earlier steps become invalid). Never
-    raises for a width: its ``error`` says what failed. Without CUDA the report has
-    ``available=False`` and only the hazards.
+    raises for a width: its ``error`` says what failed. Without CUDA, or without
+    captured graphs, the report has ``available=False`` and only the hazards.
     """
-    widths = tuple(sorted(widths if widths is not None else (getattr(rt, "graphs", None)
-                                                               or getattr(rt, "widths", ()))))
+    graphs = _graphs(rt)
+    widths = tuple(sorted(widths if widths is not None else (graphs or getattr(rt, "widths", ()))))
     device = str(getattr(rt, "device", "?"))
     reason = ""
     if not torch.cuda.is_available():
         reason = "needs CUDA: torch.cuda.is_available() is False"
-    elif not getattr(rt, "graphs", None):
+    elif not graphs:
         reason = "no captured graphs: build the runtime with graphs=True, keep_graphs=True and call capture()"
     if reason:
-        return InspectReport(False, reason, device,
-                             tuple(WidthReport(w, hazards=_step_hazards(rt, w) if hazards else ())
-                                   for w in widths))
+        return InspectReport(False, reason, device, tuple(
+            WidthReport(w, hazards=_step_hazards(rt, w) if hazards else ()) for w in widths))
     ref = reference() if callable(reference) and not hasattr(reference, "step") else reference
     reports, all_nodes = [], {}
     for w in widths:
-        facts = dict(zip(("capture_s", "instantiate_s", "pool_bytes"),
-                         _capture_facts(getattr(rt, "capture_report", None), w)))
+        if on_width is not None:
+            on_width(w)
+        facts = _capture_facts(getattr(rt, "capture_report", None), w)
+        error = facts.pop("error")
         try:
-            graph = rt.graphs[w]
-            nodes = graph_nodes(graph)
-            all_nodes[w] = nodes
+            if w not in graphs:
+                raise GraphInspectError(error or f"width {w} has no captured graph")
+            nodes = all_nodes[w] = graph_nodes(graphs[w])
             wr = WidthReport(
-                w, **facts, replay_s=_replay_seconds(graph, replays), counts=node_counts(nodes),
+                w, **facts, replay_s=_replay_seconds(graphs[w], replays), counts=node_counts(nodes),
                 static_inputs={k: v.data_ptr() for k, v in rt.static_inputs(w).items()},
                 hazards=_step_hazards(rt, w) if hazards else (),
                 diffs=_on_off(rt, ref, inputs, w) if ref is not None and inputs else (),

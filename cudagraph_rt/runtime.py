@@ -170,8 +170,10 @@ class GraphRuntime:
             control = {"__rows__": (self._rows, torch.int32), "__ctrl__": (4, torch.int32)}
         self._inputs = StaticInputs(inputs, self._rows, self.device, control)
         self._lock = threading.Lock()
+        self._plans: dict[int, tuple[Slice, ...]] = {}
         self._spec = None  # output tree structure, fixed by the first call
         self._count_leaf_index = -1
+        self._flat_dict = False
         self._ring: HostRowRing | None = None
         self._snap: torch.Tensor | None = None
         self._snap_gen: list[int] = []
@@ -340,8 +342,7 @@ class GraphRuntime:
             slot = self._ring.check_free()
             # -- nothing was written above --
             slot = self._ring.acquire()
-            ctrl = torch.tensor([idx.numel(), slot, snap_slot, 0], dtype=torch.int32)
-            self._inputs.write_control({"__rows__": idx, "__ctrl__": ctrl})
+            self._inputs.write_control({"__rows__": idx.numpy(), "__ctrl__": (len(idx), slot, snap_slot, 0)})
             with torch.inference_mode():
                 if self._commit_graph is not None:
                     self._commit_graph.replay()
@@ -368,7 +369,7 @@ class GraphRuntime:
     def _step(self, rows: Any, inputs: Mapping[str, Any]) -> StepResult:
         prep = self._inputs.prepare(inputs)
         T = prep.T
-        slices = self.plan(T)
+        slices = self._plans.get(T) or self._plan_cached(T)
         multi = len(slices) > 1
         if prep.zero_copy and multi:
             raise CapacityError(expected("zero-copy inputs", f"a step of at most {self._rows} rows", T))
@@ -377,10 +378,11 @@ class GraphRuntime:
         if rows is not None:
             if hr is None or hr.mode != "host":
                 raise InputError(expected("rows", "None unless the runtime has HostRows(mode='host')", "row indices"))
-            idx = check_host_rows(rows, T, self._capacity if self._ready else self._capacity_hint(), hr.allow_duplicates)
+            idx = check_host_rows(rows, T, self._capacity, hr.allow_duplicates)
         if not self._ready:
             self.capture()
-        self._check_watched()
+        if self._watched is not None:
+            self._check_watched()
         ships = hr is not None and (hr.mode == "device" or idx is not None)
         if ships:
             self._ring.check_free()
@@ -391,55 +393,71 @@ class GraphRuntime:
             snap = self._snap_next
             self._snap_next = (snap + 1) % hr.depth
             self._snap_gen[snap] += 1
-        outputs, acc = None, None
-        with torch.inference_mode():
-            for s in slices:
-                control = None
-                if hr is not None:
-                    one = not multi and ships
-                    count = idx.numel() if (one and idx is not None) else 0
-                    ctrl = torch.tensor([count, slot if one else self._ring.spare,
-                                         snap if snap is not None else hr.depth, 0], dtype=torch.int32)
-                    control = {"__ctrl__": ctrl}
-                    if one and idx is not None:
-                        control["__rows__"] = idx
-                width = s.width if s.path == "graph" else s.length
-                self._inputs.write(prep, s.start, s.length, width, control)
-                out = self._run_slice(s)
-                self._slices += 1
-                self._padding += s.padding
-                if not multi:
-                    outputs = self._cut(out, T)
-                else:
-                    acc = self._accumulate(acc, out, s, T)
-            if multi:
-                outputs = tree_unflatten(acc[0], acc[1])
-                if ships:
-                    outputs = self._gather_sliced(outputs, idx, slot, T, acc[2])
+        control = None
+        if hr is not None:
+            one = not multi and ships
+            count = len(idx) if (one and idx is not None) else 0
+            control = {"__ctrl__": (count, slot if one else self._ring.spare,
+                                    snap if snap is not None else hr.depth, 0)}
+            if one and idx is not None:
+                control["__rows__"] = idx.numpy()
+        if not multi:
+            s = slices[0]
+            self._inputs.write(prep, 0, T, s.width, control)
+            outputs = self._cut(self._run_slice(s), T)
+            self._slices += 1
+            self._padding += s.width - T
+        else:
+            with torch.inference_mode():
+                outputs = self._run_sliced(prep, slices, control, idx, slot, ships)
         self._steps += 1
-        handle = None
-        if ships:
-            handle = self._ring.publish(slot, T, idx.numel() if idx is not None else None)
+        handle = self._ring.publish(slot, T, len(idx) if idx is not None else None) if ships else None
         return StepResult(outputs, T, slices, handle,
                           (snap, self._snap_gen[snap]) if snap is not None else None)
 
+    def _plan_cached(self, T: int) -> tuple[Slice, ...]:
+        plan = self.plan(T)
+        if T <= 4 * self._rows:  # bounded: the cache never outgrows a few hundred entries
+            self._plans[T] = plan
+        return plan
+
+    def _run_sliced(self, prep, slices, control, idx, slot, ships) -> Any:
+        """Each slice's rows are copied out of graph memory before the next slice runs."""
+        T, acc = prep.T, None
+        for s in slices:
+            width = s.width if s.path == "graph" else s.length
+            self._inputs.write(prep, s.start, s.length, width, control)
+            out = self._run_slice(s)
+            self._slices += 1
+            self._padding += s.padding
+            acc = self._accumulate(acc, out, s, T)
+        outputs = tree_unflatten(acc[0], acc[1])
+        if ships:
+            outputs = self._gather_sliced(outputs, idx, slot, T, acc[2])
+        return outputs
+
     def _run_slice(self, s: Slice) -> Any:
-        if s.path == "dynamic":
-            self._dynamic[s.length] += 1
-            return self._body(s.length, self._inputs.views(s.length), self.dynamic_fn or self.step_fn)
-        g = self._graphs.get(s.width)
+        g = self._graphs.get(s.width) if s.path == "graph" else None
         if g is not None:
             self._replays[s.width] += 1
             g.replay()
             return self._static_out[s.width]
-        self._eager[s.width] += 1
-        return self._body(s.width, self._inputs.views(s.width), self.step_fn)
+        with torch.inference_mode():
+            if s.path == "dynamic":
+                self._dynamic[s.length] += 1
+                return self._body(s.length, self._inputs.views(s.length), self.dynamic_fn or self.step_fn)
+            self._eager[s.width] += 1
+            return self._body(s.width, self._inputs.views(s.width), self.step_fn)
 
     def _is_count(self, out: Any, t: torch.Tensor) -> bool:
         hr = self.host_rows_config
         return hr is not None and hr.mode == "device" and t is _key_get(out, hr.count_output, "count_output")
 
     def _cut(self, out: Any, T: int) -> Any:
+        if self._flat_dict:  # the common case (a dict of tensors), fast
+            return {k: v[:T] for k, v in out.items()}
+        if type(out) is torch.Tensor:
+            return out[:T]
         leaves, spec = tree_flatten(out)
         cnt = self._count_leaf_index
         return tree_unflatten([t if i == cnt else t[:T] for i, t in enumerate(leaves)], spec)
@@ -545,6 +563,7 @@ class GraphRuntime:
                 )
         if self._spec is None:
             self._spec, self._count_leaf_index = spec, cnt
+            self._flat_dict = cnt < 0 and type(out) is dict and all(type(v) is torch.Tensor for v in out.values())
         elif spec != self._spec:
             raise StepFunctionError(
                 expected("step_fn output", f"the same structure at every width ({self._spec})", f"{spec} at width {n}")
