@@ -1,0 +1,182 @@
+"""`cgrt inspect`: what each width's CUDA graph holds, and what in the step breaks capture.
+
+On a GPU, per width: capture time, replay time, pool bytes, node counts, kernels, copies,
+capture hazards, graphs on vs off per output; between neighbouring widths: kernels added
+or removed and grids that change. ``--dot DIR`` writes ``DIR/width_<N>.dot`` per width.
+On a CPU only the hazard finder runs (graph introspection needs CUDA: exit 2).
+
+Target: ``--target module:factory``. ``factory(graphs: bool)`` returns a GraphRuntime
+(built with ``keep_graphs=True`` when ``graphs`` is True; graphs off otherwise, same
+weights and state) or ``(runtime, inputs)`` where ``inputs(T)`` gives step inputs of T
+rows, used to compare graphs on against graphs off.
+Exit code: 0 all clear; 1 a hazard, a graph hazard (pageable copy, host callback), an
+on/off mismatch or a failed width; 2 no graphs could be read (no CUDA) or a bad target.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from typing import Any, Callable
+
+import torch
+
+from cudagraph_rt.errors import CgrtError
+from cudagraph_rt.inspect import InspectReport, inspect_runtime, short_kernel_name, to_dot
+
+DEFAULT_TARGET = "cudagraph_rt.tools.inspect_cmd:toy_target"   # the embedded toy decoder
+
+
+def toy_target(graphs: bool):
+    """The default target: the embedded toy decoder (same seed, so graphs on and off have
+    the same weights). ``inputs(T)``: one sequence, a fresh id each call, positions 0..T-1."""
+    from cudagraph_rt import GraphRuntime
+    from cudagraph_rt.models.toy import ToyDecoder
+
+    model = ToyDecoder()
+    rt = GraphRuntime(model.step, model.inputs(), graphs=graphs, keep_graphs=graphs, device=model.device)
+    gen, calls = torch.Generator().manual_seed(0), iter(range(1 << 30))
+
+    def inputs(T: int) -> dict[str, torch.Tensor]:
+        seq, cfg = next(calls) % model.config.max_seqs, model.config
+        pos = torch.arange(T)
+        return dict(tokens=torch.randint(0, cfg.vocab, (T,), generator=gen), positions=pos,
+                    seq_ids=torch.full((T,), seq), cells=seq * cfg.max_len + pos,
+                    want=torch.ones(T, dtype=torch.int64))
+
+    return rt, inputs
+
+
+def _width_list(text: str) -> tuple[int, ...]:
+    try:
+        widths = tuple(int(w) for w in text.split(",") if w.strip())
+    except ValueError:
+        widths = ()
+    if not widths or min(widths) < 1:
+        raise argparse.ArgumentTypeError(f"--widths: expected comma-separated positive ints, got {text!r}")
+    return widths
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=DEFAULT_TARGET, metavar="MODULE:FACTORY",
+                   help=f"runtime factory (default: {DEFAULT_TARGET}); see the module docstring")
+    p.add_argument("--widths", type=_width_list, default=None, metavar="W,W,...",
+                   help="inspect only these captured widths (default: all)")
+    p.add_argument("--replays", type=int, default=20, help="event-timed replays per width (median)")
+    p.add_argument("--no-compare", action="store_true", help="skip graphs on vs off")
+    p.add_argument("--dot", metavar="DIR", help="write one Graphviz file per width into DIR")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _load(target: str | Callable) -> Callable:
+    if callable(target):
+        return target
+    module, sep, attr = str(target).partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"expected MODULE:FACTORY, got {target!r}")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _build(factory: Callable, graphs: bool) -> tuple[Any, Callable | None]:
+    made = factory(graphs=graphs)
+    rt, inputs = made if isinstance(made, tuple) else (made, None)
+    rt.capture()
+    return rt, inputs
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        factory = _load(args.target)
+    except (ImportError, AttributeError, ValueError) as exc:
+        print(f"cgrt inspect: --target {args.target}: {exc}", file=sys.stderr)
+        return 2
+    cuda = torch.cuda.is_available()
+    try:
+        rt, inputs = _build(factory, graphs=cuda)
+        ref = _build(factory, graphs=False)[0] if cuda and inputs and not args.no_compare else None
+        report = _inspect(rt, ref, inputs, args)
+    except CgrtError as exc:   # a capture that failed names the width and the source line
+        print(f"cgrt inspect: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    if args.dot and report.available:
+        os.makedirs(args.dot, exist_ok=True)
+        for w in report.widths:
+            if w.nodes:
+                with open(os.path.join(args.dot, f"width_{w.width}.dot"), "w") as f:
+                    f.write(to_dot(w.nodes, f"width {w.width}"))
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        _print(report)
+    return 0 if report.ok else 1 if report.available else 2
+
+
+def _inspect(rt, ref, inputs, args) -> InspectReport:
+    kw = dict(widths=args.widths, replays=args.replays, reference=ref, inputs=inputs if ref else None)
+    if args.json:
+        return inspect_runtime(rt, **kw)
+    from rich.progress import Progress
+
+    with Progress(transient=True) as bar:
+        task = bar.add_task("inspecting widths", total=len(args.widths or getattr(rt, "widths", ())))
+        step = lambda w: bar.update(task, advance=1, description=f"width {w}")  # noqa: E731
+        return inspect_runtime(rt, **kw, on_width=step)
+
+
+def _on_off(diffs) -> str:
+    if not diffs:
+        return "-"
+    bad = [d for d in diffs if not d.equal]
+    if not bad:
+        return "[green]identical[/]"
+    worst = max(bad, key=lambda d: d.max_abs)
+    return f"[red]{len(bad)} differ[/] ({worst.path}: max|d| {worst.max_abs:.3g}, row {worst.first_row})"
+
+
+def _print(report: InspectReport) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    con = Console()
+    if not report.available:
+        con.print(f"[yellow]graph introspection skipped:[/] {report.reason}")
+    else:
+        t = Table(title=f"cgrt inspect ({report.device})")
+        for col in ("width", "capture ms", "replay us", "pool MiB", "kernels", "memcpy", "memset",
+                    "other", "hazards", "graphs on vs off"):
+            t.add_column(col, justify="right" if col not in ("graphs on vs off",) else "left")
+        fmt = lambda v, k: "-" if v is None else f"{v * k:.1f}"  # noqa: E731
+        for w in report.widths:
+            c = dict(w.counts)
+            kern, cp, ms = c.pop("kernel", 0), c.pop("memcpy", 0), c.pop("memset", 0)
+            if w.error:
+                t.add_row(str(w.width), fmt(w.capture_s, 1e3), "", "", "", "", "", "", "",
+                          f"[red]{escape(w.error)}[/]")
+                continue
+            flagged = len(w.hazards) + len(w.node_hazards)
+            t.add_row(str(w.width), fmt(w.capture_s, 1e3), fmt(w.replay_s, 1e6),
+                      fmt(w.pool_bytes, 1 / 2**20), str(kern), str(cp), str(ms), str(sum(c.values())),
+                      f"[red]{flagged}[/]" if flagged else "0", _on_off(w.diffs))
+        con.print(t)
+        for a, b, d in report.width_diffs:
+            parts = [f"+{short_kernel_name(k)} x{n}" for k, n in d.added]
+            parts += [f"-{short_kernel_name(k)} x{n}" for k, n in d.removed]
+            if d.grid_changes:
+                parts.append(f"{len(d.grid_changes)} launch shapes change")
+            con.print(f"width {a} -> {b}: " + escape(", ".join(parts) or "same kernels, same launch shapes"))
+        for w in report.widths:
+            for n in w.node_hazards:
+                con.print(f"[red]width {w.width} node #{n.index} {n.type}[/] "
+                          f"{escape(n.direction or '')} {n.bytes or ''} B: {escape(n.hazard)}")
+    seen: dict[tuple, list[int]] = {}
+    for w in report.widths:
+        for h in w.hazards:
+            seen.setdefault((h.kind, h.op, h.filename, h.lineno, h.line, h.message), []).append(w.width)
+    if not seen:
+        con.print("[green]capture hazards: none found[/]")
+    for (kind, op, filename, lineno, line, message), widths in seen.items():
+        con.print(f"[red]{kind}[/] {escape(op)} at {escape(filename)}:{lineno}: {escape(line)}  "
+                  f"(widths {','.join(map(str, widths))})\n    {escape(message)}")
