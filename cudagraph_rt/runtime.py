@@ -165,6 +165,7 @@ class GraphRuntime:
         self.on_capture_error, self.warmup, self.keep_graphs = on_capture_error, warmup, keep_graphs
         self._watch = watch
         self._rows = max(self.widths[-1], dynamic_limit)
+        self._capacity = (host_rows.capacity if host_rows is not None else None) or self._rows
         control = {}
         if host_rows is not None:
             control = {"__rows__": (self._rows, torch.int32), "__ctrl__": (4, torch.int32)}
@@ -449,10 +450,6 @@ class GraphRuntime:
             self._eager[s.width] += 1
             return self._body(s.width, self._inputs.views(s.width), self.step_fn)
 
-    def _is_count(self, out: Any, t: torch.Tensor) -> bool:
-        hr = self.host_rows_config
-        return hr is not None and hr.mode == "device" and t is _key_get(out, hr.count_output, "count_output")
-
     def _cut(self, out: Any, T: int) -> Any:
         if self._flat_dict:  # the common case (a dict of tensors), fast
             return {k: v[:T] for k, v in out.items()}
@@ -575,14 +572,6 @@ class GraphRuntime:
             return -1
         c = _key_get(out, hr.count_output, "HostRows.count_output")
         return next(i for i, t in enumerate(leaves) if t is c)
-
-    def _capacity_hint(self) -> int:
-        hr = self.host_rows_config
-        return hr.capacity or self._rows
-
-    @property
-    def _capacity(self) -> int:
-        return self._capacity_hint()
 
     def _probe(self) -> None:
         """One eager call at the widest width on padding rows only: fixes the output

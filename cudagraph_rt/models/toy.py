@@ -113,8 +113,8 @@ def _design_weights(cfg: ToyConfig) -> tuple[dict[str, Tensor], Tensor, list[int
     emb[:, c0 + B:] = randn(V, S) / math.sqrt(S)
     pos = torch.zeros(cfg.max_len, H)
     pos[:, c0 + B:] = randn(cfg.max_len, S) / math.sqrt(S)
-    # q.k / sqrt(d) has std ~1.2: soft, content-dependent attention. Head 0 is steered by
-    # the position bias alone (its q, k are 10x smaller, far below the slope of 16).
+    # q.k / sqrt(d) has std ~1.4: soft, content-dependent attention. Head 0 is steered by
+    # the position bias alone (its q.k is 100x smaller, far below the slope of 16).
     wq, wk = randn(L, H, H) * (1.2 / zn), randn(L, H, H) * (1.2 / zn)
     wq[:, :, :d] *= 0.1
     wk[:, :, :d] *= 0.1
@@ -137,7 +137,7 @@ def _design_weights(cfg: ToyConfig) -> tuple[dict[str, Tensor], Tensor, list[int
     wout[torch.argsort(pi_a)[tok // B], tok] += _OUT  # logit(a', b') reads a = pi_a^-1(a')
     wout[c0 + torch.argsort(pi_b)[tok % B], tok] += _OUT  # and ctx b = pi_b^-1(b')
     q, r = torch.linalg.qr(torch.randn(H, H, generator=g, dtype=torch.float64))
-    q = (q * torch.sign(torch.diagonal(r))).float()
+    q = q * torch.sign(torch.diagonal(r))
     w = dict(emb=emb, pos=pos, wqkv=torch.cat([wq, wk, wv], -1), wo=wo, w1=w1, w2=w2, wout=wout)
     return w, q, pi_a.tolist(), pi_b.tolist()
 
@@ -168,14 +168,19 @@ class ToyDecoder:
 
     def __init__(self, config: ToyConfig | None = None, device: str | torch.device | None = None):
         self.config = cfg = config or ToyConfig.tiny()
-        self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dev.type == "cuda" and dev.index is None:  # "cuda" != "cuda:0" in the input checks
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self.device = dev
         w, q, self._pi_a, self._pi_b = _design_weights(cfg)
-        q = q.to(self.device)
-        # Rotate on the target device (fast there): weights that read the residual get Q @ W,
-        # weights that write it get W @ Q^T, so the design holds in any basis.
+        # Rotate on the target device (fast there); fp64 on CUDA so TF32 settings cannot
+        # change the weights. Weights that read the residual get Q @ W, weights that write
+        # it get W @ Q^T, so the design holds in any basis.
+        exact = torch.float64 if self.device.type == "cuda" else torch.float32
+        q = q.to(self.device, exact)
         reads, writes = ("wqkv", "w1", "wout"), ("emb", "pos", "wo", "w2")
         for k, v in w.items():
-            v = v.to(self.device)
+            v = v.to(self.device, exact)
             v = q @ v if k in reads else v @ q.T if k in writes else v
             setattr(self, k, v.to(cfg.dtype).contiguous())
         self.slopes = torch.zeros(cfg.heads, device=self.device)
@@ -271,10 +276,10 @@ class ToyDecoder:
         Rows of one sequence need not be consecutive; equal positions never block each other.
         """
         (nxt,) = self._take(inputs, ("next_tokens",))
+        out = self.step(inputs)  # checks the other inputs
         pos, seq, want = inputs["positions"], inputs["seq_ids"], inputs["want"] == 1
-        out = self.step(inputs)
         mismatch = want & (out["tokens"] != nxt)
-        earlier = (seq[None, :] == seq[:, None]) & (pos[None, :] < pos[:, None])  # [i, j]: j before i
+        earlier = (seq[None, :] == seq[:, None]) & (pos[None, :] <= pos[:, None])  # [i, j]: j before i
         committed = want & ~(earlier & mismatch[None, :]).any(1)
         n = committed.shape[0]
         rows = torch.arange(n, device=committed.device)
