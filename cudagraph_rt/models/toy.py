@@ -279,7 +279,7 @@ class ToyDecoder:
         out = self.step(inputs)  # checks the other inputs
         pos, seq, want = inputs["positions"], inputs["seq_ids"], inputs["want"] == 1
         mismatch = want & (out["tokens"] != nxt)
-        earlier = (seq[None, :] == seq[:, None]) & (pos[None, :] <= pos[:, None])  # [i, j]: j before i
+        earlier = (seq[None, :] == seq[:, None]) & (pos[None, :] < pos[:, None])  # [i, j]: j before i
         committed = want & ~(earlier & mismatch[None, :]).any(1)
         n = committed.shape[0]
         rows = torch.arange(n, device=committed.device)
