@@ -136,11 +136,11 @@ def _on_off(diffs) -> str:
 
 
 def _print(report: InspectReport) -> None:
-    from rich.console import Console
+    from cudagraph_rt.tools.console import make_console
     from rich.markup import escape
     from rich.table import Table
 
-    con = Console()
+    con = make_console()
     if not report.available:
         con.print(f"[yellow]graph introspection skipped:[/] {report.reason}")
     else:
