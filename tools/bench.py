@@ -1,0 +1,189 @@
+"""``cgrt bench``: cudagraph_rt against eager, a bare CUDA graph and torch.compile, on the
+embedded toy decoder (ToyConfig.bench(): bf16, 1024 hidden, 6 layers), in one run.
+
+Sections (``--sections 1,2,...``):
+  1 step time per width      eager | cgrt step() | bare CUDAGraph replay | torch.compile
+  2 mixed trace              2,000 steps of a serving mix of widths, total time per variant
+  3 host overhead            step() vs replay() of the same graph at T = 1 and 64
+  4 memory                   one shared pool vs separate pools vs the widest alone; capture time
+  5 padding waste            default width set vs a denser user set over the trace
+  6 host rows                chosen hidden rows to the host: captured gather vs copy-all vs .item()
+
+Every figure is a median over many timed calls after warm-up, with random inputs rotated
+among several pre-generated sets; what each includes is stated in the tables and in the
+JSON (``--json``). ``--quick`` is a CPU smoke run (tiny model, graphs off, few repeats);
+sections that need CUDA report "skipped". Exit code: 1 if a section failed (or, with
+``--strict``, a goal was missed), else 0.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.text import Text
+
+from . import bench_host_rows, bench_memory, bench_report, bench_steps
+from .bench_context import Context
+
+SECTIONS = {
+    1: ("step_time", bench_steps.step_time),
+    2: ("mixed_trace", bench_steps.mixed_trace),
+    3: ("host_overhead", bench_steps.host_overhead),
+    4: ("memory", bench_memory.memory),
+    5: ("padding", bench_memory.padding),
+    6: ("host_rows", bench_host_rows.host_rows),
+}
+
+
+def _sections(text: str) -> tuple[int, ...]:
+    try:
+        picked = tuple(sorted({int(s) for s in text.split(",") if s.strip()}))
+    except ValueError:
+        picked = ()
+    if not picked or any(n not in SECTIONS for n in picked):
+        raise argparse.ArgumentTypeError(f"expected section numbers from {sorted(SECTIONS)} like 1,3, got {text!r}")
+    return picked
+
+
+def _count(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            v = minimum - 1
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"expected an int >= {minimum}, got {text!r}")
+        return v
+    return parse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``cgrt bench`` (see ``cgrt bench --help``)."""
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    doc = __doc__ or ""
+    p.epilog = doc[doc.find("Sections"):doc.find("Every figure")].rstrip() + "\n\nBENCHMARKS.md: commands and figures."
+    p.add_argument("--quick", action="store_true",
+                   help="CPU smoke run: tiny model, graphs off, few repeats, short trace (CI)")
+    p.add_argument("--json", metavar="FILE", help="write every figure, method and setting to FILE")
+    p.add_argument("--plot", metavar="DIR", help="write step_time.png and host_rows.png into DIR")
+    p.add_argument("--sections", type=_sections, default=tuple(SECTIONS), metavar="1,2,...",
+                   help="which sections to run (default: all six)")
+    p.add_argument("--all-widths", action="store_true", help="section 1 at every T in 1..64, not only 1,2,4..64")
+    p.add_argument("--repeats", type=_count(1), help="timed calls per figure (default 200; quick 5)")
+    p.add_argument("--warmup", type=_count(0), help="untimed calls before each figure (default 20; quick 2)")
+    p.add_argument("--trace-steps", type=_count(1), help="steps in the mixed trace (default 2000; quick 200)")
+    p.add_argument("--seed", type=int, default=0, help="seed of every random input and of the trace")
+    p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when present (cpu with --quick)")
+    p.add_argument("--no-compile", action="store_true", help="leave torch.compile out (it takes minutes)")
+    p.add_argument("--strict", action="store_true", help="exit 1 when a goal is missed")
+
+
+def _meta(ctx: Context, args: argparse.Namespace) -> dict:
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    cfg = {f.name: str(getattr(ctx.config, f.name)) if f.name == "dtype" else getattr(ctx.config, f.name)
+           for f in dataclasses.fields(ctx.config)}
+    return {
+        "torch": torch.__version__, "triton": triton_version, "python": platform.python_version(),
+        "cuda": torch.version.cuda, "device": str(ctx.device),
+        "device_name": torch.cuda.get_device_name(ctx.device) if ctx.graphs else platform.processor() or "cpu",
+        "graphs": ctx.graphs, "model": "ToyDecoder", "config": cfg, "widths": list(ctx.widths),
+        "repeats": ctx.repeats, "warmup": ctx.warmup, "trace_steps": ctx.trace_steps, "seed": ctx.seed,
+        "quick": ctx.quick, "argv": sys.argv[1:], "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "sections": {SECTIONS[n][0]: n for n in SECTIONS},
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the chosen sections, print a table each and the goals last; write --json and
+    --plot. Returns the exit code (1: a section failed, or --strict and a goal missed)."""
+    threads = torch.get_num_threads()
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace) -> int:
+    console = Console(width=None if sys.stdout.isatty() else 150, highlight=False, markup=False)
+    status = console.status("") if console.is_terminal else None
+
+    def progress(text: str, always: bool) -> None:
+        if status is not None:
+            status.update(text)
+        elif always:
+            console.print(Text(f"... {text}", style="dim"))
+
+    ctx = Context(args, progress=progress)
+    if not ctx.graphs:
+        # One CPU thread: with intra-op threads on a busy machine, single calls stall for
+        # tens of ms on spinning workers (the smoke run must stay fast and stable).
+        torch.set_num_threads(1)
+    try:
+        results, failed = _sections_run(ctx, args, console, progress, status)
+    finally:
+        ctx.close()
+    gs = bench_report.goals(results)
+    results["goals"] = gs
+    if args.plot:
+        try:
+            for path in bench_report.write_plots(results, args.plot):
+                console.print(f"plot: {path}")
+        except Exception as e:  # noqa: BLE001
+            failed += 1
+            console.print(Text(f"plots failed: {type(e).__name__}: {e}", style="red"))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+        console.print(f"json: {args.json}")
+    console.print(bench_report.goals_table(gs))
+    missed = sum(g["status"] == "missed" for g in gs)
+    console.print(f"{sum(g['status'] == 'met' for g in gs)} met, {missed} missed, "
+                  f"{sum(g['status'] == 'n/a' for g in gs)} n/a; {failed} section(s) failed")
+    return 1 if failed or (args.strict and missed) else 0
+
+
+def _sections_run(ctx: Context, args: argparse.Namespace, console: Console, progress, status) -> tuple[dict, int]:
+    """Each asked-for section in order; a failing one is recorded and the rest still run."""
+    results: dict[str, Any] = {"meta": _meta(ctx, args)}
+    failed = 0
+    console.print(f"cgrt bench on {results['meta']['device_name']} ({ctx.device}), torch {torch.__version__}, "
+                  f"toy {'tiny' if ctx.quick else 'bench'} config, {ctx.repeats} repeats")
+    for n, (key, fn) in SECTIONS.items():
+        if n not in args.sections:
+            results[key] = {"status": "not run"}
+            continue
+        t0 = time.perf_counter()
+        progress(f"{n}. {key}", True)
+        if status:
+            status.start()
+        try:
+            res = fn(ctx)
+        except Exception as e:  # noqa: BLE001 - one failed section must not lose the others
+            failed += 1
+            res = {"status": "error", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        finally:
+            if status:
+                status.stop()
+        res["seconds"] = time.perf_counter() - t0
+        results[key] = res
+        if res["status"] == "ok":
+            for t in bench_report.tables(key, res):
+                console.print(t)
+        elif res["status"] == "skipped":
+            console.print(Text(f"{n}. {key}: skipped: {res['reason']}", style="yellow"))
+        else:
+            console.print(Text(f"{n}. {key}: ERROR {res['error']}", style="red"))
+            console.print(Text(res["traceback"]))
+    return results, failed

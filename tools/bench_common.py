@@ -1,0 +1,301 @@
+"""Shared pieces of ``cgrt bench``: the clock, random valid toy inputs, and the hand-written
+baselines (eager feed, bare CUDA graphs, torch.compile) the runtime is compared with.
+
+Timing rule for every number: before each timed call the device is idle (synchronized);
+``time_calls`` then measures one call with the host clock, either up to a second
+synchronize (latency: host work + launches + device work + the sync's wake-up) or up to
+the call's return (host time to issue it). Medians over many calls after warm-up, inputs
+rotated among several pre-generated random sets, never zeros.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cudagraph_rt.models.toy import ToyDecoder
+
+N_SETS = 8  # input sets rotated through per measured case
+
+
+def sync_fn(device: torch.device) -> Callable[[], None]:
+    """A device-wide synchronize for CUDA, a no-op on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def summarize(ns: list[int]) -> dict:
+    """Median and 10th/90th percentiles in microseconds of per-call nanoseconds."""
+    xs = sorted(ns)
+    n = len(xs)
+
+    def q(p: float) -> float:
+        return xs[min(n - 1, round(p * (n - 1)))] / 1e3
+
+    return {"median_us": statistics.median(xs) / 1e3, "p10_us": q(0.1), "p90_us": q(0.9), "n": n}
+
+
+def time_calls(call: Callable[[int], Any], *, repeats: int, warmup: int, sync: Callable[[], None],
+               prepare: Callable[[int], Any] | None = None, include_sync: bool = True) -> dict:
+    """Per-call host-clock timing, the device idle before each call.
+
+    ``prepare(i)`` runs untimed before call ``i`` (placing inputs). ``include_sync``: stop
+    the clock after a synchronize (latency) or right when ``call`` returns (host time; use
+    it too for calls that end by waiting for their own result). GC is off while timing.
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        for i in range(warmup):
+            if prepare is not None:
+                prepare(i)
+            call(i)
+            sync()
+        out = []
+        for i in range(repeats):
+            if prepare is not None:
+                prepare(i)
+            sync()
+            t0 = time.perf_counter_ns()
+            call(i)
+            if include_sync:
+                sync()
+            out.append(time.perf_counter_ns() - t0)
+            if not include_sync:
+                sync()
+    finally:
+        if was:
+            gc.enable()
+    return summarize(out)
+
+
+def time_pipelined(call: Callable[[int], Any], *, repeats: int, warmup: int, sync: Callable[[], None]) -> float:
+    """Microseconds per call of ``repeats`` back-to-back calls with one synchronize at the
+    end: host work of a call overlaps the device work of the ones before it."""
+    for i in range(warmup):
+        call(i)
+    n = max(repeats, 1)
+    return time_total(lambda: [call(i) for i in range(n)], sync) / n * 1e6
+
+
+def time_total(run: Callable[[], Any], sync: Callable[[], None]) -> float:
+    """Seconds for ``run()`` from an idle device to an idle device."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        sync()
+        t0 = time.perf_counter()
+        run()
+        sync()
+        return time.perf_counter() - t0
+    finally:
+        if was:
+            gc.enable()
+
+
+# ----------------------------------------------------------------------------- inputs
+class ToyRows:
+    """Random valid step rows for a :class:`ToyDecoder`, packed as int64 ``[n_inputs, T]``
+    in ``model.inputs()`` order: distinct (sequence, position) pairs within a step,
+    positions within ``max_len``, each row's own cell, ``want = 1``, random tokens. Any
+    number of repeated steps stays valid (cells are simply rewritten)."""
+
+    def __init__(self, model: ToyDecoder, seed: int):
+        self.specs = model.inputs()
+        self.names = list(self.specs)
+        self.pads = torch.tensor([int(s.pad) for s in self.specs.values()], dtype=torch.int64)
+        self.cfg = model.config
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def rows(self, T: int) -> torch.Tensor:
+        S, L = self.cfg.max_seqs, self.cfg.max_len
+        nseq = min(T, S)
+        per = -(-T // nseq)
+        if per > L:
+            raise ValueError(f"{T} rows do not fit {S} sequences x {L} positions")
+        seqs = torch.randperm(S, generator=self.gen)[:nseq]
+        base = torch.randint(0, L - per + 1, (nseq,), generator=self.gen)
+        i = torch.arange(T)
+        seq, pos = seqs[i % nseq], base[i % nseq] + i // nseq
+        cols = {"tokens": torch.randint(0, self.cfg.vocab, (T,), generator=self.gen), "positions": pos,
+                "seq_ids": seq, "cells": seq * L + pos, "want": torch.ones(T, dtype=torch.int64)}
+        return torch.stack([cols[n] for n in self.names])
+
+    def padded(self, packed: torch.Tensor, width: int) -> torch.Tensor:
+        T = packed.shape[1]
+        return torch.cat([packed, self.pads[:, None].expand(-1, width - T)], 1)
+
+    def host(self, packed: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-input pageable CPU rows: what a Python host runner hands to ``step``."""
+        return {n: packed[i].clone() for i, n in enumerate(self.names)}
+
+
+def pack(tensors: list[torch.Tensor], pin: bool) -> list[torch.Tensor]:
+    """Copies of ``tensors`` carved from one (pinned) buffer: one allocation, not thousands."""
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=torch.int64, pin_memory=pin)
+    out, off = [], 0
+    for t in tensors:
+        v = flat[off:off + t.numel()].view(t.shape)
+        v.copy_(t)
+        out.append(v)
+        off += t.numel()
+    return out
+
+
+class Feed:
+    """The best input path a hand-written runner has: a packed, pinned ``[n, W]`` host
+    tensor reaches a per-width device buffer in one non-blocking copy; the step reads row
+    views of that buffer."""
+
+    def __init__(self, names: list[str], device: torch.device):
+        self.names, self.device = names, device
+        self._bufs: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
+
+    def __call__(self, packed: torch.Tensor) -> dict[str, torch.Tensor]:
+        W = packed.shape[1]
+        if W not in self._bufs:
+            with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode
+                b = torch.empty((len(self.names), W), dtype=torch.int64, device=self.device)
+            self._bufs[W] = (b, {n: b[i] for i, n in enumerate(self.names)})
+        buf, views = self._bufs[W]
+        buf.copy_(packed, non_blocking=True)
+        return views
+
+
+# ----------------------------------------------------------------------------- bare graphs
+@dataclass
+class BareGraph:
+    """A hand-captured graph of the step at one width over its own static inputs."""
+
+    width: int
+    graph: Any
+    static: torch.Tensor  # [n_inputs, width] int64 on the device
+    outputs: Any
+
+
+def capture_bare(step_fn: Callable, rows: ToyRows, widths: tuple[int, ...], device: torch.device
+                 ) -> tuple[dict[int, BareGraph], float]:
+    """torch.cuda.CUDAGraph per width, largest first, one shared pool, warm-up on a side
+    stream: the textbook recipe with nothing around it. Returns (graphs, seconds)."""
+    t0 = time.perf_counter()
+    pool = torch.cuda.graph_pool_handle()
+    side = torch.cuda.Stream(device)
+    out: dict[int, BareGraph] = {}
+    for w in sorted(widths, reverse=True):
+        with torch.inference_mode(False):  # a normal tensor: the bench rewrites it in place
+            static = rows.pads[:, None].expand(-1, w).contiguous().to(device)
+        views = {n: static[i] for i, n in enumerate(rows.names)}
+        with torch.inference_mode():
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    step_fn(views)
+            torch.cuda.current_stream(device).wait_stream(side)
+            torch.cuda.synchronize(device)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                outs = step_fn(views)
+            out[w] = BareGraph(w, g, static, outs)
+    torch.cuda.synchronize(device)
+    return out, time.perf_counter() - t0
+
+
+# ----------------------------------------------------------------------------- torch.compile
+@dataclass
+class Compiled:
+    """torch.compile(mode="reduce-overhead", dynamic=False) of the step, warmed up at each
+    padded width. ``fn`` is None when it is unavailable (``reason`` says why)."""
+
+    fn: Callable | None
+    reason: str | None = None
+    seconds: float = 0.0
+    per_width_s: dict = field(default_factory=dict)
+    cudagraph_skips: int | None = None
+
+    def to_json(self) -> dict:
+        return {"status": "ok" if self.fn else "unavailable", "reason": self.reason, "seconds": self.seconds,
+                "per_width_s": self.per_width_s, "cudagraph_skips": self.cudagraph_skips}
+
+    def call(self, views: dict[str, torch.Tensor]) -> Any:
+        torch.compiler.cudagraph_mark_step_begin()  # earlier outputs may be overwritten
+        with torch.no_grad():
+            return self.fn(views)
+
+
+@contextlib.contextmanager
+def _dynamo_limits(n: int):
+    """Room for one compiled shape per width (the default limit of 8 would fall back to eager)."""
+    import torch._dynamo
+
+    cfg, old = torch._dynamo.config, {}
+    for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
+                 "accumulated_recompile_limit"):
+        try:
+            old[name] = getattr(cfg, name)
+            setattr(cfg, name, max(old[name], n))
+        except (AttributeError, TypeError):
+            old.pop(name, None)
+    try:
+        yield
+    finally:
+        for name, v in old.items():
+            setattr(cfg, name, v)
+
+
+def compile_step(model: ToyDecoder, rows: ToyRows, feed: Feed, widths: tuple[int, ...],
+                 stack: contextlib.ExitStack, warm_calls: int = 3) -> Compiled:
+    """Compile and warm up each width (reduce-overhead records its graph on the 2nd-3rd
+    call). The raised recompile limit stays in ``stack`` (closed when the bench ends), so a
+    later guard miss recompiles instead of silently falling back to eager. Any failure
+    gives an unavailable Compiled with the reason, never an exception."""
+    t0 = time.perf_counter()
+    try:
+        import torch._dynamo
+        from torch._dynamo.utils import counters
+
+        stack.enter_context(_dynamo_limits(4 * len(widths) + 8))
+        for v in vars(model).values():  # weights and KV pool: static, mutated in place
+            if isinstance(v, torch.Tensor) and v.device.type == "cuda":
+                torch._dynamo.mark_static_address(v)
+        skips0 = counters["inductor"]["cudagraph_skips"]
+        fn = torch.compile(model.step, mode="reduce-overhead", dynamic=False)
+        c = Compiled(fn)
+        for w in widths:
+            tw = time.perf_counter()
+            packed = pack([rows.padded(rows.rows(w), w)], pin=True)[0]
+            for _ in range(warm_calls):
+                c.call(feed(packed))
+            torch.cuda.synchronize()
+            c.per_width_s[w] = time.perf_counter() - tw
+        c.cudagraph_skips = counters["inductor"]["cudagraph_skips"] - skips0
+        c.seconds = time.perf_counter() - t0
+        return c
+    except Exception as e:  # noqa: BLE001 - reported as "unavailable" with the reason
+        torch.cuda.synchronize()
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return Compiled(None, f"{type(e).__name__}: {msg}"[:300], time.perf_counter() - t0)
+
+
+# ----------------------------------------------------------------------------- mixed trace
+def trace_widths(n: int, seed: int, max_width: int = 64) -> list[int]:
+    """A serving mix: 70% decode-like 1..8, 22% verification 16..40, 8% 33..max_width."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        u = rng.random()
+        lo, hi = (1, 8) if u < 0.70 else (16, 40) if u < 0.92 else (33, max_width)
+        out.append(rng.randint(lo, min(hi, max_width)))
+    return out
+
+
+def padded_width(T: int, widths: tuple[int, ...]) -> int:
+    """The narrowest width of ``widths`` that holds T rows (T <= the widest)."""
+    return next(w for w in widths if w >= T)

@@ -1,0 +1,236 @@
+"""Tables, goals and plots of ``cgrt bench``, all from the JSON-able section results."""
+from __future__ import annotations
+
+from typing import Any
+
+from rich.table import Table
+from rich.text import Text
+
+MiB = 1024 * 1024
+
+
+def _us(t: Any) -> str:
+    if isinstance(t, dict):
+        t = t.get("median_us")
+    return "—" if t is None else f"{t:.1f}"
+
+
+def _x(r: float | None) -> str:
+    return "—" if r is None else f"{r:.2f}x"
+
+
+def _mib(b: int | None) -> str:
+    return "—" if b is None else f"{b / MiB:.1f}"
+
+
+def _table(title: str, cols: list[str], rows: list[list[Any]], caption: str | None = None) -> Table:
+    """Plain text everywhere (Text, not markup: reasons and errors may hold brackets).
+    min_width: a title wider than the columns would otherwise wrap (captions may wrap)."""
+    t = Table(title=Text(title), caption=Text(caption) if caption else None, title_justify="left",
+              caption_justify="left", min_width=min(150, len(title)))
+    for i, c in enumerate(cols):
+        t.add_column(c, justify="left" if i == 0 else "right")
+    for r in rows:
+        t.add_row(*(c if isinstance(c, Text) else Text(str(c)) for c in r))
+    return t
+
+
+def tables(key: str, sec: dict) -> list[Table]:
+    """The rich tables for one section result."""
+    if key == "step_time":
+        c = sec["compile"]
+        cap = f"torch.compile: {c['status']}" + (f" ({c['reason']})" if c.get("reason") else
+                                                  f", {c['seconds']:.1f} s to compile and warm up")
+        if c.get("cudagraph_skips"):
+            cap += f"; CUDA graphs SKIPPED {c['cudagraph_skips']}x (TORCH_LOGS=cudagraphs says why)"
+        return [_table("1. step time per width, median µs (call → synchronize)",
+                       ["T", "N", "eager", "cgrt", "bare", "compile", "cgrt/bare", "eager/cgrt", "compile/cgrt",
+                        "cgrt/bare pipelined"],
+                       [[str(r["width"]), str(r["padded"]), _us(r["eager"]), _us(r["cgrt"]), _us(r.get("bare")),
+                         _us(r.get("compile")), _x(r["cgrt_over_bare"]), _x(r["eager_over_cgrt"]),
+                         _x(r["compile_over_cgrt"]), _x(r.get("cgrt_over_bare_pipelined"))]
+                        for r in sec["rows"]], cap)]
+    if key == "mixed_trace":
+        v, s = sec["variants"], sec["setup_s"]
+        cg = v["cgrt"].get("total_ms")
+        rows = []
+        for name in ("eager", "cgrt", "bare", "compile"):
+            d = v[name]
+            if d["status"] != "ok":
+                rows.append([name, "unavailable", "", "", (d.get("reason") or "")[:60]])
+                continue
+            setup = {"cgrt": s["cgrt_capture"], "bare": s["bare_capture"], "compile": s["compile"]}.get(name)
+            rows.append([name, f"{d['total_ms']:.1f}", f"{d['mean_step_us']:.1f}",
+                         _x(d["total_ms"] / cg if cg else None), "" if setup is None else f"{setup:.2f} s"])
+        b = sec["T_buckets"]
+        return [_table(f"2. mixed trace, {sec['steps']} steps (T 1-8: {b['1-8']}, 9-32: {b['9-32']}, "
+                       f"33-64: {b['33-64']})", ["variant", "total ms", "µs/step", "vs cgrt", "setup (separate)"],
+                       rows, "each step: inputs in, tokens read back (a sync per step); setup: cgrt = the "
+                       "first capture in the process (cold), compile = compile + warm-up of every width")]
+    if key == "host_overhead":
+        rows = [[str(r["inputs"]), str(r["width"]), _us(r["bare_host"]), _us(r["step_host"]),
+                 f"{r['step_overhead_host_us']:+.1f}", _us(r["zero_copy_host"]),
+                 f"{r['zero_copy_overhead_host_us']:+.1f}", _us(r["bare_latency"]), _us(r["step_latency"]),
+                 f"{r['step_overhead_latency_us']:+.1f}"] for r in sec["rows"]]
+        return [_table("3. host overhead of step() over replay() of the same graph, median µs",
+                       ["inputs", "T", "replay host", "step host", "Δ", "zero-copy host", "Δ",
+                        "replay lat", "step lat", "Δ lat"], rows,
+                       "host = until the call returns (device idle before); lat = until synchronize")]
+    if key == "memory":
+        sh, sep = sec["shared"], sec["separate"]
+        rows = [["shared pool, all widths", _mib(sh["pool_bytes"]), f"{sh['capture_s']:.3f}"],
+                ["separate pools (sum)", _mib(sep["total_bytes"]), f"{sep['total_capture_s']:.3f}"],
+                ["widest (64) alone", _mib(sec["widest_alone_bytes"]), ""]]
+        rows += [[f"  width {w} alone", _mib(s["pool_bytes"]), f"{s['capture_s']:.3f}"]
+                 for w, s in sep["per_width"].items() if w != "64"]
+        return [_table("4. graph pool memory and capture time", ["what", "pool MiB", "capture s"], rows,
+                       f"shared/widest {_x(sec['shared_over_widest'])}, shared/separate "
+                       f"{_x(sec['shared_over_separate'])}; first capture in the process "
+                       f"{sec['first_capture_s'] or 0:.3f} s")]
+    if key == "padding":
+        rows = [[s["name"], str(len(s["widths"])), str(s["padded_rows"]), f"{s['padding_pct']:.1f}%",
+                 f"{s['trace_ms']:.1f}", f"{s['mean_step_us']:.1f}", _mib(s["pool_bytes"]), f"{s['capture_s']:.3f}"]
+                for s in sec["sets"]]
+        return [_table(f"5. padding waste over the {sec['steps']}-step trace",
+                       ["widths", "graphs", "pad rows", "pad/real", "trace ms", "µs/step", "pool MiB", "capture s"],
+                       rows, "user = " + ",".join(map(str, sec["sets"][-1]["widths"])))]
+    if key == "host_rows":
+        names = ("captured_gather", "runtime_device", "runtime_host", "copy_all", "item_select")
+        rows = [[str(r["accepted"]), *(_us(r[n]) for n in names), _x(r["captured_gather"]["median_us"]
+                                                                      / r["copy_all"]["median_us"])]
+                for r in sec["rows"]]
+        sweep = [[str(r["T"]), _us(r["captured_gather"]), _us(r["copy_all"]), _us(r["item_select"])]
+                 for r in sec["T_sweep"]]
+        bad = [r["accepted"] for r in sec["rows"] + sec["T_sweep"] if not r.get("rows_agree", True)]
+        return [_table(f"6. host rows, H={sec['H']} bf16, T={sec['T']}: µs until rows are readable on the host",
+                       ["accepted", "captured", "rt device", "rt host", "(a) copy all", "(b) item+sel",
+                        "captured/(a)"], rows,
+                       "rows agree across methods" if not bad else f"ROWS DISAGREE at accepted {bad}"),
+                _table("6b. accepted = 8, varying T", ["T", "captured", "(a) copy all", "(b) item+sel"], sweep)]
+    return []
+
+
+# --------------------------------------------------------------------------------- goals
+def _goal(goal: str, target: str, measured: str | None, ok: bool | None, why: str = "") -> dict:
+    status = "n/a" if ok is None else ("met" if ok else "missed")
+    return {"goal": goal, "target": target, "measured": measured if measured is not None else why, "status": status}
+
+
+def goals(results: dict) -> list[dict]:
+    """Each goal of the brief, met / missed / n/a (section skipped or not run)."""
+    out = []
+
+    def sec(key):
+        s = results.get(key)
+        return s if s and s.get("status") == "ok" else None
+
+    graphs = results.get("meta", {}).get("graphs", False)
+    st = sec("step_time")
+    pairs = [(r["width"], r["cgrt_over_bare"]) for r in st["rows"] if r["cgrt_over_bare"]] if st else []
+    worst = max(pairs, key=lambda p: p[1]) if pairs else None
+    out.append(_goal("cgrt vs bare replay, every width", "≤ 1.10x",
+                     f"worst {worst[1]:.2f}x at T={worst[0]}" if worst else None,
+                     worst[1] <= 1.10 if worst else None, "needs section 1 on CUDA"))
+    sp = [(r["width"], r["eager_over_cgrt"]) for r in st["rows"] if r["width"] <= 8] if st and graphs else []
+    low = min(sp, key=lambda p: p[1]) if sp else None
+    out.append(_goal("speed-up over eager, T = 1..8", "≥ 3x", f"least {low[1]:.2f}x at T={low[0]}" if low else None,
+                     low[1] >= 3 if low else None, "needs section 1 on CUDA (graphs on)"))
+    mt = sec("mixed_trace")
+    c = mt["variants"] if mt else {}
+    if c and c["compile"]["status"] == "ok" and c["cgrt"]["status"] == "ok":
+        r = c["cgrt"]["total_ms"] / c["compile"]["total_ms"]
+        out.append(_goal("mixed trace vs torch.compile reduce-overhead", "cgrt ≤ compile",
+                         f"{c['cgrt']['total_ms']:.1f} vs {c['compile']['total_ms']:.1f} ms ({r:.2f}x)", r <= 1.0))
+    else:
+        why = (c.get("compile") or {}).get("reason") if c else "needs section 2"
+        out.append(_goal("mixed trace vs torch.compile reduce-overhead", "cgrt ≤ compile", None, None,
+                         f"compile unavailable: {why}" if c else why))
+    mem = sec("memory")
+    r = mem["shared_over_widest"] if mem else None
+    out.append(_goal("shared pool vs widest alone", "≤ 1.25x",
+                     f"{r:.2f}x ({_mib(mem['shared']['pool_bytes'])} / {_mib(mem['widest_alone_bytes'])} MiB)"
+                     if r else None, r <= 1.25 if r else None, "needs section 4 on CUDA"))
+    cs = mem["shared"]["capture_s"] if mem else None
+    out.append(_goal("capture of the 7 default widths", "< 1 s", f"{cs:.3f} s" if cs is not None else None,
+                     cs < 1.0 if cs is not None else None, "needs section 4 on CUDA"))
+    ho = sec("host_overhead")
+    row = next((r for r in ho["rows"] if r["inputs"] == 4 and r["width"] == 1), None) if ho else None
+    d = row["step_overhead_host_us"] if row else None
+    out.append(_goal("host overhead of step(), 4 host inputs, T=1", "≤ 15 µs over replay()",
+                     f"{d:+.1f} µs (latency {row['step_overhead_latency_us']:+.1f})" if row else None,
+                     d <= 15 if row else None, "needs section 3 on CUDA"))
+    hr = sec("host_rows")
+    row = next((r for r in hr["rows"] if r["accepted"] == 8), None) if hr else None
+    if row:
+        g, a, b = (row[k]["median_us"] for k in ("captured_gather", "copy_all", "item_select"))
+        agree = all(r.get("rows_agree", True) for r in hr["rows"] + hr["T_sweep"])
+        out.append(_goal("host rows at accepted=8", "≤ 0.5x (a) and < (b), rows right",
+                         f"{g:.1f} µs: {g / a:.2f}x (a), {g / b:.2f}x (b)" + ("" if agree else "; ROWS WRONG"),
+                         g <= 0.5 * a and g < b and agree))
+        ts = [r["captured_gather"]["median_us"] for r in hr["T_sweep"]]
+        out.append(_goal("host rows grow with accepted, not T", "max/min over T∈{8,64,256} ≤ 1.25",
+                         f"{max(ts) / min(ts):.2f}", max(ts) / min(ts) <= 1.25))
+    else:
+        out.append(_goal("host rows at accepted=8", "≤ 0.5x (a) and < (b)", None, None, "needs section 6 on CUDA"))
+    return out
+
+
+def goals_table(gs: list[dict]) -> Table:
+    """The goals with met (green) / missed (red) / n/a (yellow)."""
+    style = {"met": "green", "missed": "red", "n/a": "yellow"}
+    return _table("goals", ["goal", "target", "measured", "status"],
+                  [[g["goal"], g["target"], g["measured"] or "", Text(g["status"], style=style[g["status"]])]
+                   for g in gs])
+
+
+# --------------------------------------------------------------------------------- plots
+def write_plots(results: dict, folder: str) -> list[str]:
+    """PNGs: step time per width for the four variants; host-rows time vs accepted."""
+    import os
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(folder, exist_ok=True)
+    written = []
+    st = results.get("step_time")
+    if st and st.get("status") == "ok":
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        ws = [r["width"] for r in st["rows"]]
+        for name in ("eager", "cgrt", "bare", "compile"):
+            ys = [r.get(name)["median_us"] if r.get(name) else None for r in st["rows"]]
+            pts = [(w, y) for w, y in zip(ws, ys) if y is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=name)
+        ax.set(xscale="log", yscale="log", xlabel="step width T (rows)", ylabel="median µs per step",
+               title="step time per width")
+        ax.set_xticks(ws if len(ws) <= 8 else [1, 2, 4, 8, 16, 32, 64], labels=None)
+        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+        written.append(_save(fig, os.path.join(folder, "step_time.png")))
+    hr = results.get("host_rows")
+    if hr and hr.get("status") == "ok":
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        acc = [r["accepted"] for r in hr["rows"]]
+        for name, label in (("captured_gather", "captured gather"), ("runtime_device", "runtime, device mode"),
+                            ("runtime_host", "runtime, host mode"), ("copy_all", "(a) copy all, select on host"),
+                            ("item_select", "(b) .item(), index_select, copy")):
+            ax.plot(acc, [r[name]["median_us"] for r in hr["rows"]], marker="o", label=label)
+        ax.set(xlabel="accepted rows", ylabel="median µs until readable on host",
+               title=f"host rows, H={hr['H']} bf16, T={hr['T']}")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        written.append(_save(fig, os.path.join(folder, "host_rows.png")))
+    return written
+
+
+def _save(fig, path: str) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path

@@ -1,0 +1,217 @@
+"""Sections 1-3 of ``cgrt bench``: step time per width, the mixed trace, host overhead."""
+from __future__ import annotations
+
+import functools
+import statistics
+from typing import Any
+
+import torch
+
+from .bench_common import N_SETS, pack, padded_width, time_calls, time_pipelined, time_total
+from .bench_context import Context
+
+VARIANTS = ("eager", "cgrt", "bare", "compile")
+
+STEP_WHAT = {
+    "eager": "step_fn at exactly T rows; inputs: one pinned packed host-to-device copy; until synchronize",
+    "cgrt": "GraphRuntime.step(**inputs) with T rows of pageable CPU tensors (one per input): validation, "
+            "packing into pinned staging, pad fill, host-to-device copy, replay, result; until synchronize",
+    "bare": "hand-captured torch.cuda.CUDAGraph at the padded width: replay() only (inputs placed "
+            "untimed beforehand); until synchronize",
+    "pipelined_us": "per call of back-to-back calls, one synchronize at the end (host work overlaps the "
+                    "device work of earlier calls; bare replays without placing inputs)",
+    "compile": "torch.compile(mode='reduce-overhead', dynamic=False) at the padded width; inputs: one "
+               "pinned packed host-to-device copy; until synchronize",
+}
+
+
+def _ratio(a: dict | None, b: dict | None) -> float | None:
+    if not a or not b:
+        return None
+    return a["median_us"] / b["median_us"]
+
+
+def _width_calls(ctx: Context, w: int) -> tuple[dict, dict]:
+    """The four variants' calls at T = w (call i uses input set i mod N_SETS) and the
+    untimed input placement of the bare replay."""
+    m, rt, rows = ctx.model, ctx.runtime, ctx.rows
+    N = padded_width(w, ctx.widths)
+    raw = [rows.rows(w) for _ in range(N_SETS)]
+    host = [rows.host(p) for p in raw]
+    packed = pack(raw, ctx.pin)
+    padded = pack([rows.padded(p, N) for p in raw], ctx.pin)
+    calls = {"eager": lambda i: m.step(ctx.feed(packed[i % N_SETS])),
+             "cgrt": lambda i: rt.step(**host[i % N_SETS])}
+    prep = {}
+    if ctx.bare:
+        g = ctx.bare[0][N]
+        dev = [p.to(ctx.device) for p in padded]
+        calls["bare"] = lambda i: g.graph.replay()
+        prep["bare"] = lambda i: g.static.copy_(dev[i % N_SETS])
+    comp = ctx.compiled
+    if comp.fn is not None:
+        calls["compile"] = lambda i: comp.call(ctx.compile_feed(padded[i % N_SETS]))
+    return calls, prep
+
+
+def step_time(ctx: Context) -> dict:
+    """1. Median per-call latency per width for the four variants."""
+    ctx.runtime, ctx.bare, ctx.compiled  # noqa: B018 - build (and time) them before any width
+    widths = list(range(1, ctx.widths[-1] + 1)) if ctx.all_widths else list(ctx.widths)
+    kw = {"repeats": ctx.repeats, "warmup": ctx.warmup, "sync": ctx.sync}
+    out_rows = []
+    for w in widths:
+        ctx.note(f"step time: width {w}")
+        calls, prep = _width_calls(ctx, w)
+        r: dict[str, Any] = {"width": w, "padded": padded_width(w, ctx.widths), "pipelined_us": {}}
+        for name, call in calls.items():
+            try:
+                with torch.inference_mode(name == "eager"):
+                    r[name] = time_calls(call, prepare=prep.get(name), **kw)
+                    r["pipelined_us"][name] = time_pipelined(call, **kw)
+            except Exception as e:
+                if name != "compile":
+                    raise
+                comp = ctx.compiled  # a late compile failure: report it, keep going
+                comp.fn, comp.reason = None, f"failed at width {w}: {type(e).__name__}: {e}"[:300]
+                r.pop(name, None)
+        pipe = r["pipelined_us"]
+        r["cgrt_over_bare_pipelined"] = pipe["cgrt"] / pipe["bare"] if "bare" in pipe else None
+        r["cgrt_over_bare"] = _ratio(r["cgrt"], r.get("bare"))
+        r["eager_over_cgrt"] = _ratio(r["eager"], r["cgrt"])
+        r["compile_over_cgrt"] = _ratio(r.get("compile"), r["cgrt"])
+        out_rows.append(r)
+    return {
+        "status": "ok", "what": STEP_WHAT, "widths": widths, "rows": out_rows,
+        "method": "median of per-call host-clock latency, device synchronized before each call; "
+                  f"{ctx.repeats} calls after {ctx.warmup} warm-up, {N_SETS} random input sets rotated",
+        "capture": ctx.first_capture.to_json() if ctx.first_capture else None,
+        "bare_capture_s": ctx.bare[1] if ctx.bare else None,
+        "compile": ctx.compiled.to_json(),
+    }
+
+
+def mixed_trace(ctx: Context) -> dict:
+    """2. Total time of the mixed trace for the four variants (each step reads its tokens
+    back to the host, as a decode loop does)."""
+    tr, m, rt, sync = ctx.trace, ctx.model, ctx.runtime, ctx.sync
+    bare = ctx.bare[0] if ctx.bare else None
+    comp = ctx.compiled
+
+    def eager(idx):
+        with torch.inference_mode():
+            for i in idx:
+                m.step(ctx.feed(tr.packed[i]))["tokens"].cpu()
+
+    def cgrt(idx):
+        for i in idx:
+            rt.step(**tr.host[i]).outputs["tokens"].cpu()
+
+    def bare_run(idx):
+        for i in idx:
+            g = bare[tr.padded[i].shape[1]]
+            g.static.copy_(tr.padded[i], non_blocking=True)
+            g.graph.replay()
+            g.outputs["tokens"][:tr.Ts[i]].cpu()
+
+    def compiled(idx):
+        for i in idx:
+            comp.call(ctx.compile_feed(tr.padded[i]))["tokens"][:tr.Ts[i]].cpu()
+
+    runs = {"eager": eager, "cgrt": cgrt}
+    if bare is not None:
+        runs["bare"] = bare_run
+    if comp.fn is not None:
+        runs["compile"] = compiled
+    warm, every = tr.first_of_each_width(), range(len(tr.Ts))
+    variants: dict[str, Any] = {}
+    for name, fn in runs.items():
+        ctx.note(f"mixed trace: {name}")
+        try:
+            fn(warm)
+            totals = [time_total(functools.partial(fn, every), sync) for _ in range(ctx.trace_passes)]
+        except Exception as e:  # noqa: BLE001 - e.g. compile failing at a new shape
+            variants[name] = {"status": "unavailable", "reason": f"{type(e).__name__}: {e}"[:300]}
+            continue
+        total = statistics.median(totals)
+        variants[name] = {"status": "ok", "total_ms": total * 1e3, "mean_step_us": total / len(tr.Ts) * 1e6,
+                          "passes_ms": [t * 1e3 for t in totals]}
+    if "compile" not in variants:
+        variants["compile"] = {"status": "unavailable", "reason": comp.reason}
+    if "bare" not in variants:
+        variants["bare"] = {"status": "unavailable", "reason": "needs CUDA"}
+    Ts = tr.Ts
+    return {
+        "status": "ok", "steps": len(Ts), "real_rows": sum(Ts),
+        "mix": "70% T in 1..8, 22% in 16..40, 8% in 33..64 (seeded)",
+        "T_buckets": {"1-8": sum(T <= 8 for T in Ts), "9-32": sum(8 < T <= 32 for T in Ts),
+                      "33-64": sum(T > 32 for T in Ts)},
+        "method": f"host clock around the whole trace (device idle at both ends), median of {ctx.trace_passes} "
+                  "passes after one untimed step per distinct T; every step copies its inputs in and reads its "
+                  "tokens back (.cpu(), a sync per step)",
+        "variants": variants,
+        "setup_s": {"cgrt_capture": ctx.first_capture.seconds if ctx.first_capture else None,
+                    "bare_capture": ctx.bare[1] if ctx.bare else None,
+                    "compile": comp.seconds if comp.fn is not None else None},
+    }
+
+
+def _four_input_step(model):
+    def step(x):  # `want` made on the device: the step takes four host inputs
+        return model.step({**x, "want": torch.ones_like(x["tokens"])})
+    return step
+
+
+def _overhead_case(ctx: Context, rt, names: list[str], w: int, kw: dict) -> dict:
+    """replay() of the runtime's own graph vs step() vs the zero-copy step, at T = w."""
+    rows = ctx.rows
+    host = [{n: v for n, v in rows.host(rows.rows(w)).items() if n in names} for _ in range(N_SETS)]
+    g = rt.graphs_captured[w]
+
+    def place(i):  # untimed: a step leaves set i in the graph's static inputs
+        rt.step(**host[i % N_SETS])
+
+    def zero_copy(i):
+        v = rt.host_inputs(w)
+        for n in names:
+            v[n].copy_(host[i % N_SETS][n])
+        rt.step(**v)
+
+    r = {"inputs": len(names), "width": w}
+    for name, call, prep in (("bare", lambda i: g.replay(), place), ("step", place, None),
+                             ("zero_copy", zero_copy, None)):
+        r[f"{name}_host"] = time_calls(call, prepare=prep, include_sync=False, **kw)
+        r[f"{name}_latency"] = time_calls(call, prepare=prep, **kw)
+    for name in ("step", "zero_copy"):
+        for kind in ("host", "latency"):
+            r[f"{name}_overhead_{kind}_us"] = r[f"{name}_{kind}"]["median_us"] - r[f"bare_{kind}"]["median_us"]
+    return r
+
+
+def host_overhead(ctx: Context) -> dict:
+    """3. Host time per call of step() against a bare replay of the same captured graph."""
+    if not ctx.graphs:
+        return {"status": "skipped", "reason": "needs CUDA graphs (a bare replay to compare with)"}
+    m = ctx.model
+    specs4 = {k: v for k, v in m.inputs().items() if k != "want"}
+    rt4 = ctx.make_runtime(widths=(1, 64), step_fn=_four_input_step(m), inputs=specs4)
+    rt4.capture()
+    reps = max(ctx.repeats * 5, 50)
+    kw = {"repeats": reps, "warmup": ctx.warmup, "sync": ctx.sync}
+    out = []
+    try:
+        for rt, names in ((rt4, list(specs4)), (ctx.runtime, ctx.rows.names)):
+            for w in (1, 64):
+                ctx.note(f"host overhead: {len(names)} inputs, width {w}")
+                out.append(_overhead_case(ctx, rt, names, w, kw))
+    finally:
+        rt4.close()
+    return {
+        "status": "ok", "rows": out,
+        "method": "host clock, device synchronized before each call (so nothing waits on the device). "
+                  "*_host: until the call returns (host time to issue it); *_latency: until a synchronize "
+                  f"after it. Median of {reps} calls, {N_SETS} random input sets. bare = replay() of the "
+                  "runtime's own graph for that width (inputs placed untimed by a step before); step = "
+                  "step(**pageable CPU tensors); zero_copy = host_inputs(T), fill the pinned views in place, "
+                  "step(**views). overhead = median(step) - median(bare).",
+    }
