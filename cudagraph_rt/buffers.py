@@ -68,6 +68,20 @@ _NUMPY_OK = {torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, tor
               torch.float16, torch.float32, torch.float64}
 
 
+def record_event(ev: "torch.cuda.Event", device_index: int) -> None:
+    """``ev.record()`` on the current stream, without ``torch.cuda.current_stream()``'s
+    Python overhead (several microseconds on a step's hot path): the Stream object is
+    built once per stream id and reused."""
+    sid, dev, kind = torch._C._cuda_getCurrentStream(device_index)
+    stream = _STREAMS.get(sid)
+    if stream is None or stream.device_index != dev:
+        stream = _STREAMS[sid] = torch.cuda.Stream(stream_id=sid, device_index=dev, device_type=kind)
+    torch._C._CudaEventBase.record(ev, stream)
+
+
+_STREAMS: dict[int, "torch.cuda.Stream"] = {}  # a cache of immutable wrappers, not state
+
+
 def _numpy_views(views: dict[str, torch.Tensor]) -> dict[str, Any]:
     """numpy views of host tensors (None for dtypes numpy lacks, and for device memory)."""
     return {n: (v.numpy() if v.device.type == "cpu" and v.dtype in _NUMPY_OK else None)
@@ -176,8 +190,11 @@ class StaticInputs:
         self._full_np = _numpy_views(self._full)
         self._staged_np = [_numpy_views(v) for v in self._staged]
         self._pads_np = {n: s.pad for n, s in self.specs.items()}
-        self._ranges = [(b.data_ptr(), b.data_ptr() + b.numel(), b.device.type)
-                        for b in [self.arena, *self.staging]]
+        host_bufs = [b for b in [self.arena, *self.staging] if b.device.type == "cpu"]
+        self._host_ranges = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in host_bufs]
+        self._device_ranges = [(b.data_ptr(), b.data_ptr() + b.numel())
+                               for b in [self.arena] if b.device.type != "cpu"]
+        self._checks = [(n, s, s.ndim1, torch.Size(s.shape), s.dtype) for n, s in self.specs.items()]
 
     def _carve(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         out = {}
@@ -221,31 +238,35 @@ class StaticInputs:
                 expected("step inputs", f"exactly {sorted(self.specs)}", f"missing {missing}, unexpected {extra}")
             )
         tensors, zero_copy, T = {}, (), -1
-        for name, spec in self.specs.items():
+        for name, spec, ndim, shape, dtype in self._checks:
             t = inputs[name]
             if type(t) is not torch.Tensor:
                 t = _as_tensor(name, t, spec)
-            if t.dim() != spec.ndim1 or t.shape[1:] != spec.shape:
+            if t.dim() != ndim or t.shape[1:] != shape:
                 raise InputError(
-                    expected(name, f"shape (T, {', '.join(map(str, spec.shape))})".replace(", )", ")"), tuple(t.shape))
+                    expected(name, f"shape (T, {', '.join(map(str, shape))})".replace(", )", ")"), tuple(t.shape))
                 )
             if T < 0:
                 T = t.shape[0]
             elif t.shape[0] != T:
                 first = next(iter(self.specs))
                 raise InputError(expected(name, f"{T} rows like {first!r}", f"{t.shape[0]} rows"))
-            if t.dtype != spec.dtype:
+            if t.dtype != dtype:
                 if t.dtype.is_complex:
-                    raise InputError(expected(name, f"dtype {spec.dtype}", t.dtype))
+                    raise InputError(expected(name, f"dtype {dtype}", t.dtype))
                 t = _cast(name, t, spec)
-            dev = t.device
-            if dev.type != "cpu" and dev != self.device:
-                raise InputError(expected(name, f"a tensor on {self.device} or the host", f"one on {dev}"))
+            if t.requires_grad:  # the copy into the arena must not join an autograd graph
+                t = t.detach()
+            on_host = not t.is_cuda
+            if not on_host and t.device != self.device:
+                raise InputError(expected(name, f"a tensor on {self.device} or the host", f"one on {t.device}"))
+            if t.device.type not in ("cpu", "cuda"):
+                raise InputError(expected(name, f"a tensor on {self.device} or the host", f"one on {t.device}"))
             # Only a view of one of our own buffers can overlap them, and such a view
             # starts inside the buffer: one range test per buffer is exact.
             p = t.data_ptr()
-            for lo, hi, kind in self._ranges:
-                if lo <= p < hi and kind == dev.type:
+            for lo, hi in (self._host_ranges if on_host else self._device_ranges):
+                if lo <= p < hi:
                     if not self._is_static_rows(name, t):
                         raise InputError(
                             expected(name, "memory apart from the runtime's static buffers "
@@ -280,7 +301,6 @@ class StaticInputs:
         else:
             dst[:length].copy_(t[start:start + length])
 
-    @torch.no_grad()
     def write(self, prep: Prepared, start: int, length: int, width: int,
               control: Mapping[str, Any] | None = None) -> None:
         """Write rows ``[start, start+length)`` of ``prep`` into arena rows ``[0, length)``,
@@ -331,9 +351,8 @@ class StaticInputs:
         ev = self._events[k]
         if ev is None:
             ev = self._events[k] = torch.cuda.Event()
-        ev.record()
+        record_event(ev, self.device.index)
 
-    @torch.no_grad()
     def write_control(self, control: Mapping[str, Any]) -> None:
         """Set control blocks only (a commit between steps), through the staging arena."""
         if self.device.type != "cuda":
@@ -347,7 +366,7 @@ class StaticInputs:
             self._staged_np[k][name][:len(v)] = v
         self._copy_host(k, list(control), 0, one_copy=False)
         ev = self._events[k] or torch.cuda.Event()
-        ev.record()
+        record_event(ev, self.device.index)
         self._events[k] = ev
 
     def _copy_host(self, k: int, names: list[str], width: int, one_copy: bool) -> None:

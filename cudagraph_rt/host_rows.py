@@ -13,6 +13,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from .buffers import record_event
 from .errors import CapacityError, DeviceRowIndexError, InputError, StaleRowsError, expected
 
 Mode = Literal["host", "device", "commit"]
@@ -139,7 +140,7 @@ class HostRowRing:
         """Record the slot's event on the current stream and hand out its handle."""
         ev = self._events[slot]
         if ev is not None:
-            ev.record()
+            record_event(ev, self.device.index)
         self._step += 1
         h = HostRowsHandle(self, slot, self._gen[slot], self._step, T, host_count)
         self._held[slot] = weakref.ref(h)
