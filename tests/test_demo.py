@@ -1,0 +1,211 @@
+"""The speculative-decoding host runner (cudagraph_rt.runner) and `cgrt demo`.
+
+CPU tests run the runner with graphs off; the cuda ones replay graphs. Prompts are fresh
+random each run from a seed printed on failure (DEMO_TEST_SEED=<n> replays one).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from cudagraph_rt import InputError, cli
+from cudagraph_rt.models import ToyConfig, ToyDecoder
+from cudagraph_rt.runner import Request, SpecRunner, ToyDrafter
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # The toy's steps are tiny: on a small shared CPU box torch's intra-op threads only
+    # contend with each other (and with other processes), making timings erratic.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def rng() -> random.Random:
+    seed = int(os.environ.get("DEMO_TEST_SEED", random.SystemRandom().randrange(2**31)))
+    print(f"DEMO_TEST_SEED={seed}")
+    return random.Random(seed)
+
+
+def requests_for(rng: random.Random, model: ToyDecoder, n: int, max_new: int = 16, max_prompt: int = 40):
+    V = model.config.vocab
+    return [Request(tuple(rng.randrange(V) for _ in range(rng.randint(1, max_prompt))),
+                    rng.randint(1, max_new)) for _ in range(n)]
+
+
+def serve(model, reqs, *, p=0.5, seed=0, record_rows=False, spy=None, device="cpu", **kw):
+    runner = SpecRunner(model, ToyDrafter(model, p, seed), graphs=device == "cuda", record_rows=record_rows, **kw)
+    if spy is not None:  # record every launched step: (T, groups)
+        launch = runner._launch
+        runner._launch = lambda lane, groups, cols: (spy.append((len(cols["tokens"]), groups)),
+                                                     launch(lane, groups, cols))[1]
+    runner.submit(reqs)
+    return runner, runner.run()
+
+
+def assert_greedy(model, runner, reqs):
+    by_uid = {s.uid: s for s in runner.finished}
+    assert sorted(by_uid) == list(range(len(reqs)))
+    for uid, r in enumerate(reqs):
+        assert by_uid[uid].generated == model.greedy_generate(list(r.prompt), r.max_new), uid
+
+
+# ----------------------------------------------------------------------------- CLI
+def test_cli_demo_smoke(capsys):
+    argv = ["demo", "--sequences", "5", "--max-new", "12", "--k", "3", "--slots", "4"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "tokens/s" in out and "graphs on skipped" in out and "greedy mismatches none" in out
+    assert cli.main(argv + ["--json", "--accept-prob", "1", "--rounds", "4"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["ok"] and [r["graphs"] for r in rep["runs"]] == [False]
+    run = rep["runs"][0]
+    assert run["steps"] == 4 and run["tokens"] == run["rows_consumed"] == run["check"]["rows_checked"] > 0
+    assert run["accepted"] == run["proposed"] > 0  # p = 1: every draft accepted
+    assert sum(run["widths"]["eager_calls"].values()) + sum(run["widths"]["dynamic_calls"].values()) >= 4
+
+
+def test_cli_demo_refuses_graphs_on_a_cpu(capsys):
+    assert cli.main(["demo", "--graphs", "on", "--device", "cpu"]) == 2
+    assert "CUDA graphs need a GPU" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- runner
+@pytest.mark.parametrize("p", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_tokens_equal_greedy_decoding(rng, p, lanes):
+    model = ToyDecoder(ToyConfig.tiny(), "cpu")
+    reqs = requests_for(rng, model, 7)
+    runner, rep = serve(model, reqs, p=p, seed=rng.randrange(1000), k=rng.randint(1, 6), lanes=lanes,
+                        slots=rng.randint(lanes, 8), chunk=rng.choice([16, 48, 128]))
+    assert_greedy(model, runner, reqs)
+    assert rep.tokens == sum(r.max_new for r in reqs) == rep.rows
+    assert sum(rep.accept_hist) > 0 or all(r.max_new == 1 for r in reqs)
+    if p == 0.0:
+        assert rep.accepted == 0
+    if p == 1.0:
+        assert rep.accepted == rep.proposed  # the drafter knows the greedy rule
+    assert rep.accepted == sum(a * n for a, n in enumerate(rep.accept_hist))
+
+
+def test_sequences_join_and_retire(rng):
+    model = ToyDecoder(ToyConfig.tiny(), "cpu")
+    reqs = requests_for(rng, model, 9, max_new=20)
+    log: list = []
+    runner, _ = serve(model, reqs, p=0.6, seed=rng.randrange(1000), k=3, lanes=2, slots=4, chunk=24, spy=log)
+    assert_greedy(model, runner, reqs)
+    assert {s.slot for s in runner.finished} <= set(range(4))  # slots are reused
+    live = [{g.seq.uid for g in groups} for _, groups in log]
+    assert max(map(len, live)) <= 2  # 4 slots over 2 lanes
+    # New prompts prefill in the same step as other sequences verify, after earlier ones retired.
+    mixed = [i for i, (_, groups) in enumerate(log) if {g.verify for g in groups} == {True, False}]
+    assert mixed and any(min(g.seq.uid for g in log[i][1] if not g.verify) >= 4 for i in mixed)
+    assert len({T for T, _ in log}) > 3  # the step width varies
+
+
+def test_wide_prefill_takes_the_dynamic_path_and_slices(rng):
+    model = ToyDecoder(ToyConfig.tiny(), "cpu")
+    reqs = [Request(tuple(rng.randrange(128) for _ in range(n)), m) for n, m in [(100, 8), (90, 12), (70, 5), (3, 9)]]
+    log: list = []
+    runner, _ = serve(model, reqs, k=4, lanes=1, slots=4, chunk=200, spy=log)
+    assert_greedy(model, runner, reqs)
+    plans = [runner.rt.plan(T) for T, _ in log]
+    assert any(len(p) > 1 for p in plans)  # sliced
+    assert any(s.path == "dynamic" for p in plans for s in p)
+    st = runner.rt.stats()
+    assert st.slices > st.steps and st.dynamic_calls
+
+
+def test_host_rows_equal_reference_hidden_rows(rng):
+    model = ToyDecoder(ToyConfig.tiny(), "cpu")
+    reqs = requests_for(rng, model, 6, max_new=24)
+    runner, rep = serve(model, reqs, p=0.5, seed=rng.randrange(1000), k=4, record_rows=True, chunk=32)
+    assert rep.rows == sum(r.max_new for r in reqs)
+    for seq in runner.finished:
+        _, hidden = model.reference(seq.tokens)
+        p0 = len(seq.prompt) - 1  # last prompt row, then every fed generated token
+        got = torch.cat(seq.rows)
+        assert got.shape == (seq.max_new, model.hidden_width)
+        torch.testing.assert_close(got, hidden[p0:p0 + seq.max_new], atol=1e-4, rtol=1e-4)
+
+
+def test_a_capped_run_continues(rng):
+    model = ToyDecoder(ToyConfig.tiny(), "cpu")
+    reqs = requests_for(rng, model, 5)
+    runner = SpecRunner(model, ToyDrafter(model, 0.5, 1), k=3)
+    runner.submit(reqs)
+    assert runner.run(max_steps=3).steps == 3
+    assert runner.run().steps > 3
+    assert_greedy(model, runner, reqs)
+
+
+def test_drafter_consumes_the_host_rows():
+    model = ToyDecoder(ToyConfig.tiny(), "cpu")
+    runner = SpecRunner(model, ToyDrafter(model, 1.0), k=2, record_rows=True)
+    runner.submit([Request((5, 9, 11), 6)])
+    runner.run()
+    seq = runner.finished[0]
+    d = ToyDrafter(model, 1.0)
+    with pytest.raises(RuntimeError, match="before its committed rows"):
+        d.propose(seq, 2)
+    rows = torch.cat(seq.rows)  # one row per committed token, positions 2 .. 7
+    d.observe(seq, len(seq.tokens) - 1 - rows.shape[0], rows)
+    assert len(d.propose(seq, 2)) == 2
+    with pytest.raises(RuntimeError, match="host rows for"):
+        d.observe(seq, 2, rows[:-1])
+    with pytest.raises(RuntimeError, match="do not encode"):
+        d.observe(seq, 2, rows.flip(0))
+
+
+def test_bad_configurations_raise():
+    model = ToyDecoder(ToyConfig.tiny(), "cpu")
+    d = ToyDrafter(model, 0.5)
+    with pytest.raises(InputError, match="k"):
+        SpecRunner(model, d, k=40, lanes=1)  # 8 * 41 verify rows cannot share the first slice
+    with pytest.raises(InputError, match="lanes"):
+        SpecRunner(model, d, lanes=9)
+    with pytest.raises(InputError, match="accept_prob"):
+        ToyDrafter(model, 1.5)
+    runner = SpecRunner(model, d)
+    with pytest.raises(InputError, match="request"):
+        runner.submit([Request(tuple(range(100)), 30)])  # 129 positions > max_len 128
+    with pytest.raises(InputError, match="prompt"):
+        runner.submit([Request((128,), 3)])
+    assert not runner.waiting
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graphs_on_equal_greedy_and_off(rng, dtype):
+    model = ToyDecoder(ToyConfig.tiny(dtype=dtype), "cuda")
+    reqs = requests_for(rng, model, 10, max_new=24)
+    reports = []
+    for graphs in (True, False):
+        model.reset_cache()
+        runner = SpecRunner(model, ToyDrafter(model, 0.6, 3), k=4, graphs=graphs, record_rows=True, chunk=128)
+        runner.submit(reqs)
+        reports.append(runner.run())
+        assert_greedy(model, runner, reqs)
+        if graphs:
+            assert sum(runner.rt.stats().graph_replays.values()) > 0
+        for seq in runner.finished:
+            p0 = len(seq.prompt) - 1
+            want = model.reference(seq.tokens)[1][p0:p0 + seq.max_new].float().cpu()
+            torch.testing.assert_close(torch.cat(seq.rows).float(), want, atol=0.1 if dtype != torch.float32
+                                       else 1e-3, rtol=0.05 if dtype != torch.float32 else 1e-3)
+    assert reports[0].accept_hist == reports[1].accept_hist  # the drafter is deterministic
+
+
+@pytest.mark.cuda
+def test_cli_demo_on_cuda_both(capsys):
+    assert cli.main(["demo", "--device", "cuda", "--graphs", "both", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert [r["graphs"] for r in rep["runs"]] == [True, False] and rep["ok"]

@@ -1,0 +1,183 @@
+"""`cgrt demo`: speculative decoding on the toy decoder through cudagraph_rt.runner.
+
+Serves ``--sequences`` random prompts (at most ``--slots`` at once, so sequences retire
+and join), with graphs on and/or off, and reports tokens/s, steps/s, the acceptance
+histogram and the widths that ran. Every generated token is checked against plain greedy
+decoding of the same prompt (the eager reference, teacher-forced on the output) and
+every committed hidden row the host received against the reference's hidden row at that
+position; any mismatch exits 1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+
+import torch
+
+from ..errors import CgrtError
+from ..models import ToyConfig, ToyDecoder
+from ..runner import Request, RunReport, SpecRunner, ToyDrafter
+
+# Hidden rows against the unbatched reference: fp32 differs by reduction order only;
+# bf16 by a few ulps per layer (the toy's own GPU test allows 0.25 on the bench size).
+_ROW_TOL = {torch.float32: 1e-3, torch.float16: 0.25, torch.bfloat16: 0.25}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sequences", type=int, default=12, help="prompts to serve (default 12)")
+    p.add_argument("--k", type=int, default=4, help="draft tokens per sequence and step (default 4)")
+    p.add_argument("--accept-prob", type=float, default=0.7, help="chance each draft token is right (default 0.7)")
+    p.add_argument("--max-new", type=int, default=32,
+                   help="most tokens per sequence; each draws its own limit in [max_new/2, max_new] (default 32)")
+    p.add_argument("--rounds", type=int, default=0, help="stop after this many steps (default 0: serve everything)")
+    p.add_argument("--graphs", choices=("on", "off", "both"), default="both",
+                   help="CUDA graphs on, off or both (default both; a CPU runs off only)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default cuda if available)")
+    p.add_argument("--bench-size", choices=("tiny", "bench"), default="tiny",
+                   help="toy model size: tiny (fp32, 64 hidden) or bench (bf16, 1024 hidden, 6 layers)")
+    p.add_argument("--slots", type=int, default=None, help="sequences served at once (default: the model's max_seqs)")
+    p.add_argument("--lanes", type=int, default=2, help="groups of sequences that take turns on the GPU (default 2)")
+    p.add_argument("--chunk", type=int, default=128,
+                   help="prompt rows per step and lane; wider than the dynamic limit (96) gets sliced (default 128)")
+    p.add_argument("--seed", type=int, default=0, help="toy weights, prompts, limits and drafter RNG (default 0)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def make_requests(cfg: ToyConfig, n: int, max_new: int, seed: int) -> list[Request]:
+    """``n`` random prompts of 1/16 .. 1/3 of ``max_len`` tokens (so that prompt and
+    output fit), each with its own token limit in ``[max_new // 2, max_new]``."""
+    rng = random.Random(seed)
+    hi = min(cfg.max_len // 3, cfg.max_len + 1 - max_new)
+    if hi < 1:
+        raise ValueError(f"--max-new: expected at most {cfg.max_len} for this model, got {max_new}")
+    lo = min(max(1, cfg.max_len // 16), hi)
+    return [Request(tuple(rng.randrange(cfg.vocab) for _ in range(rng.randint(lo, hi))),
+                    rng.randint(max(1, max_new // 2), max_new)) for _ in range(n)]
+
+
+def check(model: ToyDecoder, runner: SpecRunner) -> dict:
+    """Generated tokens against greedy decoding and host rows against the reference.
+
+    ``reference(prompt + generated)`` gives the greedy next token and the hidden row at
+    every position in one call: the output equals greedy decoding iff each generated
+    token is the greedy token after everything before it.
+    """
+    bad, worst, rows = [], 0.0, 0
+    for seq in runner.finished + [s for lane in runner.lanes for s in lane.seqs if s.decoding]:
+        greedy, hidden = model.reference(seq.tokens)
+        p0, gen = len(seq.prompt) - 1, seq.generated
+        if greedy[p0:p0 + len(gen)].tolist() != gen:
+            bad.append(seq.uid)
+        got = torch.cat(seq.rows).float()
+        want = hidden[p0:p0 + len(gen)].float().cpu()
+        if got.shape != want.shape:
+            bad.append(seq.uid)
+            continue
+        rows += got.shape[0]
+        worst = max(worst, float((got - want).abs().max()))
+    tol = _ROW_TOL[model.config.dtype]
+    return {"ok": not bad and worst <= tol, "token_mismatches": sorted(set(bad)), "rows_checked": rows,
+            "rows_max_err": worst, "rows_tol": tol}
+
+
+def serve(model: ToyDecoder, requests: list[Request], graphs: bool, args) -> dict:
+    """Capture, warm up on two short requests, then serve ``requests`` timed."""
+    model.reset_cache()
+    runner = SpecRunner(model, ToyDrafter(model, args.accept_prob, args.seed), k=args.k, slots=args.slots,
+                        lanes=args.lanes, chunk=args.chunk, graphs=graphs, record_rows=True)
+    cap = runner.rt.capture()
+    runner.submit([Request(r.prompt, min(4, r.max_new)) for r in requests[:2]])
+    runner.run()
+    runner.reset_stats()
+    runner.rt.reset_stats()
+    runner.submit(requests)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+    rep: RunReport = runner.run(max_steps=args.rounds or None)
+    st = runner.rt.stats()
+    return {
+        "graphs": graphs, "steps": rep.steps, "tokens": rep.tokens, "seconds": rep.seconds,
+        "tokens_per_s": rep.tokens_per_s, "steps_per_s": rep.steps_per_s, "capture_s": cap.seconds,
+        "finished": len(runner.finished), "accept_hist": list(rep.accept_hist), "proposed": rep.proposed,
+        "accepted": rep.accepted, "rows_consumed": rep.rows,
+        "widths": {"graph_replays": dict(sorted(st.graph_replays.items())),
+                   "eager_calls": dict(sorted(st.eager_calls.items())),
+                   "dynamic_calls": dict(sorted(st.dynamic_calls.items())),
+                   "padding_rows": st.padding_rows, "slices": st.slices},
+        "check": check(model, runner),
+    }
+
+
+def _print(report: dict) -> None:
+    from rich.table import Table
+
+    from .console import make_console
+
+    out, c = make_console(), report["config"]
+    out.print(f"cgrt demo: toy decoder {c['size']} ({c['dtype']}, {c['hidden']} hidden, {c['layers']} layers) on "
+              f"{c['device']}; {c['sequences']} sequences ({c['slots']} at once, {c['lanes']} lanes), k={c['k']}, "
+              f"p={c['accept_prob']}, max-new {c['max_new']}, chunk {c['chunk']}", markup=False)
+    for note in report["notes"]:
+        out.print(f"note: {note}", markup=False)
+    t = Table()
+    for h in ("graphs", "steps", "tokens", "seconds", "tokens/s", "steps/s", "accepted", "capture s", "check"):
+        t.add_column(h, justify="left" if h in ("graphs", "check") else "right")
+    for r in report["runs"]:
+        rate = r["accepted"] / r["proposed"] if r["proposed"] else 0.0
+        t.add_row("on" if r["graphs"] else "off", str(r["steps"]), str(r["tokens"]), f"{r['seconds']:.3f}",
+                  f"{r['tokens_per_s']:.1f}", f"{r['steps_per_s']:.1f}", f"{rate:.2f}", f"{r['capture_s']:.2f}",
+                  "ok" if r["check"]["ok"] else "FAIL")
+    out.print(t)
+    for r in report["runs"]:
+        hist, top = r["accept_hist"], max(r["accept_hist"] + [1])
+        lines = [f"graphs {'on' if r['graphs'] else 'off'}: accepted drafts per verify group (of up to k={c['k']})"]
+        lines += [f"  {a:>2} | {'#' * round(40 * n / top):<40} {n}" for a, n in enumerate(hist)]
+        w, ch = r["widths"], r["check"]
+        lines.append(f"  widths: graph replays {w['graph_replays'] or '-'}; eager {w['eager_calls'] or '-'}; "
+                     f"dynamic {w['dynamic_calls'] or '-'}; {w['slices']} slices in {r['steps']} steps; "
+                     f"padding rows {w['padding_rows']}")
+        lines.append(f"  check: {r['finished']} finished; greedy mismatches {ch['token_mismatches'] or 'none'}; "
+                     f"host rows {ch['rows_checked']} (= rows consumed {r['rows_consumed']}), max |err| "
+                     f"{ch['rows_max_err']:.2e} (tol {ch['rows_tol']:g})")
+        out.print("\n".join(lines), markup=False, style=None if ch["ok"] else "bold red")
+
+
+def run(args) -> int:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("cgrt demo: --device: expected a device this machine has, got cuda (no CUDA here)", file=sys.stderr)
+        return 2
+    notes, modes = [], {"on": [True], "off": [False], "both": [True, False]}[args.graphs]
+    if device.type != "cuda":
+        if args.graphs == "on":
+            print("cgrt demo: --graphs on: expected a CUDA device (CUDA graphs need a GPU), got cpu",
+                  file=sys.stderr)
+            return 2
+        if args.graphs == "both":
+            notes.append("graphs on skipped: CUDA graphs need a GPU; graphs off only")
+        modes = [False]
+    size = ToyConfig.bench if args.bench_size == "bench" else ToyConfig.tiny
+    model = ToyDecoder(size(seed=args.seed), device)
+    try:
+        requests = make_requests(model.config, args.sequences, args.max_new, args.seed)
+        runs = [serve(model, requests, g, args) for g in modes]
+    except ValueError as e:  # a bad argument (InputError is a ValueError)
+        print(f"cgrt demo: {e}", file=sys.stderr)
+        return 2
+    except (RuntimeError, CgrtError) as e:  # the runner's own checks, capture, device rows
+        print(f"cgrt demo: failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    cfg = model.config
+    report = {"config": {"size": args.bench_size, "dtype": str(cfg.dtype).replace("torch.", ""),
+                         "hidden": cfg.hidden, "layers": cfg.layers, "device": str(device),
+                         "sequences": args.sequences, "slots": args.slots or cfg.max_seqs, "lanes": args.lanes,
+                         "k": args.k, "accept_prob": args.accept_prob, "max_new": args.max_new,
+                         "chunk": args.chunk, "rounds": args.rounds, "seed": args.seed},
+              "notes": notes, "runs": runs, "ok": all(r["check"]["ok"] for r in runs)}
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print(report)
+    return 0 if report["ok"] else 1
