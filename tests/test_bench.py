@@ -1,12 +1,19 @@
-"""`cgrt bench --quick` runs end to end on the CPU and writes every section to its JSON.
+"""`cgrt bench --quick` runs end to end on the CPU and writes every section to its JSON;
+the torch.compile child-process wrapper reports a crashing, hanging or failing child as
+unavailable without raising, and a child's protocol (payload in, results out) works.
 
 No timing assertions: speed goals are checked by the bench itself on the GPU.
 """
 import json
+import sys
 
 import pytest
+import torch
 
 from cudagraph_rt.cli import main
+from cudagraph_rt.models.toy import ToyConfig, ToyDecoder
+from cudagraph_rt.tools import bench_compile
+from cudagraph_rt.tools.bench_common import N_SETS, ToyRows
 
 SECTIONS = ("step_time", "mixed_trace", "host_overhead", "memory", "padding", "host_rows")
 
@@ -24,10 +31,15 @@ def test_quick_writes_every_section(tmp_path):
     for r in st["rows"]:
         assert r["eager"]["median_us"] > 0 and r["cgrt"]["median_us"] > 0
         assert r["eager"]["n"] == data["meta"]["repeats"]
-    assert st["compile"]["status"] == "unavailable" and st["compile"]["reason"]
+    setups = st["compile"]["setups"]  # on the CPU: skipped, with the reason, and no child started
+    assert [c["setup"] for c in setups] == list(bench_compile.DEFAULT_SETUPS)
+    assert all(c["status"] == "skipped" and c["reason"] for c in setups)
+    assert st["compile"]["reference"] is None and st["compile"]["reference_note"]
     mt = data["mixed_trace"]
     assert mt["steps"] == data["meta"]["trace_steps"] and sum(mt["T_buckets"].values()) == mt["steps"]
-    assert mt["variants"]["cgrt"]["status"] == "ok" and mt["variants"]["compile"]["status"] == "unavailable"
+    assert mt["variants"]["cgrt"]["status"] == "ok"
+    for v in ("compile_static", "compile_default", "cgrt_compile"):
+        assert mt["variants"][v]["status"] == "skipped" and mt["variants"][v]["reason"]
     pad = {s["name"]: s for s in data["padding"]["sets"]}
     assert set(pad) == {"default", "user"}
     for s in pad.values():  # the runtime padded exactly what plan() says
@@ -52,3 +64,122 @@ def test_sections_pick_and_reject(tmp_path, capsys):
             main(["bench", "--sections", bad])
         assert e.value.code == 2
     assert "section numbers" in capsys.readouterr().err
+
+
+def test_compile_setups_option(tmp_path, capsys):
+    path = tmp_path / "b.json"
+    assert main(["bench", "--quick", "--sections", "1", "--compile-setups", "cgrt,static", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert [c["setup"] for c in data["step_time"]["compile"]["setups"]] == ["cgrt", "static"]
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--compile-setups", "static,nope"])
+    assert e.value.code == 2
+
+
+# ----------------------------------------------------------------------------- child processes
+def _run(code: str, tmp_path, timeout: float = 60):
+    out = str(tmp_path / "out.json")
+    return bench_compile.run_child([sys.executable, "-c", code], out, timeout=timeout), out
+
+
+def test_child_abort_is_unavailable_not_fatal(tmp_path):
+    code = ("import sys, os, resource; resource.setrlimit(resource.RLIMIT_CORE, (0, 0)); print('building'); "
+            "print(\"terminate called after throwing an instance of 'c10::AcceleratorError'\", file=sys.stderr); "
+            "print('  what():  CUDA error: an illegal memory access was encountered', file=sys.stderr); "
+            "sys.stderr.flush(); sys.stdout.flush(); os.abort()")
+    run, _ = _run(code, tmp_path)
+    assert run.returncode is not None and run.returncode < 0 and not run.timed_out
+    rec = bench_compile.summarize_run(bench_compile.SETUPS["static"], run, 60)
+    assert rec["status"] == "unavailable" and rec["step_time"] == {} and rec["trace"] is None
+    assert "SIGABRT" in rec["reason"] and "illegal memory access" in rec["reason"]
+    assert rec["child"]["output_tail"]  # the last lines are kept in the JSON too
+
+
+def test_child_timeout_is_killed_and_unavailable(tmp_path):
+    run, _ = _run("import time; print('compiling', flush=True); time.sleep(60)", tmp_path, timeout=1)
+    assert run.timed_out and run.wall_s < 30
+    rec = bench_compile.summarize_run(bench_compile.SETUPS["cgrt"], run, 1)
+    assert rec["status"] == "unavailable" and "timed out after 1 s" in rec["reason"]
+
+
+def test_child_partial_results_survive_a_later_crash(tmp_path):
+    out = str(tmp_path / "out.json")
+    lat = {"median_us": 10.0, "p10_us": 9.0, "p90_us": 11.0, "n": 5}
+    data = {"compile": {"seconds": 1.5, "cudagraph_skips": 4, "skip_reasons": ["skipping cudagraphs due to x"]},
+            "step_time": {"1": {"latency": lat, "pipelined_us": 8.0}}, "stage": "mixed trace"}
+    code = f"import json, os; json.dump({data!r}, open({out!r}, 'w')); raise SystemExit(3)"
+    run = bench_compile.run_child([sys.executable, "-c", code], out, timeout=60)
+    rec = bench_compile.summarize_run(bench_compile.SETUPS["default"], run, 60)
+    assert rec["status"] == "partial" and "exit code 3" in rec["reason"] and "mixed trace" in rec["reason"]
+    assert rec["step_time"] == {1: lat} and rec["pipelined_us"] == {1: 8.0} and rec["cudagraph_skips"] == 4
+    runs = bench_compile.CompileRuns([rec])
+    variant, note = runs.reference("step_time")  # (a) not run: (b) is used, and the note says so
+    assert variant == "compile_default" and "WITHOUT CUDA graphs" in note
+    assert runs.reference("trace")[0] is None
+
+
+def test_child_that_cannot_start(tmp_path):
+    run = bench_compile.run_child([str(tmp_path / "no-such-program")], str(tmp_path / "o.json"), timeout=5)
+    rec = bench_compile.summarize_run(bench_compile.SETUPS["static"], run, 5)
+    assert rec["status"] == "unavailable" and "could not start" in rec["reason"]
+
+
+def test_child_protocol_end_to_end_on_cpu(tmp_path):
+    """The real child (python -m cudagraph_rt.tools.bench_compile) with the eager control
+    setup on the CPU: payload in, every stage's figures out, the bench's timing."""
+    cfg = ToyConfig.tiny()
+    rows = ToyRows(ToyDecoder(cfg, "cpu"), 0)
+    sets = {T: [rows.rows(T) for _ in range(N_SETS)] for T in (1, 8)}
+    trace = [rows.rows(T) for T in (1, 3, 8, 1, 2)]
+    payload = bench_compile.make_payload(cfg, torch.device("cpu"), (1, 2, 4, 8), seed=0, repeats=3, warmup=1,
+                                         trace_passes=1, sets=sets, trace=trace)
+    notes = []
+    runs = bench_compile.run_setups(("eager",), payload, str(tmp_path), timeout=120, cgrt_mode="default",
+                                    note=lambda text, always=False: notes.append(text))
+    (rec,) = list(runs)
+    assert rec["status"] == "ok", rec["reason"]
+    assert set(rec["step_time"]) == {1, 8} and rec["step_time"][8]["n"] == 3
+    assert rec["pipelined_us"][1] > 0 and rec["trace"]["status"] == "ok" and rec["trace"]["total_ms"] > 0
+    assert rec["tokens_check"] == {"rows": 9, "mismatched": 0, "widths": [1, 8]}
+    assert any("step time: width 8" in n for n in notes)  # progress reaches the bench
+
+
+def test_child_figures_reach_rows_ratios_and_goal(tmp_path, monkeypatch):
+    """Records as the children leave them: (a) crashed, (b) ran without CUDA graphs,
+    cgrt+compile ran. Section 1-2 rows carry them; compile/cgrt and goal 3 use (b), saying so."""
+    from cudagraph_rt.tools.bench_context import Context
+
+    lat = {"median_us": 100.0, "p10_us": 90.0, "p90_us": 110.0, "n": 5}
+    widths = (1, 2, 4, 8, 16, 32, 64)
+    crashed = bench_compile.ChildRun(-6, False, 3.0, {"compile": {"seconds": 2.0}, "stage": "compile"},
+                                     ["terminate called after throwing an instance of 'c10::AcceleratorError'",
+                                      "  what():  CUDA error: an illegal memory access was encountered"])
+
+    def ok(skips):
+        return bench_compile.ChildRun(0, False, 9.0, {
+            "done": True, "compile": {"seconds": 5.0, "cudagraph_skips": skips, "mode": "reduce-overhead",
+                                      "skip_reasons": ["skipping cudagraphs due to mutated inputs (4 instances)"]},
+            "check": {"rows": 127, "mismatched": 0, "widths": list(widths)},
+            "step_time": {str(w): {"latency": lat, "pipelined_us": 50.0} for w in widths},
+            "trace": {"status": "ok", "total_ms": 1e6, "mean_step_us": 1.0, "passes_ms": [1e6]}}, [])
+
+    runs = bench_compile.CompileRuns([
+        bench_compile.summarize_run(bench_compile.SETUPS["static"], crashed, 240),
+        bench_compile.summarize_run(bench_compile.SETUPS["default"], ok(7), 240),
+        bench_compile.summarize_run(bench_compile.SETUPS["cgrt"], ok(0), 240)])
+    monkeypatch.setattr(Context, "compiled", property(lambda self: runs))
+    path = tmp_path / "b.json"
+    assert main(["bench", "--quick", "--sections", "1,2", "--trace-steps", "30", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    st, mt = data["step_time"], data["mixed_trace"]
+    assert st["compile"]["reference"] == "compile_default" and "WITHOUT CUDA graphs" in st["compile"]["reference_note"]
+    assert "SIGABRT" in st["compile"]["reference_note"]
+    for r in st["rows"]:
+        assert "compile_static" not in r and r["compile_default"] == lat and r["cgrt_compile"] == lat
+        assert r["compile_over_cgrt"] == pytest.approx(100.0 / r["cgrt"]["median_us"])
+        assert r["pipelined_us"]["cgrt_compile"] == 50.0
+    assert mt["variants"]["compile_static"]["status"] == "unavailable"
+    assert "SIGABRT" in mt["variants"]["compile_static"]["reason"]
+    assert mt["variants"]["compile_default"]["total_ms"] == 1e6 and mt["setup_s"]["compile_default"] == 5.0
+    goal = next(g for g in data["goals"] if g["goal"].startswith("mixed trace vs torch.compile"))
+    assert goal["status"] == "met" and "(b) ro-default" in goal["measured"]

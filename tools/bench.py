@@ -1,8 +1,8 @@
 """``cgrt bench``: cudagraph_rt against eager, a bare CUDA graph and torch.compile, on the
-embedded toy decoder (ToyConfig.bench(): bf16, 1024 hidden, 6 layers), in one run.
+embedded toy decoder (ToyConfig.bench()), in one run.
 
 Sections (``--sections 1,2,...``):
-  1 step time per width      eager | cgrt step() | bare CUDAGraph replay | torch.compile
+  1 step time per width      eager | cgrt step() | bare CUDAGraph replay | torch.compile setups
   2 mixed trace              2,000 steps of a serving mix of widths, total time per variant
   3 host overhead            step() vs replay() of the same graph at T = 1 and 64
   4 memory                   one shared pool vs separate pools vs the widest alone; capture time
@@ -14,6 +14,12 @@ among several pre-generated sets; what each includes is stated in the tables and
 JSON (``--json``). ``--quick`` is a CPU smoke run (tiny model, graphs off, few repeats);
 sections that need CUDA report "skipped". Exit code: 1 if a section failed (or, with
 ``--strict``, a goal was missed), else 0.
+
+torch.compile setups (sections 1-2, ``--compile-setups``) run one child process each
+(``bench_compile``: same model, inputs and timing; a crash or timeout is reported as
+"unavailable", never taking the bench down): (a) ``static`` reduce-overhead with weights and
+KV pool marked static, (b) ``default`` reduce-overhead as a user gets it, ``cgrt`` the
+runtime capturing a compiled step. Skipped with --quick / on the CPU / with --no-compile.
 """
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ import torch
 from rich.console import Console
 from rich.text import Text
 
-from . import bench_host_rows, bench_memory, bench_report, bench_steps
+from . import bench_compile, bench_host_rows, bench_memory, bench_report, bench_steps
 from .bench_context import Context
 
 SECTIONS = {
@@ -65,6 +71,14 @@ def _count(minimum: int):
     return parse
 
 
+def _setups(text: str) -> tuple[str, ...]:
+    picked = tuple(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
+    if not picked or any(n not in bench_compile.SETUPS for n in picked):
+        raise argparse.ArgumentTypeError(f"expected setups from {list(bench_compile.SETUPS)} like static,cgrt, "
+                                         f"got {text!r}")
+    return picked
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``cgrt bench`` (see ``cgrt bench --help``)."""
     p.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -83,6 +97,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of every random input and of the trace")
     p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when present (cpu with --quick)")
     p.add_argument("--no-compile", action="store_true", help="leave torch.compile out (it takes minutes)")
+    p.add_argument("--compile-setups", type=_setups, default=bench_compile.DEFAULT_SETUPS, metavar="static,...",
+                   help="torch.compile setups, one child process each, in this order: static (a: reduce-overhead, "
+                        "weights+KV marked static), default (b: reduce-overhead unmarked), cgrt (cudagraph_rt "
+                        "capturing a compiled step), eager (control: eager timed in a child); "
+                        f"default {','.join(bench_compile.DEFAULT_SETUPS)}")
+    p.add_argument("--compile-timeout", type=_count(1), default=240, metavar="S",
+                   help="seconds each compile child may run before it is killed (default 240)")
+    p.add_argument("--cgrt-compile-mode", choices=bench_compile.CGRT_MODES, default="default",
+                   help="torch.compile mode of the step cudagraph_rt captures in the cgrt setup (default: default)")
     p.add_argument("--strict", action="store_true", help="exit 1 when a goal is missed")
 
 
@@ -101,6 +124,8 @@ def _meta(ctx: Context, args: argparse.Namespace) -> dict:
         "graphs": ctx.graphs, "model": "ToyDecoder", "config": cfg, "widths": list(ctx.widths),
         "repeats": ctx.repeats, "warmup": ctx.warmup, "trace_steps": ctx.trace_steps, "seed": ctx.seed,
         "quick": ctx.quick, "argv": sys.argv[1:], "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "compile_setups": list(ctx.compile_setups), "compile_timeout_s": ctx.compile_timeout,
+        "cgrt_compile_mode": ctx.cgrt_compile_mode,
         "sections": {SECTIONS[n][0]: n for n in SECTIONS},
     }
 
@@ -158,8 +183,10 @@ def _sections_run(ctx: Context, args: argparse.Namespace, console: Console, prog
     """Each asked-for section in order; a failing one is recorded and the rest still run."""
     results: dict[str, Any] = {"meta": _meta(ctx, args)}
     failed = 0
+    c = ctx.config
     console.print(f"cgrt bench on {results['meta']['device_name']} ({ctx.device}), torch {torch.__version__}, "
-                  f"toy {'tiny' if ctx.quick else 'bench'} config, {ctx.repeats} repeats")
+                  f"toy {'tiny' if ctx.quick else 'bench'} config ({str(c.dtype).removeprefix('torch.')}, hidden "
+                  f"{c.hidden}, {c.layers} layers, KV pool {c.max_seqs} x {c.max_len}), {ctx.repeats} repeats")
     for n, (key, fn) in SECTIONS.items():
         if n not in args.sections:
             results[key] = {"status": "not run"}

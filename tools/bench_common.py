@@ -1,5 +1,7 @@
-"""Shared pieces of ``cgrt bench``: the clock, random valid toy inputs, and the hand-written
-baselines (eager feed, bare CUDA graphs, torch.compile) the runtime is compared with.
+"""Shared pieces of ``cgrt bench``: the clock, random valid toy inputs, the mixed trace and
+the hand-written baselines (eager feed, bare CUDA graphs) the runtime is compared with.
+The torch.compile variants (``bench_compile``, in child processes) time themselves with the
+same helpers (:func:`measure`, :func:`measure_trace`) over the same inputs.
 
 Timing rule for every number: before each timed call the device is idle (synchronized);
 ``time_calls`` then measures one call with the host clock, either up to a second
@@ -9,13 +11,13 @@ rotated among several pre-generated random sets, never zeros.
 """
 from __future__ import annotations
 
-import contextlib
+import functools
 import gc
 import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -99,6 +101,27 @@ def time_total(run: Callable[[], Any], sync: Callable[[], None]) -> float:
     finally:
         if was:
             gc.enable()
+
+
+def measure(call: Callable[[int], Any], *, repeats: int, warmup: int, sync: Callable[[], None],
+            prepare: Callable[[int], Any] | None = None, inference: bool = False) -> tuple[dict, float]:
+    """Section 1's figures of one variant at one width, the same in the bench process and in
+    a compile child: (latency summary of :func:`time_calls`, µs per call of
+    :func:`time_pipelined`), both under ``torch.inference_mode(inference)``."""
+    with torch.inference_mode(inference):
+        lat = time_calls(call, prepare=prepare, repeats=repeats, warmup=warmup, sync=sync)
+        pipe = time_pipelined(call, repeats=repeats, warmup=warmup, sync=sync)
+    return lat, pipe
+
+
+def measure_trace(run: Callable[[Any], Any], trace: Trace, passes: int, sync: Callable[[], None]) -> dict:
+    """Section 2's figure of one variant: ``run(indices)`` steps through the trace; one
+    untimed step per distinct T, then the median of ``passes`` timed whole passes."""
+    run(trace.first_of_each_width())
+    totals = [time_total(functools.partial(run, range(len(trace.Ts))), sync) for _ in range(passes)]
+    total = statistics.median(totals)
+    return {"status": "ok", "total_ms": total * 1e3, "mean_step_us": total / len(trace.Ts) * 1e6,
+            "passes_ms": [t * 1e3 for t in totals]}
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -208,83 +231,32 @@ def capture_bare(step_fn: Callable, rows: ToyRows, widths: tuple[int, ...], devi
     return out, time.perf_counter() - t0
 
 
-# ----------------------------------------------------------------------------- torch.compile
-@dataclass
-class Compiled:
-    """torch.compile(mode="reduce-overhead", dynamic=False) of the step, warmed up at each
-    padded width. ``fn`` is None when it is unavailable (``reason`` says why)."""
-
-    fn: Callable | None
-    reason: str | None = None
-    seconds: float = 0.0
-    per_width_s: dict = field(default_factory=dict)
-    cudagraph_skips: int | None = None
-
-    def to_json(self) -> dict:
-        return {"status": "ok" if self.fn else "unavailable", "reason": self.reason, "seconds": self.seconds,
-                "per_width_s": self.per_width_s, "cudagraph_skips": self.cudagraph_skips}
-
-    def call(self, views: dict[str, torch.Tensor]) -> Any:
-        torch.compiler.cudagraph_mark_step_begin()  # earlier outputs may be overwritten
-        with torch.no_grad():
-            return self.fn(views)
-
-
-@contextlib.contextmanager
-def _dynamo_limits(n: int):
-    """Room for one compiled shape per width (the default limit of 8 would fall back to eager)."""
-    import torch._dynamo
-
-    cfg, old = torch._dynamo.config, {}
-    for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
-                 "accumulated_recompile_limit"):
-        try:
-            old[name] = getattr(cfg, name)
-            setattr(cfg, name, max(old[name], n))
-        except (AttributeError, TypeError):
-            old.pop(name, None)
-    try:
-        yield
-    finally:
-        for name, v in old.items():
-            setattr(cfg, name, v)
-
-
-def compile_step(model: ToyDecoder, rows: ToyRows, feed: Feed, widths: tuple[int, ...],
-                 stack: contextlib.ExitStack, warm_calls: int = 3) -> Compiled:
-    """Compile and warm up each width (reduce-overhead records its graph on the 2nd-3rd
-    call). The raised recompile limit stays in ``stack`` (closed when the bench ends), so a
-    later guard miss recompiles instead of silently falling back to eager. Any failure
-    gives an unavailable Compiled with the reason, never an exception."""
-    t0 = time.perf_counter()
-    try:
-        import torch._dynamo
-        from torch._dynamo.utils import counters
-
-        stack.enter_context(_dynamo_limits(4 * len(widths) + 8))
-        for v in vars(model).values():  # weights and KV pool: static, mutated in place
-            if isinstance(v, torch.Tensor) and v.device.type == "cuda":
-                torch._dynamo.mark_static_address(v)
-        skips0 = counters["inductor"]["cudagraph_skips"]
-        fn = torch.compile(model.step, mode="reduce-overhead", dynamic=False)
-        c = Compiled(fn)
-        for w in widths:
-            tw = time.perf_counter()
-            packed = pack([rows.padded(rows.rows(w), w)], pin=True)[0]
-            for _ in range(warm_calls):
-                c.call(feed(packed))
-            torch.cuda.synchronize()
-            c.per_width_s[w] = time.perf_counter() - tw
-        c.cudagraph_skips = counters["inductor"]["cudagraph_skips"] - skips0
-        c.seconds = time.perf_counter() - t0
-        return c
-    except Exception as e:  # noqa: BLE001 - reported as "unavailable" with the reason
-        torch.cuda.synchronize()
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        return Compiled(None, f"{type(e).__name__}: {msg}"[:300], time.perf_counter() - t0)
-
-
 # ----------------------------------------------------------------------------- mixed trace
+@dataclass
+class Trace:
+    """The mixed trace: ``Ts[i]`` rows at step i, as the runtime gets them (``host``:
+    pageable per-input tensors) and as the hand-written runners get them (``packed``:
+    pinned [n, T]; ``padded``: pinned [n, N] at the default width set)."""
+
+    Ts: list[int]
+    host: list[dict[str, torch.Tensor]]
+    packed: list[torch.Tensor]
+    padded: list[torch.Tensor]
+
+    def first_of_each_width(self) -> list[int]:
+        seen: dict[int, int] = {}
+        for i, T in enumerate(self.Ts):
+            seen.setdefault(T, i)
+        return sorted(seen.values())
+
+
+def build_trace(raw: list[torch.Tensor], rows: ToyRows, widths: tuple[int, ...], pin: bool) -> Trace:
+    """The trace's views from its packed ``[n, T]`` steps (the bench process and the compile
+    children build theirs from the same ``raw``)."""
+    return Trace([p.shape[1] for p in raw], [rows.host(p) for p in raw], pack(raw, pin),
+                 pack([rows.padded(p, padded_width(p.shape[1], widths)) for p in raw], pin))
+
+
 def trace_widths(n: int, seed: int, max_width: int = 64) -> list[int]:
     """A serving mix: 70% decode-like 1..8, 22% verification 16..40, 8% 33..max_width."""
     rng = random.Random(seed)

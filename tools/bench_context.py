@@ -4,7 +4,8 @@ is not asked for builds nothing it alone needs."""
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import shutil
+import tempfile
 from functools import cached_property
 from typing import Any
 
@@ -13,25 +14,9 @@ import torch
 from cudagraph_rt import GraphRuntime, default_widths
 from cudagraph_rt.models.toy import ToyConfig, ToyDecoder
 
-from .bench_common import Compiled, Feed, ToyRows, capture_bare, compile_step, pack, padded_width, sync_fn, trace_widths
-
-
-@dataclass
-class Trace:
-    """The mixed trace: ``Ts[i]`` rows at step i, as the runtime gets them (``host``:
-    pageable per-input tensors) and as the hand-written runners get them (``packed``:
-    pinned [n, T]; ``padded``: pinned [n, N] at the default width set)."""
-
-    Ts: list[int]
-    host: list[dict[str, torch.Tensor]]
-    packed: list[torch.Tensor]
-    padded: list[torch.Tensor]
-
-    def first_of_each_width(self) -> list[int]:
-        seen: dict[int, int] = {}
-        for i, T in enumerate(self.Ts):
-            seen.setdefault(T, i)
-        return sorted(seen.values())
+from . import bench_compile
+from .bench_common import N_SETS, Feed, ToyRows, Trace, build_trace, capture_bare, sync_fn, trace_widths
+from .bench_compile import SETUPS, CompileRuns
 
 
 class Context:
@@ -57,14 +42,18 @@ class Context:
         self.seed = args.seed
         self.all_widths = bool(args.all_widths)
         self.use_compile = not args.no_compile
+        self.sections = tuple(getattr(args, "sections", None) or (1, 2))
+        self.compile_setups = tuple(getattr(args, "compile_setups", None) or bench_compile.DEFAULT_SETUPS)
+        self.compile_timeout = float(getattr(args, "compile_timeout", None) or 240)
+        self.cgrt_compile_mode = getattr(args, "cgrt_compile_mode", None) or "default"
         self.widths = default_widths(64)
         self.sync = sync_fn(self.device)
         self.progress = progress
         self.first_capture = None
-        self.stack = contextlib.ExitStack()  # process-wide settings the bench changed; see close()
+        self.stack = contextlib.ExitStack()  # what close() undoes (the compile children's files)
 
     def close(self) -> None:
-        """Undo process-wide settings (torch.compile's recompile limit)."""
+        """Undo process-wide settings; remove the compile children's files."""
         self.stack.close()
 
     def note(self, text: str, always: bool = False) -> None:
@@ -87,8 +76,20 @@ class Context:
         return Feed(self.rows.names, self.device)
 
     @cached_property
-    def compile_feed(self) -> Feed:
-        return Feed(self.rows.names, self.device)
+    def step_widths(self) -> list[int]:
+        """The T of section 1."""
+        return list(range(1, self.widths[-1] + 1)) if self.all_widths else list(self.widths)
+
+    @cached_property
+    def width_sets(self) -> dict[int, list[torch.Tensor]]:
+        """Section 1's input sets: N_SETS packed [n, T] rows per T (CPU int64), shared by
+        every variant, the compile children included."""
+        rows = self._rows_stream(1)
+        return {T: [rows.rows(T) for _ in range(N_SETS)] for T in self.step_widths}
+
+    def _rows_stream(self, k: int) -> ToyRows:
+        """A ToyRows of its own for one purpose: its draws do not depend on which sections ran."""
+        return ToyRows(self.model, self.seed * 1_000_003 + k)
 
     def make_runtime(self, widths=None, step_fn=None, inputs=None, **kw) -> GraphRuntime:
         m = self.model
@@ -112,18 +113,33 @@ class Context:
         return capture_bare(self.model.step, self.rows, self.widths, self.device)
 
     @cached_property
-    def compiled(self) -> Compiled:
+    def compiled(self) -> CompileRuns:
+        """The torch.compile setups, each run in a child process (bench_compile) over this
+        process's inputs: section 1's sets if section 1 is asked for, the trace if section 2
+        is. Never raises for a child's failure: it is in the setup's record."""
+        names = self.compile_setups
         if not self.graphs:
-            return Compiled(None, "needs CUDA (reduce-overhead is CUDA graphs)")
+            return CompileRuns([bench_compile.skipped(SETUPS[n], "needs CUDA") for n in names])
         if not self.use_compile:
-            return Compiled(None, "--no-compile")
-        self.note("torch.compile(mode='reduce-overhead') at each width (minutes)", always=True)
-        return compile_step(self.model, self.rows, self.compile_feed, self.widths, self.stack)
+            return CompileRuns([bench_compile.skipped(SETUPS[n], "--no-compile") for n in names])
+        sets = self.width_sets if 1 in self.sections else None
+        raw = self.trace_raw if 2 in self.sections else None
+        payload = bench_compile.make_payload(self.config, self.device, self.widths, seed=self.seed,
+                                             repeats=self.repeats, warmup=self.warmup,
+                                             trace_passes=self.trace_passes, sets=sets, trace=raw)
+        folder = tempfile.mkdtemp(prefix="cgrt-bench-")
+        self.stack.callback(shutil.rmtree, folder, ignore_errors=True)
+        self.note(f"torch.compile setups {','.join(names)}: one child process each (minutes)", always=True)
+        return bench_compile.run_setups(names, payload, folder, timeout=self.compile_timeout,
+                                        cgrt_mode=self.cgrt_compile_mode, note=self.note)
+
+    @cached_property
+    def trace_raw(self) -> list[torch.Tensor]:
+        """The mixed trace's steps as packed [n, T] CPU rows (the compile children get these)."""
+        rows = self._rows_stream(2)
+        return [rows.rows(T) for T in trace_widths(self.trace_steps, self.seed)]
 
     @cached_property
     def trace(self) -> Trace:
         self.note("generating the mixed trace")
-        Ts = trace_widths(self.trace_steps, self.seed)
-        raw = [self.rows.rows(T) for T in Ts]
-        return Trace(Ts, [self.rows.host(p) for p in raw], pack(raw, self.pin),
-                     pack([self.rows.padded(p, padded_width(p.shape[1], self.widths)) for p in raw], self.pin))
+        return build_trace(self.trace_raw, self.rows, self.widths, self.pin)

@@ -1,16 +1,15 @@
 """Sections 1-3 of ``cgrt bench``: step time per width, the mixed trace, host overhead."""
 from __future__ import annotations
 
-import functools
-import statistics
 from typing import Any
 
 import torch
 
-from .bench_common import N_SETS, pack, padded_width, time_calls, time_pipelined, time_total
+from .bench_common import N_SETS, measure, measure_trace, pack, padded_width, time_calls
+from .bench_compile import SETUPS
 from .bench_context import Context
 
-VARIANTS = ("eager", "cgrt", "bare", "compile")
+VARIANTS = ("eager", "cgrt", "bare", *(s.variant for s in SETUPS.values()))
 
 STEP_WHAT = {
     "eager": "step_fn at exactly T rows; inputs: one pinned packed host-to-device copy; until synchronize",
@@ -20,9 +19,15 @@ STEP_WHAT = {
             "untimed beforehand); until synchronize",
     "pipelined_us": "per call of back-to-back calls, one synchronize at the end (host work overlaps the "
                     "device work of earlier calls; bare replays without placing inputs)",
-    "compile": "torch.compile(mode='reduce-overhead', dynamic=False) at the padded width; inputs: one "
-               "pinned packed host-to-device copy; until synchronize",
+    **{s.variant: s.what + " [timed in a child process: bench_compile]" for s in SETUPS.values()},
 }
+
+COMPILE_METHOD = (
+    "each compile setup runs in a child process of its own (python -m cudagraph_rt.tools.bench_compile, "
+    "one after another, this process idle meanwhile, timeout per child) over the same ToyConfig and seed, "
+    "the same input sets and trace (this process's CPU tensors, passed in a file) and the same timing "
+    "helpers and settings (bench_common.measure / measure_trace); a crash or timeout makes it "
+    "'unavailable' with the reason and the child's last output lines")
 
 
 def _ratio(a: dict | None, b: dict | None) -> float | None:
@@ -32,71 +37,66 @@ def _ratio(a: dict | None, b: dict | None) -> float | None:
 
 
 def _width_calls(ctx: Context, w: int) -> tuple[dict, dict]:
-    """The four variants' calls at T = w (call i uses input set i mod N_SETS) and the
+    """This process's variants at T = w (call i uses input set i mod N_SETS) and the
     untimed input placement of the bare replay."""
     m, rt, rows = ctx.model, ctx.runtime, ctx.rows
     N = padded_width(w, ctx.widths)
-    raw = [rows.rows(w) for _ in range(N_SETS)]
+    raw = ctx.width_sets[w]
     host = [rows.host(p) for p in raw]
     packed = pack(raw, ctx.pin)
-    padded = pack([rows.padded(p, N) for p in raw], ctx.pin)
     calls = {"eager": lambda i: m.step(ctx.feed(packed[i % N_SETS])),
              "cgrt": lambda i: rt.step(**host[i % N_SETS])}
     prep = {}
     if ctx.bare:
         g = ctx.bare[0][N]
-        dev = [p.to(ctx.device) for p in padded]
+        dev = [p.to(ctx.device) for p in pack([rows.padded(p, N) for p in raw], ctx.pin)]
         calls["bare"] = lambda i: g.graph.replay()
         prep["bare"] = lambda i: g.static.copy_(dev[i % N_SETS])
-    comp = ctx.compiled
-    if comp.fn is not None:
-        calls["compile"] = lambda i: comp.call(ctx.compile_feed(padded[i % N_SETS]))
     return calls, prep
 
 
 def step_time(ctx: Context) -> dict:
-    """1. Median per-call latency per width for the four variants."""
-    ctx.runtime, ctx.bare, ctx.compiled  # noqa: B018 - build (and time) them before any width
-    widths = list(range(1, ctx.widths[-1] + 1)) if ctx.all_widths else list(ctx.widths)
+    """1. Median per-call latency per width: eager, cgrt and bare here; the compile
+    setups from their child processes (run first, over the same input sets)."""
+    ctx.runtime, ctx.bare, ctx.width_sets  # noqa: B018 - build (and time) them before any width
+    runs = ctx.compiled
+    ref, ref_note = runs.reference("step_time")
     kw = {"repeats": ctx.repeats, "warmup": ctx.warmup, "sync": ctx.sync}
     out_rows = []
-    for w in widths:
+    for w in ctx.step_widths:
         ctx.note(f"step time: width {w}")
         calls, prep = _width_calls(ctx, w)
         r: dict[str, Any] = {"width": w, "padded": padded_width(w, ctx.widths), "pipelined_us": {}}
         for name, call in calls.items():
-            try:
-                with torch.inference_mode(name == "eager"):
-                    r[name] = time_calls(call, prepare=prep.get(name), **kw)
-                    r["pipelined_us"][name] = time_pipelined(call, **kw)
-            except Exception as e:
-                if name != "compile":
-                    raise
-                comp = ctx.compiled  # a late compile failure: report it, keep going
-                comp.fn, comp.reason = None, f"failed at width {w}: {type(e).__name__}: {e}"[:300]
-                r.pop(name, None)
+            r[name], r["pipelined_us"][name] = measure(call, prepare=prep.get(name), inference=name == "eager", **kw)
+        for rec in runs:
+            if w in rec["step_time"]:
+                r[rec["variant"]] = rec["step_time"][w]
+                r["pipelined_us"][rec["variant"]] = rec["pipelined_us"][w]
         pipe = r["pipelined_us"]
         r["cgrt_over_bare_pipelined"] = pipe["cgrt"] / pipe["bare"] if "bare" in pipe else None
         r["cgrt_over_bare"] = _ratio(r["cgrt"], r.get("bare"))
         r["eager_over_cgrt"] = _ratio(r["eager"], r["cgrt"])
-        r["compile_over_cgrt"] = _ratio(r.get("compile"), r["cgrt"])
+        r["compile_over_cgrt"] = _ratio(r.get(ref), r["cgrt"]) if ref else None
+        r["cgrt_compile_over_cgrt"] = _ratio(r.get("cgrt_compile"), r["cgrt"])
         out_rows.append(r)
     return {
-        "status": "ok", "what": STEP_WHAT, "widths": widths, "rows": out_rows,
+        "status": "ok", "what": STEP_WHAT, "widths": ctx.step_widths, "rows": out_rows,
         "method": "median of per-call host-clock latency, device synchronized before each call; "
-                  f"{ctx.repeats} calls after {ctx.warmup} warm-up, {N_SETS} random input sets rotated",
+                  f"{ctx.repeats} calls after {ctx.warmup} warm-up, {N_SETS} random input sets rotated; "
+                  + COMPILE_METHOD,
         "capture": ctx.first_capture.to_json() if ctx.first_capture else None,
         "bare_capture_s": ctx.bare[1] if ctx.bare else None,
-        "compile": ctx.compiled.to_json(),
+        "compile": {"reference": ref, "reference_note": ref_note, "setups": runs.to_json()},
     }
 
 
 def mixed_trace(ctx: Context) -> dict:
-    """2. Total time of the mixed trace for the four variants (each step reads its tokens
-    back to the host, as a decode loop does)."""
+    """2. Total time of the mixed trace per variant (each step reads its tokens back to the
+    host, as a decode loop does); the compile setups from their child processes."""
     tr, m, rt, sync = ctx.trace, ctx.model, ctx.runtime, ctx.sync
     bare = ctx.bare[0] if ctx.bare else None
-    comp = ctx.compiled
+    runs = ctx.compiled
 
     def eager(idx):
         with torch.inference_mode():
@@ -114,32 +114,30 @@ def mixed_trace(ctx: Context) -> dict:
             g.graph.replay()
             g.outputs["tokens"][:tr.Ts[i]].cpu()
 
-    def compiled(idx):
-        for i in idx:
-            comp.call(ctx.compile_feed(tr.padded[i]))["tokens"][:tr.Ts[i]].cpu()
-
-    runs = {"eager": eager, "cgrt": cgrt}
+    runs_here = {"eager": eager, "cgrt": cgrt}
     if bare is not None:
-        runs["bare"] = bare_run
-    if comp.fn is not None:
-        runs["compile"] = compiled
-    warm, every = tr.first_of_each_width(), range(len(tr.Ts))
+        runs_here["bare"] = bare_run
     variants: dict[str, Any] = {}
-    for name, fn in runs.items():
+    for name, fn in runs_here.items():
         ctx.note(f"mixed trace: {name}")
         try:
-            fn(warm)
-            totals = [time_total(functools.partial(fn, every), sync) for _ in range(ctx.trace_passes)]
-        except Exception as e:  # noqa: BLE001 - e.g. compile failing at a new shape
+            variants[name] = measure_trace(fn, tr, ctx.trace_passes, sync)
+        except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others
             variants[name] = {"status": "unavailable", "reason": f"{type(e).__name__}: {e}"[:300]}
-            continue
-        total = statistics.median(totals)
-        variants[name] = {"status": "ok", "total_ms": total * 1e3, "mean_step_us": total / len(tr.Ts) * 1e6,
-                          "passes_ms": [t * 1e3 for t in totals]}
-    if "compile" not in variants:
-        variants["compile"] = {"status": "unavailable", "reason": comp.reason}
     if "bare" not in variants:
         variants["bare"] = {"status": "unavailable", "reason": "needs CUDA"}
+    setup_s = {"cgrt_capture": ctx.first_capture.seconds if ctx.first_capture else None,
+               "bare_capture": ctx.bare[1] if ctx.bare else None}
+    for rec in runs:
+        v = rec["variant"]
+        if rec.get("trace"):
+            variants[v] = {**rec["trace"], "process": "child"}
+        else:
+            status = "unavailable" if rec["status"] != "skipped" else "skipped"
+            variants[v] = {"status": status, "reason": rec.get("reason") or "the child did not reach the trace"}
+        if rec.get("seconds") is not None:
+            setup_s[v] = rec["seconds"] + (rec.get("capture_s") or 0.0)
+    ref, ref_note = runs.reference("trace")
     Ts = tr.Ts
     return {
         "status": "ok", "steps": len(Ts), "real_rows": sum(Ts),
@@ -148,11 +146,10 @@ def mixed_trace(ctx: Context) -> dict:
                       "33-64": sum(T > 32 for T in Ts)},
         "method": f"host clock around the whole trace (device idle at both ends), median of {ctx.trace_passes} "
                   "passes after one untimed step per distinct T; every step copies its inputs in and reads its "
-                  "tokens back (.cpu(), a sync per step)",
+                  "tokens back (.cpu(), a sync per step); " + COMPILE_METHOD,
         "variants": variants,
-        "setup_s": {"cgrt_capture": ctx.first_capture.seconds if ctx.first_capture else None,
-                    "bare_capture": ctx.bare[1] if ctx.bare else None,
-                    "compile": comp.seconds if comp.fn is not None else None},
+        "compile": {"reference": ref, "reference_note": ref_note, "setups": runs.to_json()},
+        "setup_s": setup_s,
     }
 
 
