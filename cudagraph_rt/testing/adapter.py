@@ -1,0 +1,219 @@
+"""The adapter protocol: what the width sweep needs from a model, and the toy's adapter.
+
+An adapter builds a runtime over the model, turns a planned step into step inputs, picks
+the tokens and tapped hidden rows out of a step's outputs, and gives an eager reference
+for one sequence. Everything else (plans, checks, report) is model-agnostic.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+
+import torch
+
+from ..buffers import InputSpec
+from ..errors import InputError, expected
+from ..models.toy import ToyConfig, ToyDecoder
+from ..runtime import GraphRuntime
+from .checks import Tolerance
+from .plans import Capacity, StepPlan
+
+REQUIRED = ("name", "device", "capacity", "build", "step_inputs", "reference")
+
+
+@runtime_checkable
+class SweepAdapter(Protocol):
+    """What ``run_sweep`` needs. Subclass :class:`BaseAdapter` for the optional hooks.
+
+    * ``name`` (str), ``device`` (torch.device), ``capacity`` (:class:`Capacity`).
+    * ``build(graphs)`` -> a NEW GraphRuntime over model state as if fresh (KV cache reset):
+      the harness builds one per graph mode and closes it after that mode.
+    * ``step_inputs(step)`` -> the keyword inputs of ``rt.step`` for a :class:`StepPlan`
+      (its per-row columns ``seq_ids``, ``positions``, ``tokens``, ``want``; its ``chunks``).
+    * ``reference(tokens)`` -> ``(greedy [L], hidden [L, H] or None)``: eager, one sequence,
+      positions 0..L-1, reads and writes no runtime state.
+
+    Optional hooks (defaults in :class:`BaseAdapter`): ``outputs``, ``continuation``,
+    ``release``, ``check_state``, ``cli_args``, ``tolerance``.
+    """
+
+    name: str
+    device: torch.device
+    capacity: Capacity
+
+    def build(self, graphs: bool) -> GraphRuntime: ...
+
+    def step_inputs(self, step: StepPlan) -> Mapping[str, Any]: ...
+
+    def reference(self, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
+class BaseAdapter:
+    """Default optional hooks; the harness falls back to these for duck-typed adapters.
+
+    * ``outputs(outputs)`` -> ``(tokens [T] int, hidden [T, H] or None)`` from
+      ``StepResult.outputs``: greedy token where the row wants one, -1 elsewhere (default:
+      the "tokens" and "hidden" entries of a dict).
+    * ``continuation(prompt, n)``: the n greedy tokens after ``prompt`` (default: n calls of
+      ``reference``; override with a faster rule — the harness re-checks it anyway).
+    * ``release(seq)``: sequence id ``seq`` is being handed to a new sequence that starts
+      at position 0 (free its cache pages here if the model needs that; default nothing).
+    * ``check_state()``: model invariants after each step, as messages (default none).
+    * ``cli_args()``: ``cgrt sweep`` flags that rebuild this adapter, or None when the CLI
+      cannot (then failures print a Python call to reproduce them).
+    * ``tolerance``: a ``Tolerance`` for the hidden rows, or None (chosen by dtype).
+    """
+
+    tolerance = None
+
+    def outputs(self, outputs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        try:
+            return outputs["tokens"], outputs.get("hidden") if isinstance(outputs, Mapping) else None
+        except (KeyError, TypeError, IndexError):
+            raise InputError(expected("adapter.outputs", "a dict with 'tokens' (and 'hidden')",
+                                      type(outputs).__name__)) from None
+
+    def continuation(self, prompt: list[int], n: int) -> list[int]:
+        toks = list(prompt)
+        for _ in range(n):
+            toks.append(int(self.reference(toks)[0][-1]))
+        return toks[len(prompt):]
+
+    def release(self, seq: int) -> None:
+        return None
+
+    def check_state(self) -> list[str]:
+        return []
+
+    def cli_args(self) -> list[str] | None:
+        return None
+
+
+def check_adapter(adapter: Any) -> None:
+    """InputError naming the first missing or malformed member of the protocol."""
+    for name in REQUIRED:
+        if not hasattr(adapter, name):
+            raise InputError(expected("adapter", f"an object with {', '.join(REQUIRED)}",
+                                      f"{type(adapter).__name__} without {name!r}"))
+    for name in REQUIRED[3:]:
+        if not callable(getattr(adapter, name)):
+            raise InputError(expected(f"adapter.{name}", "a method", type(getattr(adapter, name)).__name__))
+    if not isinstance(adapter.capacity, Capacity):
+        raise InputError(expected("adapter.capacity", "a Capacity(max_seqs, max_len, vocab)",
+                                  type(adapter.capacity).__name__))
+    if not isinstance(adapter.device, torch.device):
+        raise InputError(expected("adapter.device", "a torch.device", repr(adapter.device)))
+
+
+def hook(adapter: Any, name: str):
+    """The adapter's optional hook ``name``, or BaseAdapter's default bound to it."""
+    fn = getattr(adapter, name, None)
+    if fn is not None:
+        return fn
+    default = getattr(BaseAdapter, name)
+    return default.__get__(adapter) if callable(default) else default
+
+
+class ToyAdapter(BaseAdapter):
+    """The embedded toy decoder (``models/toy.py``) under the sweep.
+
+    One ToyDecoder lives as long as the adapter; ``build`` resets its KV cache and wraps
+    ``model.step`` in a new runtime. Sequence ids are reused WITHOUT freeing: the toy only
+    shows a cell to rows of the same id at a later position, and every new sequence
+    rewrites its cells from position 0 in order (see the ToyDecoder docstring), so a
+    correct runtime needs nothing else — and stale rows replayed by a broken one corrupt
+    the new sequence's cells, which the comparison then sees.
+    """
+
+    def __init__(self, config: ToyConfig | None = None, device: str | torch.device | None = None,
+                 widths: Sequence[int] | None = None):
+        self.config = config or ToyConfig.tiny()
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise InputError(expected("device", "a torch device such as 'cpu' or 'cuda'", repr(device))) from None
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise InputError(expected("device", "a device this machine has", f"{device} (no CUDA here)"))
+        self.widths = tuple(widths) if widths is not None else None
+        self.model = ToyDecoder(self.config, self.device)
+        self.capacity = Capacity(self.config.max_seqs, self.config.max_len, self.config.vocab)
+        self.tolerance = Tolerance.for_dtype(self.config.dtype, self.device)
+        self.name = f"toy {self._size()} {str(self.config.dtype).replace('torch.', '')}"
+
+    def _size(self) -> str:
+        """"tiny" / "bench" when the config is one of those (any dtype), else "custom"."""
+        c = self.config
+        for size, make in (("bench", ToyConfig.bench), ("tiny", ToyConfig.tiny)):
+            if c == make(dtype=c.dtype):
+                return size
+        return "custom"
+
+    def input_specs(self) -> dict[str, InputSpec]:
+        """The runtime's inputs: the toy's own specs (pad cell = its scratch cell)."""
+        return self.model.inputs()
+
+    def build(self, graphs: bool) -> GraphRuntime:
+        self.model.reset_cache()
+        return GraphRuntime(self.model.step, self.input_specs(), widths=self.widths,
+                            graphs=graphs, device=self.device)
+
+    def step_inputs(self, step: StepPlan) -> dict[str, torch.Tensor]:
+        def col(v) -> torch.Tensor:  # host rows: the runtime stages them in one copy per step
+            return torch.tensor(v, dtype=torch.int64)
+
+        cells = [self.model.cell_for(s, p) for s, p in zip(step.seq_ids, step.positions)]
+        return dict(tokens=col(step.tokens), positions=col(step.positions), seq_ids=col(step.seq_ids),
+                    cells=col(cells), want=col([int(w) for w in step.want]))
+
+    def reference(self, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.reference(list(tokens))
+
+    def continuation(self, prompt: list[int], n: int) -> list[int]:
+        """Guess with the rule the weights implement, then let the reference correct the
+        first wrong token and guess again: one reference call when the rule holds (it is
+        built to), never a wrong answer when it does not."""
+        toks, m = list(prompt), self.model
+
+        def regrow(upto: int) -> None:  # keep toks[:upto], guess the rest by the rule
+            del toks[upto:]
+            while len(toks) < len(prompt) + n:
+                toks.append(m.design_next(toks[-2] if len(toks) > 1 else toks[-1], toks[-1]))
+
+        regrow(len(prompt))
+        while n:
+            greedy = m.reference(toks)[0].tolist()
+            bad = next((p for p in range(len(prompt) - 1, len(toks) - 1) if greedy[p] != toks[p + 1]), None)
+            if bad is None:
+                break
+            toks[bad + 1] = greedy[bad]  # right now: everything before it was right
+            regrow(bad + 2)
+        return toks[len(prompt):]
+
+    def check_state(self) -> list[str]:
+        """Padding rows own no live cell: the padding seq id may only own the scratch cell."""
+        pad_seq = self.input_specs()["seq_ids"].pad
+        m = self.model
+        stolen = (m.cell_owner[:m.num_cells] == pad_seq).nonzero().flatten()
+        if stolen.numel() == 0:
+            return []
+        cells = stolen[:4].tolist()
+        where = ", ".join(f"{c} (seq {c // self.config.max_len}, pos {c % self.config.max_len})" for c in cells)
+        return [(f"padding rows wrote live cell(s) {where}{' ...' if stolen.numel() > 4 else ''}: "
+                 f"{stolen.numel()} cell(s) outside the scratch cell {m.scratch_cell} are owned by the padding "
+                 f"seq id {pad_seq}; the pad of 'cells' must be the scratch cell")]
+
+    def cli_args(self) -> list[str] | None:
+        c, size = self.config, self._size()
+        if size == "custom":
+            return None  # the CLI cannot rebuild it
+        args = ["--bench-size"] if size == "bench" else []
+        default_dtype = (ToyConfig.bench() if size == "bench" else ToyConfig.tiny()).dtype
+        if c.dtype != default_dtype:
+            args += ["--dtype", str(c.dtype).replace("torch.", "")]
+        machine = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device.type != machine:
+            args += ["--device", self.device.type]
+        if self.widths is not None:
+            args += ["--widths", ",".join(map(str, self.widths))]
+        return args
