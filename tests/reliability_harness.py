@@ -1,0 +1,203 @@
+"""Shared rig for the reliability tests (issue 7): a runtime over a SlotModel, its eager
+reference, byte snapshots of everything a step may write, and a checked valid step.
+
+The reference is the same model (same seed) run unpadded at exactly T rows, as in
+tests/test_runtime.py::test_stateful_model_graphs_off_matches_unpadded_reference. It is
+run for every step the runtime's model ran, so its state (KV slots) tracks the model's
+and ``check_state`` can compare every real slot.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from cudagraph_rt import GraphRuntime, HostRows, InputSpec
+from models_for_tests import SlotModel
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+class ScaleChooser(SlotModel):
+    """SlotModel that chooses its accepted rows on the device: the rows whose ``scale`` is
+    above 0.5, packed in row order. Padding rows have scale 0 (the pad), so they are never
+    chosen: this is the contract a device chooser must keep (see guarantees.md)."""
+
+    def __call__(self, x):
+        out = super().__call__(x)
+        keep = (x["scale"][:, 0] > 0.5).to(torch.int32)
+        out["accept_rows"] = torch.sort(1 - keep, stable=True).indices.to(torch.int32)
+        out["accept_count"] = keep.sum().to(torch.int32).reshape(1)
+        return out
+
+
+def chosen_by_scale(x) -> list[int]:
+    return [i for i, s in enumerate(x["scale"][:, 0].tolist()) if s > 0.5]
+
+
+EXTRA_SPECS = {
+    "pos": InputSpec((), torch.int32, 0),
+    "flag": InputSpec((), torch.bool, False),
+    "u8": InputSpec((), torch.uint8, 7),
+    "bias": InputSpec((2,), torch.float16, 0.0),
+}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A byte copy: compares NaN poison and -0.0 exactly (torch.equal does not)."""
+    return t.detach().contiguous().view(-1).view(torch.uint8).clone()
+
+
+def fresh_gen() -> torch.Generator:
+    return torch.Generator().manual_seed(torch.seed() % 2**31)
+
+
+class Rig:
+    """A GraphRuntime (graphs off unless ``device='cuda'`` and ``graphs=True``) over a
+    SlotModel plus its reference. ``mode``: None or a HostRows mode."""
+
+    def __init__(self, mode=None, *, device="cpu", graphs=False, depth=3, capacity=None,
+                 n_slots=256, extra=False, seed=None, model_cls=None, H=32, gen=None, **kw):
+        seed = int(torch.randint(0, 1000, (1,))) if seed is None else seed
+        cls = model_cls or (ScaleChooser if mode == "device" else SlotModel)
+        self.m = cls(device, H=H, n_slots=n_slots, seed=seed)
+        self.ref = cls(device, H=H, n_slots=n_slots, seed=seed)
+        self.mode, self.device, self.extra = mode, device, extra
+        specs = dict(self.m.specs())
+        if extra:
+            specs.update(EXTRA_SPECS)
+        self.specs = specs
+        hr = HostRows(source="hidden", mode=mode, depth=depth, capacity=capacity) if mode else None
+        self.rt = GraphRuntime(self.m, specs, graphs=graphs, device=device, host_rows=hr, **kw)
+        self.gen = gen or fresh_gen()
+        self.kept = []  # (handle, expected rows on the host) still held
+
+    # -- inputs ------------------------------------------------------------------------
+    def inputs(self, T: int) -> dict:
+        x = self.m.random_inputs(T, gen=self.gen)
+        if self.extra:
+            x["pos"] = torch.randint(-2**31, 2**31 - 1, (T,), generator=self.gen, dtype=torch.int64).to(torch.int32)
+            x["flag"] = torch.rand(T, generator=self.gen) > 0.5
+            x["u8"] = torch.randint(0, 256, (T,), generator=self.gen).to(torch.uint8)
+            x["bias"] = torch.randn(T, 2, generator=self.gen).to(torch.float16)
+        return x
+
+    def random_rows(self, T: int, cap: int | None = None) -> list[int]:
+        cap = min(T, cap if cap is not None else self.rt._capacity)
+        k = int(torch.randint(0, cap + 1, (1,), generator=self.gen))
+        return torch.randperm(T, generator=self.gen)[:k].tolist()
+
+    def reference(self, x) -> dict:
+        """The reference model, unpadded, on exactly these T rows (cast to the spec dtypes)."""
+        out = {}
+        for k, v in x.items():
+            if isinstance(v, torch.Tensor):
+                t = v
+            else:
+                a = np.array(v)  # a copy: any strides, any numeric dtype
+                t = torch.from_numpy(a.astype(np.int64) if a.dtype.kind == "u" else a)
+            out[k] = t.to(self.device).to(self.specs[k].dtype)
+        return self.ref(out)
+
+    def max_T(self) -> int:
+        return 139 if self.rt.slicing else self.rt._rows
+
+    # -- snapshots ---------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        """Bytes of every buffer a step or commit may write, and the runtime's counters."""
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        rt, s = self.rt, {}
+        s["arena"] = bits(rt._inputs.arena)
+        s["staging"] = [bits(b) for b in rt._inputs.staging]
+        s["state"] = bits(self.m.state[:-1])  # real KV slots; padding rows may write the scratch slot
+        st = rt.stats()
+        s["stats"] = (st.steps, st.slices, st.padding_rows, dict(st.graph_replays), dict(st.eager_calls),
+                      dict(st.dynamic_calls), st.commits)
+        if rt._ring is not None:
+            s["ring"] = (bits(rt._ring.dst), bits(rt._ring.meta), rt._ring._next, list(rt._ring._gen),
+                         rt._ring._step)
+        if rt._snap is not None:
+            s["snap"] = (bits(rt._snap), bits(rt._snap_meta), list(rt._snap_gen), rt._snap_next)
+        return s
+
+    def assert_unchanged(self, before: dict) -> None:
+        """Every buffer in ``before`` has the same bytes (a buffer built since, such as the
+        host-row ring the first step's probe sizes, is new memory, not a write)."""
+        after = self.snapshot()
+        assert before.keys() <= after.keys()
+        for k in before:
+            a, b = before[k], after[k]
+            if isinstance(a, torch.Tensor):
+                assert torch.equal(a, b), f"{k} changed"
+            elif isinstance(a, (list, tuple)):
+                assert len(a) == len(b), k
+                for i, (u, v) in enumerate(zip(a, b)):
+                    if isinstance(u, torch.Tensor):
+                        assert torch.equal(u, v), f"{k}[{i}] changed"
+                    else:
+                        assert u == v, f"{k}[{i}] changed: {u} -> {v}"
+            else:
+                assert a == b, f"{k} changed"
+
+    # -- a checked valid step ----------------------------------------------------------
+    def poison_next_slot(self) -> None:
+        """NaN into the ring slot the next shipping step will use (it is free), so a row the
+        gather should have written but did not shows up."""
+        ring = self.rt._ring
+        if ring is None:
+            return
+        ref = ring._held[ring._next]
+        h = ref() if ref is not None else None
+        if h is None or h.released:
+            ring.dst[ring._next].fill_(float("nan"))
+            ring.meta[ring._next].fill_(-7)
+
+    def step(self, T: int | None = None, *, rows="random", hold: bool = False, x=None):
+        """One valid step, checked against the reference: outputs, host rows (if any),
+        every real KV slot. Returns (result, reference outputs)."""
+        if T is None:
+            T = int(torch.randint(1, self.max_T() + 1, (1,), generator=self.gen))
+        x = x if x is not None else self.inputs(T)
+        if self.mode == "host" and isinstance(rows, str):
+            rows = self.random_rows(T)
+        elif self.mode != "host":
+            rows = None
+        self.poison_next_slot()
+        res = self.rt.step(rows=rows, **x) if rows is not None else self.rt.step(**x)
+        want = self.reference(x)
+        assert res.T == T
+        got = res.outputs["hidden"]
+        assert got.shape == want["hidden"].shape
+        torch.testing.assert_close(got, want["hidden"], **TOL)
+        self.check_state()
+        if self.mode in ("host", "device"):
+            if self.mode == "host":
+                want_rows = rows.tolist() if isinstance(rows, (torch.Tensor, np.ndarray)) else list(rows or [])
+                want_rows = [int(i) for i in want_rows]
+            else:
+                want_rows = chosen_by_scale(x)
+            if self.mode == "host" and rows is None:
+                assert res.host_rows is None
+            else:
+                h = res.host_rows
+                assert h is not None
+                exp = want["hidden"][want_rows].cpu()
+                if len(want_rows) <= self.rt._ring.capacity:
+                    assert h.count == len(want_rows)
+                    assert h.indices().tolist() == want_rows
+                    torch.testing.assert_close(h.rows(), exp, **TOL)
+                if hold:
+                    self.kept.append((h, exp))
+                else:
+                    h.release()
+        return res, want
+
+    def check_state(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        torch.testing.assert_close(self.m.state[:-1], self.ref.state[:-1], **TOL)
+
+    def check_kept(self) -> None:
+        """Every held handle still reads the rows of its own step."""
+        for h, exp in self.kept:
+            torch.testing.assert_close(h.rows(), exp, **TOL)
