@@ -39,6 +39,8 @@ class InputSpec:
         object.__setattr__(self, "shape", shape)
         if not isinstance(self.dtype, torch.dtype):
             raise InputError(expected("InputSpec.dtype", "a torch.dtype", self.dtype))
+        if self.dtype.is_complex:
+            raise InputError(expected("InputSpec.dtype", "a real (bool, integer or floating) dtype", self.dtype))
         pad = self.pad
         if isinstance(pad, (np.integer, np.floating, np.bool_)):
             pad = pad.item()
@@ -99,7 +101,7 @@ def _as_tensor(name: str, value: Any, spec: InputSpec) -> torch.Tensor:
     if isinstance(value, np.ndarray):
         if value.dtype == object or value.dtype.kind not in "biuf":
             raise InputError(expected(name, "a numeric array", f"numpy dtype {value.dtype}"))
-        return torch.from_numpy(np.ascontiguousarray(value))
+        return torch.from_numpy(np.ascontiguousarray(value) if value.ndim else value.copy())
     if isinstance(value, (list, tuple)):
         try:
             return torch.as_tensor(value)
@@ -110,9 +112,32 @@ def _as_tensor(name: str, value: Any, spec: InputSpec) -> torch.Tensor:
     )
 
 
+_MANTISSA = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53}
+
+
 def _cast(name: str, t: torch.Tensor, spec: InputSpec) -> torch.Tensor:
     """Cast only where no value can change; host integers may narrow after a range check."""
     if t.dtype == spec.dtype:
+        return t
+    if t.dtype in (torch.uint16, torch.uint32, torch.uint64):  # no promotion rules, no min/max
+        if t.device.type != "cpu":
+            raise InputError(expected(name, f"dtype {spec.dtype} (or one that casts to it safely)", t.dtype))
+        a = t.numpy()
+        if a.size and int(a.max()) > torch.iinfo(torch.int64).max:
+            raise InputError(expected(name, f"values that fit {spec.dtype}", f"values up to {int(a.max())}"))
+        t = torch.from_numpy(a.astype(np.int64))
+        if spec.dtype == torch.int64:
+            return t
+    if spec.dtype.is_floating_point and not t.dtype.is_floating_point and t.dtype != torch.bool:
+        # an integer is exact in a float only up to 2**mantissa
+        lim = 2 ** _MANTISSA.get(spec.dtype, 24)
+        if t.device.type == "cpu":
+            if t.numel() and int(t.abs().max()) > lim:
+                raise InputError(expected(name, f"integers of magnitude <= 2**{_MANTISSA.get(spec.dtype, 24)} "
+                                          f"(exact in {spec.dtype})", f"up to {int(t.abs().max())}"))
+            return t
+        if max(abs(torch.iinfo(t.dtype).min), torch.iinfo(t.dtype).max) > lim:
+            raise InputError(expected(name, f"dtype {spec.dtype} (or one that casts to it exactly)", t.dtype))
         return t
     if torch.promote_types(t.dtype, spec.dtype) == spec.dtype:
         return t  # safe: the copy into the static buffer casts
@@ -242,6 +267,8 @@ class StaticInputs:
             t = inputs[name]
             if type(t) is not torch.Tensor:
                 t = _as_tensor(name, t, spec)
+            if t.layout is not torch.strided or t.is_nested:
+                raise InputError(expected(name, "a dense (strided) tensor", f"layout {t.layout}"))
             if t.dim() != ndim or t.shape[1:] != shape:
                 raise InputError(
                     expected(name, f"shape (T, {', '.join(map(str, shape))})".replace(", )", ")"), tuple(t.shape))
@@ -287,6 +314,16 @@ class StaticInputs:
         )
 
     # -- writing -----------------------------------------------------------------------
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Pad values into every row of the device arena and zeros into its control blocks
+        (stream-ordered), so that warm-up and capture run on padding rows only, whatever
+        the last step left there."""
+        for name, spec in self.specs.items():
+            self._full[name].fill_(spec.pad)
+        for name in self.control_specs:
+            self._full[name].zero_()
+
     def _wait_staging(self, k: int) -> None:
         if self._events and self._events[k] is not None:
             self._events[k].synchronize()

@@ -22,14 +22,22 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
     for name, (module, help_) in COMMANDS.items():
         sp = sub.add_parser(name, help=help_, description=help_)
+        try:
+            tool = importlib.import_module(f"cudagraph_rt.tools.{module}")
+        except ImportError as e:  # one missing or broken tool must not take the others down
+            sp.set_defaults(_module=None, _unavailable=f"cgrt {name}: unavailable ({type(e).__name__}: {e})")
+            continue
         sp.set_defaults(_module=module)
-        importlib.import_module(f"cudagraph_rt.tools.{module}").add_arguments(sp)
+        tool.add_arguments(sp)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "_unavailable", None):
+        print(args._unavailable, file=sys.stderr)
+        return 2
     if not getattr(args, "_module", None):
         parser.print_help()
         return 2

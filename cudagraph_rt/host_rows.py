@@ -68,17 +68,30 @@ def check_host_rows(rows: Any, T: int, capacity: int, allow_duplicates: bool) ->
         if t.device.type != "cpu":
             raise InputError(expected("rows", "host row indices (list, numpy or CPU tensor)", f"a tensor on {t.device}"))
     elif isinstance(rows, np.ndarray):
-        t = torch.from_numpy(np.ascontiguousarray(rows))
+        if rows.dtype.kind not in "biuf":
+            raise InputError(expected("rows", "integer row indices", f"numpy dtype {rows.dtype}"))
+        if rows.dtype.kind == "u" and rows.size and int(rows.max()) >= T:
+            raise InputError(expected("rows", f"indices in [0, {T})", f"index {int(rows.max())}"))
+        rows = rows.astype(np.int64) if rows.dtype.kind == "u" else rows
+        t = torch.from_numpy(np.ascontiguousarray(rows) if rows.ndim else rows.copy())
     elif isinstance(rows, (list, tuple, range)):
         if not all(isinstance(r, (int, np.integer)) and not isinstance(r, bool) for r in rows):
             raise InputError(expected("rows", "integer row indices", f"{list(rows)[:8]}"))
-        t = torch.tensor(list(rows), dtype=torch.int64)
+        try:
+            t = torch.tensor(list(rows), dtype=torch.int64)
+        except (OverflowError, RuntimeError, ValueError):
+            raise InputError(expected("rows", f"indices in [0, {T})", "an index beyond int64")) from None
     else:
         raise InputError(expected("rows", "a list, numpy array or CPU tensor of row indices", type(rows).__name__))
     if t.dim() != 1:
         raise InputError(expected("rows", "a 1-D list of row indices", f"shape {tuple(t.shape)}"))
     if t.dtype.is_floating_point or t.dtype == torch.bool or t.dtype.is_complex:
         raise InputError(expected("rows", "integer row indices", f"dtype {t.dtype}"))
+    if t.dtype in (torch.uint16, torch.uint32, torch.uint64):  # min()/max() lack these
+        a = t.numpy()
+        if a.size and int(a.max()) >= T:
+            raise InputError(expected("rows", f"indices in [0, {T})", f"index {int(a.max())}"))
+        t = torch.from_numpy(a.astype(np.int64))
     if t.numel() > capacity:
         raise CapacityError(expected("rows", f"at most {capacity} rows (HostRows.capacity)", f"{t.numel()} rows"))
     if t.numel():
@@ -135,6 +148,11 @@ class HostRowRing:
         self._next = (slot + 1) % self.depth
         self._gen[slot] += 1
         return slot
+
+    def unacquire(self, slot: int) -> None:
+        """Give back a slot taken by a step that then failed: the next step takes it again.
+        (Its generation stays bumped: no handle of an earlier step can read it.)"""
+        self._next = slot
 
     def publish(self, slot: int, T: int, host_count: int | None) -> "HostRowsHandle":
         """Record the slot's event on the current stream and hand out its handle."""

@@ -50,6 +50,7 @@ class StepResult:
     slices: tuple[Slice, ...]
     host_rows: HostRowsHandle | None = None
     snapshot: tuple[int, int] | None = field(default=None, repr=False)  # (slot, generation)
+    owner: object = field(default=None, repr=False, compare=False)  # the runtime's token
 
 
 @dataclass(frozen=True)
@@ -171,6 +172,7 @@ class GraphRuntime:
             control = {"__rows__": (self._rows, torch.int32), "__ctrl__": (4, torch.int32)}
         self._inputs = StaticInputs(inputs, self._rows, self.device, control)
         self._lock = threading.Lock()
+        self._token = object()  # marks the StepResults this runtime made (commit checks it)
         self._plans: dict[int, tuple[Slice, ...]] = {}
         self._spec = None  # output tree structure, fixed by the first call
         self._count_leaf_index = -1
@@ -207,7 +209,8 @@ class GraphRuntime:
 
     def static_inputs(self, width: int) -> dict[str, torch.Tensor]:
         """The device views a graph of ``width`` reads: rows ``[:width]`` of the arena."""
-        if width not in self.widths and not (self.widths[-1] < width <= self._rows):
+        self._check_open("static_inputs")
+        if isinstance(width, bool) or not isinstance(width, int) or (width not in self.widths and not (self.widths[-1] < width <= self._rows)):
             raise InputError(expected("width", f"one of {self.widths} or a dynamic width", width))
         return self._inputs.views(width)
 
@@ -215,6 +218,7 @@ class GraphRuntime:
         """Zero-copy host path: pinned rows ``[:T]`` of the staging arena the next step will
         use. Fill them in place and pass them (unchanged views) to ``step``; the packing is
         skipped and one host-to-device copy remains. Valid until that step."""
+        self._check_open("host_inputs")
         self._check_single_slice(T, "host_inputs")
         return self._inputs.host_views(T)
 
@@ -222,8 +226,13 @@ class GraphRuntime:
         """Zero-copy device path: rows ``[:T]`` of the static device arena. Write them with
         your own device ops on the current stream and pass the views to ``step``: no
         copy is made, only the padding rows are filled."""
+        self._check_open("device_inputs")
         self._check_single_slice(T, "device_inputs")
         return self._inputs.views(T)
+
+    def _check_open(self, what: str) -> None:
+        if self._inputs is None:
+            raise CgrtError(f"GraphRuntime.{what}: the runtime was closed")
 
     def _check_single_slice(self, T: int, what: str) -> None:
         if len(self.plan(T)) > 1:
@@ -236,12 +245,20 @@ class GraphRuntime:
         Idempotent. With graphs off it only checks the step function's output structure.
         Raises CaptureError (see the class docstring); widths captured before still replay.
         """
+        self._check_open("capture")
         if self._ready:
             return self.capture_report
         t0 = time.perf_counter()
         self._probe()
         reports = []
         if self.graphs:
+            # Warm-up and capture run the step function for real: on padding rows only, with
+            # every gather pointed at the spare ring / snapshot slot (recapture() comes after
+            # real steps; their rows, KV slots and held host rows must not be touched again).
+            self._inputs.reset()
+            if self.host_rows_config is not None:
+                spare = torch.tensor([0, self._ring.spare, self.host_rows_config.depth, 0], dtype=torch.int32)
+                self._inputs.control("__ctrl__").copy_(spare)
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
             base = torch.cuda.memory_reserved(self.device)
@@ -284,6 +301,7 @@ class GraphRuntime:
         """Drop every graph and its pool and capture again: call it after a tensor the
         step reads or writes (a weight, a KV pool) was replaced or reallocated."""
         with self._lock:
+            self._check_open("recapture")
             self._drop_graphs()
             return self.capture()
 
@@ -294,7 +312,8 @@ class GraphRuntime:
             self._drop_graphs()
             self._inputs = None
             self._ring = None
-            self._snap = None
+            self._snap = self._snap_meta = self._iota = None
+            self._width_count = {}
 
     def __enter__(self) -> "GraphRuntime":
         return self
@@ -329,9 +348,12 @@ class GraphRuntime:
                                       f"mode {hr.mode if hr else None!r}"))
         if not isinstance(result, StepResult):
             raise InputError(expected("result", "a StepResult of this runtime", type(result).__name__))
+        if result.owner is not self._token:
+            raise InputError(expected("result", "a StepResult of this runtime", "one this runtime did not make"))
         if not self._lock.acquire(blocking=False):
             raise BusyError("GraphRuntime.commit: another thread is inside this runtime")
         try:
+            self._check_open("commit")
             if result.snapshot is None:
                 raise CapacityError(expected("result", "a one-slice step (sliced steps keep no snapshot)",
                                              f"a step of {len(result.slices)} slices"))
@@ -389,6 +411,14 @@ class GraphRuntime:
             self._ring.check_free()
         # -- nothing was written above this line --
         slot = self._ring.acquire() if ships else None
+        try:
+            return self._step_body(prep, T, slices, multi, hr, idx, ships, slot)
+        except BaseException:
+            if slot is not None:
+                self._ring.unacquire(slot)  # a failed step does not use up a ring turn
+            raise
+
+    def _step_body(self, prep, T, slices, multi, hr, idx, ships, slot) -> StepResult:
         snap = None
         if hr is not None and hr.mode == "commit" and not multi:
             snap = self._snap_next
@@ -399,7 +429,7 @@ class GraphRuntime:
             one = not multi and ships
             count = len(idx) if (one and idx is not None) else 0
             control = {"__ctrl__": (count, slot if one else self._ring.spare,
-                                    snap if snap is not None else hr.depth, 0)}
+                                    snap if snap is not None else hr.depth, 0 if multi else T)}
             if one and idx is not None:
                 control["__rows__"] = idx.numpy()
         if not multi:
@@ -414,7 +444,7 @@ class GraphRuntime:
         self._steps += 1
         handle = self._ring.publish(slot, T, len(idx) if idx is not None else None) if ships else None
         return StepResult(outputs, T, slices, handle,
-                          (snap, self._snap_gen[snap]) if snap is not None else None)
+                          (snap, self._snap_gen[snap]) if snap is not None else None, self._token)
 
     def _plan_cached(self, T: int) -> tuple[Slice, ...]:
         plan = self.plan(T)
@@ -476,7 +506,7 @@ class GraphRuntime:
             hr = self.host_rows_config
             r = _key_get(out, hr.rows_output, "rows_output")
             c = _key_get(out, hr.count_output, "count_output")
-            acc[2].append((s.start, r[:s.length].long(), c.reshape(-1)[:1].long()))
+            acc[2].append((s.start, s.width, r[:s.length].long(), c.reshape(-1)[:1].long()))
         return acc
 
     def _gather_sliced(self, outputs: Any, idx, slot: int, T: int, slice_rows: list) -> Any:
@@ -489,18 +519,28 @@ class GraphRuntime:
             count = torch.tensor([idx.numel()], dtype=torch.int32).to(self.device, non_blocking=True)
         else:
             mask = torch.zeros(T + 1, dtype=torch.int32, device=self.device)
-            for start, r, c in slice_rows:
+            bad = torch.zeros((), dtype=torch.bool, device=self.device)
+            for start, width, r, c in slice_rows:
                 j = torch.arange(r.numel(), device=self.device)
-                ok = (j < c) & (r >= 0) & (r < r.numel())
+                used = j < c
+                ok = used & (r >= 0) & (r < r.numel())  # rows [length, width) are padding: dropped
+                bad = bad | (used & ((r < 0) | (r >= width))).any() | (c < 0).any() | (c > width).any()
                 mask.index_fill_(0, torch.where(ok, r + start, T), 1)
             mask = mask[:T]
-            order = torch.sort(1 - mask, stable=True).indices
-            rows = order.to(torch.int32)
-            count = mask.sum().to(torch.int32).reshape(1)
-            outputs = dict(outputs) if isinstance(outputs, dict) else outputs
+            order = torch.sort(1 - mask, stable=True).indices.to(torch.int32)
+            n_ok = mask.sum().to(torch.int32)
+            # A bad index in any slice: one out-of-range sentinel after the good rows, so the
+            # gather flags it (DeviceRowIndexError on read) exactly as a one-slice step does.
+            rows = torch.cat([order, order.new_full((1,), T)])
+            rows = torch.where((torch.arange(T + 1, device=self.device) == n_ok) & bad, T, rows)
+            count = (n_ok + bad.to(torch.int32)).reshape(1)
             if isinstance(outputs, dict):
-                outputs[hr.rows_output] = rows
-                outputs[hr.count_output] = count
+                outputs = dict(outputs)
+                outputs[hr.rows_output], outputs[hr.count_output] = order, n_ok.reshape(1)
+            elif type(outputs) in (list, tuple):
+                out = list(outputs)
+                out[hr.rows_output], out[hr.count_output] = order, n_ok.reshape(1)
+                outputs = type(outputs)(out)
         slot_t = torch.tensor([slot], dtype=torch.int32).to(self.device, non_blocking=True)
         self._gather(src, rows, count, self._ring.dst, self._ring.meta, dst_slot=slot_t)
         return outputs
@@ -520,10 +560,15 @@ class GraphRuntime:
             self._gather(src, self._inputs.control("__rows__")[:n], ctrl[0:1],
                          self._ring.dst, self._ring.meta, dst_slot=ctrl[1:2])
         elif hr.mode == "device":
-            rows = _key_get(out, hr.rows_output, "HostRows.rows_output")
-            count = _key_get(out, hr.count_output, "HostRows.count_output")
-            self._gather(src, rows.reshape(-1)[:n], count.reshape(-1)[:1],
-                         self._ring.dst, self._ring.meta, dst_slot=ctrl[1:2])
+            rows = _key_get(out, hr.rows_output, "HostRows.rows_output").reshape(-1)[:n]
+            count = _key_get(out, hr.count_output, "HostRows.count_output").reshape(-1)[:1].to(torch.int32)
+            # Padding rows [T, n) are never shipped: drop them, keep the order of the rest
+            # (indices outside [0, n) stay, so the gather still flags them). ctrl[3] = T.
+            used = torch.arange(rows.numel(), device=rows.device) < count
+            pad = used & (rows >= ctrl[3]) & (rows < n)
+            order = torch.sort(pad.to(torch.int8), stable=True).indices
+            rows, count = rows[order], count - pad.sum().to(torch.int32)
+            self._gather(src, rows, count, self._ring.dst, self._ring.meta, dst_slot=ctrl[1:2])
         else:
             self._gather(src, self._iota[:n], self._width_count[n], self._snap, self._snap_meta,
                          dst_slot=ctrl[2:3])

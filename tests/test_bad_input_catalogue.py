@@ -7,8 +7,10 @@ snapshots and the counters are compared with a snapshot taken before the call, a
 valid step afterwards must still match the eager reference (the model run unpadded at
 exactly T rows), with every real KV slot equal to the reference's.
 
-Tests marked xfail(strict=True) document a bug; the fix is in the test's reason and in the
-issue-7 report. They turn into failures (XPASS) once the bug is fixed: then drop the mark.
+Several tests here first documented bugs (as strict xfails) and now guard their fixes:
+a foreign StepResult in commit(), padding rows shipped in device mode, sliced device-mode
+rows, a failed step using up a ring turn, methods after close(), raw errors for unsigned,
+sparse, 0-d and complex inputs, and one broken tool taking the whole CLI down.
 """
 from __future__ import annotations
 
@@ -121,9 +123,6 @@ def test_input_spec_numpy_pad_and_int_shape_are_normalised():
     assert InputSpec([2, 2], torch.int16, np.int16(-3)).shape == (2, 2)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG buffers.py InputSpec.__post_init__: a complex dtype reaches "
-                   "torch.iinfo and raises a raw TypeError; it should be an InputError (prepare() refuses "
-                   "complex inputs anyway, so a complex spec can never be fed)")
 def test_complex_input_spec_is_refused_clearly():
     with pytest.raises(InputError, match=r"InputSpec.dtype"):
         InputSpec((), torch.complex64, 0)
@@ -261,7 +260,7 @@ def test_step_function_raising_propagates_unwrapped_and_touches_no_slot(mode):
         assert torch.equal(after["ring"][0], ring[0]) and torch.equal(after["ring"][1], ring[1])
     rig.check_kept()
     rig.m.boom = False
-    warm(rig, 1)  # slot 3 (the failed step used up slot 2's turn, see the xfail below)
+    warm(rig, 1)
     rig.check_kept()
     for h, _ in rig.kept:
         h.release()
@@ -371,11 +370,6 @@ class RaisesBelow64(SlotModel):
         return super().__call__(x)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG runtime.py GraphRuntime._step: the ring slot is acquired (ring._next "
-                   "advanced) before the step function runs and is not given back when it raises, so a failed step "
-                   "uses up a ring turn: with depth-1 handles held the next valid step is refused (CapacityError) "
-                   "although a slot is free. Wrap the slice loop in try/except BaseException and roll back "
-                   "self._ring._next = slot (a HostRowRing.unacquire(slot) method) before re-raising")
 def test_a_failed_step_does_not_use_up_a_ring_turn():
     rig = Rig("host", model_cls=RaisesBelow64, depth=3)
     rig.step(4, rows=[0], hold=True)
@@ -446,9 +440,6 @@ def test_input_overlapping_another_inputs_static_rows_is_refused():
 
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support")
 @pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr"])
-@pytest.mark.xfail(strict=True, reason="BUG buffers.py StaticInputs.prepare: a sparse tensor reaches data_ptr() in "
-                   "_overlaps_buffers and raises a raw RuntimeError; check t.layout is torch.strided first and "
-                   "raise InputError(expected(name, 'a dense (strided) tensor', t.layout))")
 def test_sparse_input_is_an_input_error(layout):
     rig = Rig(None)
     warm(rig, 1)
@@ -458,10 +449,6 @@ def test_sparse_input_is_an_input_error(layout):
 
 
 @pytest.mark.parametrize("np_dtype", [np.uint32, np.uint16])
-@pytest.mark.xfail(strict=True, reason="BUG buffers.py _cast: torch.promote_types raises a raw RuntimeError for "
-                   "uint16/uint32/uint64 ('Promotion for uint16, uint32, uint64 types is not supported'); numpy "
-                   "uint32 token ids (what tokenizers return) crash the step. Range-check them like other host "
-                   "integers (accept when they fit), and turn any promote_types RuntimeError into InputError")
 def test_unsigned_numpy_token_ids_are_accepted(np_dtype):
     rig = Rig(None)
     warm(rig, 1)
@@ -491,10 +478,6 @@ def test_uint64_beyond_int64_is_refused_or_accepted_never_a_raw_error():
     rig.assert_unchanged(before)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG buffers.py _cast: int64 -> float32 counts as a 'safe' cast because "
-                   "promote_types(int64, float32) == float32, but 2**24+1 is not representable: the value "
-                   "changes silently, against the docstring 'Cast only where no value can change'. For an "
-                   "integer tensor into a floating spec, check that the values round-trip (host) or refuse")
 def test_int_into_float_spec_never_changes_a_value():
     rig = Rig(None)
     warm(rig, 1)
@@ -506,10 +489,6 @@ def test_int_into_float_spec_never_changes_a_value():
     rig.assert_unchanged(before)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG buffers.py _as_tensor: np.ascontiguousarray turns a 0-d array into a "
-                   "1-row array, so np.array(3) is taken as a step of one row while torch.tensor(3) is refused "
-                   "('expected shape (T)'). Use np.asarray(...) then torch.from_numpy(np.ascontiguousarray(a)) only "
-                   "when a.ndim >= 1 (or check value.ndim before converting)")
 def test_zero_dim_numpy_input_is_refused_like_a_zero_dim_tensor():
     rig = Rig(None)
     warm(rig, 1)
@@ -535,9 +514,6 @@ def test_oversized_steps():
     refused(rig, InputError, r"width: expected one of .*got 3", lambda: rig.rt.static_inputs(3))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG runtime.py GraphRuntime.static_inputs: a non-int width reaches "
-                   "`self.widths[-1] < width` and raises a raw TypeError (a bool is taken as a width). Check "
-                   "`isinstance(width, int) and not isinstance(width, bool)` first and raise InputError")
 def test_static_inputs_with_a_non_int_width():
     rig = Rig(None)
     with pytest.raises(InputError, match=r"width: expected"):
@@ -594,11 +570,6 @@ def test_valid_host_row_kinds(rows):
 
 @pytest.mark.parametrize("rows", [np.array([0, None]), [0, 2**70], np.array([0, 2**63 + 1], np.uint64)],
                          ids=["numpy object", "huge int", "numpy uint64 beyond int64"])
-@pytest.mark.xfail(strict=True, reason="BUG host_rows.py check_host_rows: numpy object arrays (TypeError from "
-                   "torch.from_numpy), python ints beyond int64 (ValueError from torch.tensor) and numpy uint64 "
-                   "(NotImplementedError from min()) escape as raw errors. Wrap the conversion in try/except "
-                   "(TypeError, ValueError, RuntimeError) -> InputError(expected('rows', 'integer row indices', ...)) "
-                   "and cast unsigned arrays with a range check before min/max")
 def test_odd_host_row_types_are_input_errors(rows):
     rig = Rig("host", capacity=8)
     warm(rig, 1)
@@ -606,8 +577,6 @@ def test_odd_host_row_types_are_input_errors(rows):
     refused(rig, InputError, r"rows: expected", lambda: rig.rt.step(rows=rows, **x))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG host_rows.py check_host_rows: numpy/torch uint16/32/64 row indices "
-                   "fail in t.min() (NotImplementedError); convert them to int64 (range-checked) first")
 @pytest.mark.parametrize("dtype", [np.uint64, np.uint32])
 def test_unsigned_host_rows_are_accepted(dtype):
     rig = Rig("host", capacity=8)
@@ -680,10 +649,6 @@ class AcceptAll(SlotModel):
 
 
 @pytest.mark.parametrize("T", [5, 33])
-@pytest.mark.xfail(strict=True, reason="BUG runtime.py GraphRuntime._body (device mode): the captured gather is "
-                   "bounded by the padded width N, not T, so device-chosen padding rows [T, N) are shipped to the "
-                   "host as real rows (T=5 ships 8 rows), while a sliced step (_gather_sliced) drops them. Pass T "
-                   "in ctrl[3] and drop rows in [T, N) on the device (see report)")
 def test_device_mode_never_ships_padding_rows(T):
     rig = Rig("device", model_cls=AcceptAll, capacity=256)
     x = rig.inputs(T)
@@ -722,10 +687,6 @@ def test_device_index_out_of_range_flagged_single_slice(T):
         res.host_rows.rows()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG runtime.py GraphRuntime._gather_sliced (device mode): indices outside "
-                   "a slice are silently dropped by the merge mask, so a sliced step ships 0 rows and no "
-                   "DeviceRowIndexError, unlike a one-slice step. Carry an any-bad flag and append an out-of-range "
-                   "sentinel row so the gather flags it (see report)")
 def test_device_index_out_of_range_flagged_sliced():
     rig = Rig("device", model_cls=OutOfRange)
     res = rig.rt.step(**rig.inputs(130))
@@ -755,10 +716,6 @@ def chosen_by_scale_tuple(x):
     return [i for i, s in enumerate(x["scale"][:, 0].tolist()) if s > 0.5]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG runtime.py GraphRuntime._gather_sliced: the merged rows/count replace "
-                   "the outputs only when they are a dict; with tuple/list outputs a sliced step returns the first "
-                   "slice's count and slice-local indices. Rebuild list/tuple outputs with the merged rows and "
-                   "count at hr.rows_output / hr.count_output")
 def test_tuple_output_device_count_of_a_sliced_step():
     m = TupleChooser("cpu", seed=2)
     rt = GraphRuntime(m, m.specs(), graphs=False, device="cpu",
@@ -788,11 +745,6 @@ def test_commit_of_a_foreign_object(obj, got):
     refused(rig, InputError, rf"result: expected a StepResult of this runtime, got {got}", lambda: rig.rt.commit(obj, [0]))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG runtime.py GraphRuntime.commit: a StepResult from ANOTHER runtime (or "
-                   "built by hand) passes whenever its (snapshot slot, generation) pair happens to be live here, and "
-                   "ships THIS runtime's rows as if they were that step's: silent wrong data. Give each runtime a "
-                   "token (self._token = object()), store it in StepResult (field owner, compare=False) and refuse "
-                   "`result.owner is not self._token` with InputError")
 def test_commit_of_a_step_result_from_another_runtime():
     a, b = Rig("commit", seed=1), Rig("commit", seed=2)
     ra, _ = a.step(6)
@@ -919,10 +871,6 @@ def test_context_manager_closes():
 
 
 @pytest.mark.parametrize("call", ["capture", "recapture", "device_inputs", "host_inputs", "static_inputs", "commit"])
-@pytest.mark.xfail(strict=True, reason="BUG runtime.py GraphRuntime: after close() only step() checks "
-                   "`self._inputs is None`; capture/recapture/host_inputs/device_inputs/static_inputs/commit raise "
-                   "AttributeError on None. Add a _check_open(what) helper raising CgrtError('GraphRuntime.<what>: "
-                   "the runtime was closed') at the top of each")
 def test_closed_runtime_refuses_everything_clearly(call):
     rig = Rig("commit")
     res, _ = rig.step(5)
@@ -1044,10 +992,6 @@ def test_cli_tool_rejects_bad_flags(cli, capsys, name, module):
     assert f"usage: cgrt {name}" in capsys.readouterr().out
 
 
-@pytest.mark.xfail(strict=True, reason="BUG cudagraph_rt/cli.py build_parser: every tool module is imported to "
-                   "build the parser, so one missing or broken tool (ModuleNotFoundError) breaks every cgrt "
-                   "command, --help included. Import each tool inside try/except ImportError and register a "
-                   "subparser whose run prints 'cgrt <name>: unavailable: <error>' and returns 2")
 def test_cli_survives_one_missing_tool(cli, monkeypatch, capsys):
     monkeypatch.setitem(cli.COMMANDS, "ghost", ("ghost_tool_not_written", "a tool that does not exist"))
     assert cli.main([]) == 2

@@ -284,7 +284,7 @@ def test_weight_swap_and_kv_growth_detected_then_recaptured():
         assert torch.equal(before["state"], bits(m.state))
         assert torch.equal(before["ring"][0], bits(rt._ring.dst)) and torch.equal(before["ring"][1], bits(rt._ring.meta))
         rt.recapture()
-        # Slots written before the recapture are not read here: see the xfail test below.
+        # Slots written before the recapture: see the recapture tests below.
         for T in [5, 1, 33, 64, 90, 40]:
             run(T, write, read)
         torch.cuda.synchronize()
@@ -305,13 +305,6 @@ class CountingModel(SlotModel):
         return super().__call__(x)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG runtime.py GraphRuntime.capture (via recapture): warm-up and capture "
-                   "run the step function on whatever the arena holds. On the first capture that is the pad rows; "
-                   "on recapture() it is the last step's real rows (and older wider steps' rows past its width), "
-                   "so their KV slots are written again (with the new weights) and the host-row / snapshot slot "
-                   "named by the last __ctrl__ is regathered. Fix: StaticInputs.reset() (fill every input view "
-                   "with its pad, zero the control blocks) and write __ctrl__ = (0, ring.spare, depth, 0) before "
-                   "the widths loop in capture()")
 def test_recapture_runs_the_step_only_on_padding_rows():
     m = CountingModel("cuda", seed=4)
     rt = GraphRuntime(m, m.specs(), watch=lambda: [m.state, *m.ws])
@@ -326,9 +319,6 @@ def test_recapture_runs_the_step_only_on_padding_rows():
     assert torch.equal(m.writes[:-1], before), "recapture wrote real KV slots"
 
 
-@pytest.mark.xfail(strict=True, reason="BUG runtime.py GraphRuntime.capture (via recapture): the warm-up gathers into "
-                   "the ring slot named by the last step's __ctrl__, overwriting the rows (and meta) of a handle "
-                   "the host still holds. Same fix as test_recapture_runs_the_step_only_on_padding_rows")
 def test_recapture_keeps_held_host_rows():
     gen = fresh_gen()
     m, ref = SlotModel("cuda", seed=6), SlotModel("cuda", seed=6)
@@ -347,10 +337,7 @@ def test_recapture_keeps_held_host_rows():
 # Destruction: close() / del free graphs, pool, arena and pinned memory.
 # ======================================================================================
 @pytest.mark.parametrize("mode", [None, "host", "device",
-                                  pytest.param("commit", marks=pytest.mark.xfail(strict=True, reason=(
-                                      "BUG runtime.py GraphRuntime.close: commit mode's _snap_meta, _iota and "
-                                      "_width_count (one device tensor per width 1.._rows) stay allocated after "
-                                      "close(); set them to None (and _snap_gen = []) in close()")))])
+                                  "commit"])
 def test_close_frees_device_and_pinned_memory(mode):
     if getattr(torch._C, "_cuda_clearCublasWorkspaces", None) is None:
         pytest.skip("this torch cannot drop cuBLAS workspaces, so device memory cannot be compared exactly")
