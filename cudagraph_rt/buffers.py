@@ -70,18 +70,30 @@ _NUMPY_OK = {torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, tor
               torch.float16, torch.float32, torch.float64}
 
 
-def record_event(ev: "torch.cuda.Event", device_index: int) -> None:
-    """``ev.record()`` on the current stream, without ``torch.cuda.current_stream()``'s
-    Python overhead (several microseconds on a step's hot path): the Stream object is
-    built once per stream id and reused."""
+def current_stream(device_index: int) -> "torch.cuda.Stream":
+    """``torch.cuda.current_stream()`` without its Python overhead (several microseconds on
+    a step's hot path): the Stream object is built once per stream id and reused."""
     sid, dev, kind = torch._C._cuda_getCurrentStream(device_index)
-    stream = _STREAMS.get(sid)
-    if stream is None or stream.device_index != dev:
-        stream = _STREAMS[sid] = torch.cuda.Stream(stream_id=sid, device_index=dev, device_type=kind)
-    torch._C._CudaEventBase.record(ev, stream)
+    stream = _STREAMS.get((sid, dev))
+    if stream is None:
+        stream = _STREAMS[(sid, dev)] = torch.cuda.Stream(stream_id=sid, device_index=dev, device_type=kind)
+    return stream
 
 
-_STREAMS: dict[int, "torch.cuda.Stream"] = {}  # a cache of immutable wrappers, not state
+def record_event(ev: "torch.cuda.Event", device_index: int) -> None:
+    """``ev.record()`` on the current stream (see ``current_stream``)."""
+    torch._C._CudaEventBase.record(ev, current_stream(device_index))
+
+
+def _cudart():
+    try:
+        from cuda.bindings import runtime
+    except ImportError:  # cuda-python missing: torch's copy_ does the same, more slowly
+        return None
+    return runtime
+
+
+_STREAMS: dict[tuple, "torch.cuda.Stream"] = {}  # a cache of immutable wrappers, not state
 
 
 def _numpy_views(views: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -215,6 +227,7 @@ class StaticInputs:
         self._full_np = _numpy_views(self._full)
         self._staged_np = [_numpy_views(v) for v in self._staged]
         self._pads_np = {n: s.pad for n, s in self.specs.items()}
+        self._cudart = _cudart() if device.type == "cuda" else None
         host_bufs = [b for b in [self.arena, *self.staging] if b.device.type == "cpu"]
         self._host_ranges = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in host_bufs]
         self._device_ranges = [(b.data_ptr(), b.data_ptr() + b.numel())
@@ -377,13 +390,22 @@ class StaticInputs:
         for name, v in (control or {}).items():
             staged_np[name][:len(v)] = v
             host.append(name)
+        # One copy of the whole (small) arena when no input was written in place on the
+        # device: a device input's rows then come from staging as pad values, and its real
+        # rows are copied over them right after, in stream order.
+        one_copy = self.nbytes <= _ONE_COPY_BYTES and not any(n in prep.zero_copy for n in dev)
+        if one_copy:
+            for name in dev:
+                if dirty[name] > 0:
+                    staged_np[name][:dirty[name]] = self._pads_np[name]
+                    dirty[name] = 0
         if host:
-            self._copy_host(k, host, width, one_copy=not dev and self.nbytes <= _ONE_COPY_BYTES)
+            self._copy_host(k, host, width, one_copy=one_copy)
         for name in dev:
             t = prep.tensors[name]
             if name not in prep.zero_copy:
                 self._full[name][:length].copy_(t[start:start + length], non_blocking=True)
-            if width > length:
+            if width > length and not one_copy:
                 self._full[name][length:width].fill_(self.specs[name].pad)
         ev = self._events[k]
         if ev is None:
@@ -408,7 +430,15 @@ class StaticInputs:
 
     def _copy_host(self, k: int, names: list[str], width: int, one_copy: bool) -> None:
         if one_copy:
-            # Latency-bound: one copy of the whole (small) arena beats one per input.
+            # Latency-bound: one copy of the whole (small) arena beats one per input, and a
+            # direct cudaMemcpyAsync costs a fraction of a torch copy_ call.
+            rt = self._cudart
+            if rt is not None:
+                err, = rt.cudaMemcpyAsync(self.arena.data_ptr(), self.staging[k].data_ptr(), self.nbytes,
+                                          rt.cudaMemcpyKind.cudaMemcpyHostToDevice,
+                                          current_stream(self.device.index).cuda_stream)
+                if err == rt.cudaError_t.cudaSuccess:
+                    return
             self.arena.copy_(self.staging[k], non_blocking=True)
             return
         for name in names:
