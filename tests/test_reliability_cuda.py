@@ -269,9 +269,9 @@ def test_weight_swap_and_kv_growth_detected_then_recaptured():
             m.ws[1], ref.ws[1] = w.clone(), w.clone()
             write = read = range(128, 256)
         else:  # grow the KV pool: a new tensor; the scratch slot (256) keeps its index
-            extra = torch.zeros(64, m.state.shape[1], device="cuda")
+            extra = torch.zeros(192, m.state.shape[1], device="cuda")  # room for T=90 writes + reads
             m.state, ref.state = torch.cat([m.state, extra]), torch.cat([ref.state, extra])
-            write = read = range(257, 321)
+            write = read = range(257, 449)
         torch.cuda.synchronize()
         before = {"arena": bits(rt._inputs.arena), "staging": [bits(s) for s in rt._inputs.staging],
                   "state": bits(m.state), "ring": (bits(rt._ring.dst), bits(rt._ring.meta))}
@@ -366,7 +366,9 @@ def test_close_frees_device_and_pinned_memory(mode):
     assert torch.cuda.memory_reserved() == res0, "close() left graph-pool or arena segments reserved"
     if pin0 is None:
         pytest.skip("pinned bytes not measured: torch.cuda.host_memory_stats is missing or has unknown keys")
-    assert pinned_in_use() == pin0, "close() left pinned staging/ring memory in use"
+    # close() must give back the staging arenas and the ring (kilobytes at least); torch's
+    # own bookkeeping of the pinned_in_use() probes moves the counter by a few bytes.
+    assert abs(pinned_in_use() - pin0) < 512, "close() left pinned staging/ring memory in use"
 
 
 def test_del_without_close_frees_memory():
@@ -384,7 +386,7 @@ def test_del_without_close_frees_memory():
         assert torch.cuda.memory_allocated() == alloc0, mode
         assert torch.cuda.memory_reserved() == res0, mode
         if pin0 is not None:
-            assert pinned_in_use() == pin0, mode
+            assert abs(pinned_in_use() - pin0) < 512, mode  # see test_close_frees_...
 
 
 # ======================================================================================
@@ -452,7 +454,11 @@ def _soak(mode: str, steps: int, check_every: int = 1000):
     warm = samples[2:]
     assert len({a for a, _ in warm}) == 1, f"device memory not flat: {[a for a, _ in samples]}"
     if warm[0][1] is not None:
-        assert len({p for _, p in warm}) == 1, f"pinned memory not flat: {[p for _, p in samples]}"
+        # Flat up to torch's own bookkeeping: each pinned_in_use() probe moves the counter by
+        # a few bytes (seen on the H200: +6 B per sample). A leak of even one byte per step
+        # would show as >= check_every bytes per sample.
+        drift = [p - warm[0][1] for _, p in warm]
+        assert max(drift) - min(drift) < check_every, f"pinned memory not flat: {[p for _, p in samples]}"
     print(f"soak {mode}: {steps} steps in {elapsed:.1f}s ({1e6 * elapsed / steps:.0f} us/step)")
 
 
