@@ -390,10 +390,11 @@ class StaticInputs:
         for name, v in (control or {}).items():
             staged_np[name][:len(v)] = v
             host.append(name)
-        # One copy of the whole (small) arena when no input was written in place on the
-        # device: a device input's rows then come from staging as pad values, and its real
-        # rows are copied over them right after, in stream order.
-        one_copy = self.nbytes <= _ONE_COPY_BYTES and not any(n in prep.zero_copy for n in dev)
+        # One copy of the whole (small) arena when some input comes from the host and none
+        # was written in place on the device: a device input's rows then come from staging
+        # as pad values, and its real rows are copied over them right after, in stream
+        # order. With device inputs only, no copy crosses the bus and padding is a fill.
+        one_copy = bool(host) and self.nbytes <= _ONE_COPY_BYTES and not any(n in prep.zero_copy for n in dev)
         if one_copy:
             for name in dev:
                 if dirty[name] > 0:
