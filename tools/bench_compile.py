@@ -15,7 +15,7 @@ Setups (``--compile-setups``, run one child each, in this order):
   static   (a) torch.compile(model.step, mode="reduce-overhead", dynamic=False), weights
                and KV pool marked with torch._dynamo.mark_static_address: inductor's
                CUDA graphs (cudagraph trees) really replay
-  default  (b) the same without marking: what a user gets by default; inductor skips
+  default  (b) the same without marking: what a user gets by default; inductor may skip
                CUDA graphs because the step writes the KV pool in place (mutated inputs)
   cgrt     cudagraph_rt capturing torch.compile(model.step, mode=--cgrt-compile-mode,
                dynamic=False) at every width (each width compiled by warm-up calls first)
@@ -85,7 +85,7 @@ SETUPS = {s.name: s for s in (
           "inputs: one pinned packed host-to-device copy at the padded width; until synchronize"),
     Setup("default", "compile_default", "ro-default",
           "(b) torch.compile(model.step, mode='reduce-overhead', dynamic=False), nothing marked (the default "
-          "a user gets; inductor skips CUDA graphs for the in-place KV write); otherwise as (a)"),
+          "a user gets; inductor may skip CUDA graphs for the in-place KV write: the caption says whether it did); otherwise as (a)"),
     Setup("cgrt", "cgrt_compile", "cgrt+compile",
           "GraphRuntime(torch.compile(model.step, mode=<cgrt mode>, dynamic=False)) captured by cudagraph_rt "
           "at every width (each width compiled by warm-up calls first); step(**inputs) as the cgrt variant"),
