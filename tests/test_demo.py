@@ -18,13 +18,8 @@ from cudagraph_rt.runner import Request, SpecRunner, ToyDrafter
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    # The toy's steps are tiny: on a small shared CPU box torch's intra-op threads only
-    # contend with each other (and with other processes), making timings erratic.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _single_thread(one_thread):  # see conftest.py
     yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture

@@ -34,12 +34,8 @@ QUICK = dict(repeats=1)  # every width once: ~70 steps
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny CPU ops only lose time to intra-op threads (badly so on shared CPUs)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _single_thread(one_thread):  # see conftest.py
     yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
