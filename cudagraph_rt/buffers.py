@@ -6,14 +6,16 @@ and the padding rows into it; graphs captured over its views read them at replay
 from __future__ import annotations
 
 import math
+import ctypes
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 import torch
 
 from .errors import InputError, expected
 
+_STRIDED = torch.strided
 _ALIGN = 256  # bytes: keeps every view aligned for vectorised loads
 _ONE_COPY_BYTES = 64 * 1024  # below this a host-to-device copy costs its latency, not its size
 
@@ -165,13 +167,14 @@ def _cast(name: str, t: torch.Tensor, spec: InputSpec) -> torch.Tensor:
     raise InputError(expected(name, f"dtype {spec.dtype} (or one that casts to it safely)", t.dtype))
 
 
-@dataclass(frozen=True)
-class Prepared:
-    """Validated inputs of one step: ``T`` rows each; nothing has been written yet."""
+class Prepared(NamedTuple):
+    """Validated inputs of one step: ``T`` rows each; nothing has been written yet.
+    (A NamedTuple, not a dataclass: it is built on every step's path.)"""
 
     T: int
     tensors: Mapping[str, torch.Tensor]
     zero_copy: frozenset  # names whose data already sits in the static (or staging) rows
+    host_ptrs: Mapping[str, int]  # contiguous host tensors of the declared dtype: data_ptr()
 
 
 class StaticInputs:
@@ -228,11 +231,25 @@ class StaticInputs:
         self._staged_np = [_numpy_views(v) for v in self._staged]
         self._pads_np = {n: s.pad for n, s in self.specs.items()}
         self._cudart = _cudart() if device.type == "cuda" else None
+        self._h2d = self._cudart.cudaMemcpyKind.cudaMemcpyHostToDevice if self._cudart is not None else None
         host_bufs = [b for b in [self.arena, *self.staging] if b.device.type == "cpu"]
         self._host_ranges = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in host_bufs]
         self._device_ranges = [(b.data_ptr(), b.data_ptr() + b.numel())
                                for b in [self.arena] if b.device.type != "cpu"]
         self._checks = [(n, s, s.ndim1, torch.Size(s.shape), s.dtype) for n, s in self.specs.items()]
+        self._names = self.specs.keys()
+        self._row_bytes = {n: s.row_bytes for n, s in self.specs.items()}
+        # Raw addresses for the hot path: host rows go in with ctypes.memmove, the arena
+        # crosses the bus with one cudaMemcpyAsync (each a fraction of a torch call).
+        self._full_ptr = {n: v.data_ptr() for n, v in self._full.items()}
+        self._staged_ptr = [{n: v.data_ptr() for n, v in st.items()} for st in self._staged]
+        self._arena_ptr = self.arena.data_ptr()
+        self._host_views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self._device_views: dict[int, dict[str, torch.Tensor]] = {}
+        self._handed_host: tuple | None = None  # (arena k, views, Prepared) of host_views()
+        self._handed_device: tuple | None = None  # (None, views, Prepared) of device_views()
+        self._raw_events: list[int | None] = [None] * len(self.staging)
+        self._staging_ptr = [b.data_ptr() for b in self.staging]
 
     def _carve(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         out = {}
@@ -255,12 +272,45 @@ class StaticInputs:
 
     def host_views(self, T: int) -> dict[str, torch.Tensor]:
         """Pinned staging rows ``[:T]`` of the arena the next step will use: write the next
-        step's rows here in place and pass these views to ``step`` to skip the packing."""
+        step's rows here in place and pass these views to ``step`` to skip the packing.
+
+        The same tensor objects come back for the same arena and ``T``; passing them
+        unchanged lets ``prepare`` recognise them by identity and skip every check."""
         k = self._next
         self._wait_staging(k)
-        if not self._staged:
-            return self.views(T)
-        return {name: self._staged[k][name][:T] for name in self.specs}
+        src = self._staged[k] if self._staged else self._full
+        views = self._handed_cache(self._host_views, (k, T), src, T)
+        self._handed_host = (k, views, Prepared(T, views, frozenset(self.specs), {}))
+        return dict(views)  # the caller may change its dict, never ours
+
+    def device_views(self, T: int) -> dict[str, torch.Tensor]:
+        """Rows ``[:T]`` of the device arena, for a runner that writes them in place with
+        its own device ops (``device_inputs``); recognised by identity like host_views."""
+        views = self._handed_cache(self._device_views, T, self._full, T)
+        self._handed_device = (None, views, Prepared(T, views, frozenset(self.specs), {}))
+        return dict(views)
+
+    def _handed_cache(self, cache: dict, key, src: dict, T: int) -> dict[str, torch.Tensor]:
+        views = cache.get(key)
+        if views is None:
+            views = {name: src[name][:T] for name in self.specs}
+            if len(cache) < 4 * self.rows:  # bounded, whatever T a caller asks for
+                cache[key] = views
+        return views
+
+    def _handed_back(self, inputs: Mapping[str, Any]) -> Prepared | None:
+        """The Prepared of views host_views()/device_views() handed out, when ``inputs``
+        are exactly those tensor objects (and, for host views, the arena is still next)."""
+        for handed in (self._handed_host, self._handed_device):
+            if handed is None or (handed[0] is not None and handed[0] != self._next):
+                continue
+            k, views, prep = handed
+            for name in self._names:
+                if inputs[name] is not views[name]:
+                    break
+            else:
+                return prep
+        return None
 
     # -- validation (writes nothing) -----------------------------------------------------
     def prepare(self, inputs: Mapping[str, Any]) -> Prepared:
@@ -269,62 +319,77 @@ class StaticInputs:
         Raises InputError naming the input; writes nothing. This is on every step's path,
         so the common case (tensors of the declared dtype) takes few Python operations.
         """
-        if inputs.keys() != self.specs.keys():
+        if inputs.keys() != self._names:
             missing = [n for n in self.specs if n not in inputs]
             extra = [n for n in inputs if n not in self.specs]
             raise InputError(
                 expected("step inputs", f"exactly {sorted(self.specs)}", f"missing {missing}, unexpected {extra}")
             )
-        tensors, zero_copy, T = {}, (), -1
+        if self._handed_host is not None or self._handed_device is not None:
+            prep = self._handed_back(inputs)
+            if prep is not None:
+                return prep
+        tensors, host_ptrs, zero_copy, T = {}, {}, (), -1
         for name, spec, ndim, shape, dtype in self._checks:
             t = inputs[name]
             if type(t) is not torch.Tensor:
                 t = _as_tensor(name, t, spec)
-            if t.layout is not torch.strided or t.is_nested:
+            if t.layout is not _STRIDED:
                 raise InputError(expected(name, "a dense (strided) tensor", f"layout {t.layout}"))
-            if t.dim() != ndim or t.shape[1:] != shape:
+            try:
+                sh = t.shape
+            except RuntimeError:  # a nested tensor has no sizes
+                raise InputError(expected(name, "a dense (strided) tensor", "a nested tensor")) from None
+            if len(sh) != ndim or (ndim > 1 and sh[1:] != shape):
                 raise InputError(
-                    expected(name, f"shape (T, {', '.join(map(str, shape))})".replace(", )", ")"), tuple(t.shape))
+                    expected(name, f"shape (T, {', '.join(map(str, shape))})".replace(", )", ")"), tuple(sh))
                 )
             if T < 0:
-                T = t.shape[0]
-            elif t.shape[0] != T:
+                T = sh[0]
+            elif sh[0] != T:
                 first = next(iter(self.specs))
-                raise InputError(expected(name, f"{T} rows like {first!r}", f"{t.shape[0]} rows"))
-            if t.dtype != dtype:
+                raise InputError(expected(name, f"{T} rows like {first!r}", f"{sh[0]} rows"))
+            cast = t.dtype is not dtype
+            if cast:
                 if t.dtype.is_complex:
                     raise InputError(expected(name, f"dtype {dtype}", t.dtype))
                 t = _cast(name, t, spec)
-            if t.requires_grad:  # the copy into the arena must not join an autograd graph
-                t = t.detach()
-            on_host = not t.is_cuda
-            if not on_host and t.device != self.device:
+            if t.is_cuda:
+                if t.device != self.device:
+                    raise InputError(expected(name, f"a tensor on {self.device} or the host", f"one on {t.device}"))
+                if t.requires_grad:  # the copy into the arena must not join an autograd graph
+                    t = t.detach()
+                ranges = self._device_ranges
+            elif not t.is_cpu:
                 raise InputError(expected(name, f"a tensor on {self.device} or the host", f"one on {t.device}"))
-            if t.device.type not in ("cpu", "cuda"):
-                raise InputError(expected(name, f"a tensor on {self.device} or the host", f"one on {t.device}"))
+            else:
+                ranges = self._host_ranges
             # Only a view of one of our own buffers can overlap them, and such a view
             # starts inside the buffer: one range test per buffer is exact.
             p = t.data_ptr()
-            for lo, hi in (self._host_ranges if on_host else self._device_ranges):
+            for lo, hi in ranges:
                 if lo <= p < hi:
                     if not self._is_static_rows(name, t):
                         raise InputError(
                             expected(name, "memory apart from the runtime's static buffers "
-                                     "(or exactly the rows host_inputs()/device_inputs() gave)",
+                                     "(or the rows device_inputs() gave, or the unchanged views "
+                                     "host_inputs() gave for this step)",
                                      "a tensor overlapping them")
                         )
                     zero_copy += (name,)
+            if ranges is self._host_ranges and not cast and t.is_contiguous():
+                host_ptrs[name] = p  # written with one memmove, no tensor op
             tensors[name] = t
         if T <= 0:
             raise InputError(expected("step inputs", "at least one row", "0 rows"))
-        return Prepared(T, tensors, frozenset(zero_copy))
+        return Prepared(T, tensors, frozenset(zero_copy), host_ptrs)
 
     def _is_static_rows(self, name: str, t: torch.Tensor) -> bool:
-        cands = [self._full[name]] + [s[name] for s in self._staged[self._next:self._next + 1]]
-        return any(
-            t.data_ptr() == c.data_ptr() and t.dtype == c.dtype and t.device == c.device
-            and t.stride() == c.stride() for c in cands
-        )
+        """Rows ``[:T]`` of the arena itself (device_inputs(), static_inputs()). Staging rows
+        are taken only as the unchanged views host_views() handed out for this very step
+        (``_handed_back``): any other pinned view may hold a step's stale rows."""
+        c = self._full[name]
+        return t.data_ptr() == c.data_ptr() and t.dtype == c.dtype and t.device == c.device and t.stride() == c.stride()
 
     # -- writing -----------------------------------------------------------------------
     @torch.no_grad()
@@ -343,8 +408,9 @@ class StaticInputs:
 
     @staticmethod
     def _put(dst: torch.Tensor, dst_np, t: torch.Tensor, start: int, length: int) -> None:
-        """Host rows into host memory: through numpy where it can (a fraction of torch's
-        per-op cost), else torch (bfloat16 and other dtypes numpy lacks)."""
+        """Host rows into host memory when no memmove can (a cast, or strided rows):
+        through numpy where it can (a fraction of torch's per-op cost), else torch
+        (bfloat16 and other dtypes numpy lacks)."""
         if dst_np is not None and t.dtype in _NUMPY_OK:
             src = t.numpy() if not t.requires_grad else t.detach().numpy()
             dst_np[:length] = src[start:start + length]
@@ -360,10 +426,16 @@ class StaticInputs:
         in one copy when the arena is small (else one copy per input); device rows are
         copied device-to-device. Stream-ordered on the current stream.
         """
+        ptrs, row_bytes = prep.host_ptrs, self._row_bytes
         if self.device.type != "cuda":
+            self._handed_host = None
             for name, t in prep.tensors.items():
                 if name not in prep.zero_copy:
-                    if t.device.type == "cpu":
+                    p = ptrs.get(name)
+                    if p is not None:
+                        nb = row_bytes[name]
+                        ctypes.memmove(self._full_ptr[name], p + start * nb, length * nb)
+                    elif t.device.type == "cpu":
                         self._put(self._full[name], self._full_np[name], t, start, length)
                     else:
                         self._full[name][:length].copy_(t[start:start + length])
@@ -373,28 +445,39 @@ class StaticInputs:
             return
         k = self._next
         self._next = (k + 1) % len(self.staging)
-        self._wait_staging(k)
-        staged, staged_np, dirty = self._staged[k], self._staged_np[k], self._dirty[k]
+        ev = self._events[k]
+        if ev is not None:
+            ev.synchronize()  # this arena's previous copy has left it
+        if self._handed_host is not None and self._handed_host[0] == k:
+            self._handed_host = None  # host_views() rows are good for one step
+        staged_np, dirty, staged_ptr = self._staged_np[k], self._dirty[k], self._staged_ptr[k]
+        zero_copy = prep.zero_copy
         host, dev = [], []
         for name, t in prep.tensors.items():
-            if t.device.type == "cpu":
+            p = ptrs.get(name)
+            if p is not None or not t.is_cuda:
                 host.append(name)
-                if name not in prep.zero_copy or start != 0:
-                    self._put(staged[name], staged_np[name], t, start, length)
+                if name not in zero_copy or start != 0:
+                    if p is not None:
+                        nb = row_bytes[name]
+                        ctypes.memmove(staged_ptr[name], p + start * nb, length * nb)
+                    else:
+                        self._put(self._staged[k][name], staged_np[name], t, start, length)
                 pad_to = dirty[name]
                 if pad_to > length:  # rows a wider step left behind go back to the pad value
                     staged_np[name][length:pad_to] = self._pads_np[name]
                 dirty[name] = length
             else:
                 dev.append(name)
-        for name, v in (control or {}).items():
-            staged_np[name][:len(v)] = v
-            host.append(name)
+        if control:
+            for name, v in control.items():
+                staged_np[name][:len(v)] = v
+                host.append(name)
         # One copy of the whole (small) arena when some input comes from the host and none
         # was written in place on the device: a device input's rows then come from staging
         # as pad values, and its real rows are copied over them right after, in stream
         # order. With device inputs only, no copy crosses the bus and padding is a fill.
-        one_copy = bool(host) and self.nbytes <= _ONE_COPY_BYTES and not any(n in prep.zero_copy for n in dev)
+        one_copy = bool(host) and self.nbytes <= _ONE_COPY_BYTES and not (dev and zero_copy.intersection(dev))
         if one_copy:
             for name in dev:
                 if dirty[name] > 0:
@@ -404,14 +487,26 @@ class StaticInputs:
             self._copy_host(k, host, width, one_copy=one_copy)
         for name in dev:
             t = prep.tensors[name]
-            if name not in prep.zero_copy:
+            if name not in zero_copy:
                 self._full[name][:length].copy_(t[start:start + length], non_blocking=True)
             if width > length and not one_copy:
                 self._full[name][length:width].fill_(self.specs[name].pad)
+        self._record(k)
+
+    def _record(self, k: int) -> None:
+        """Record staging arena ``k``'s event on the current stream: through cudart with
+        the event's raw handle once torch has created it (a fraction of torch's cost)."""
+        raw = self._raw_events[k]
+        if raw is not None:
+            err, = self._cudart.cudaEventRecord(raw, torch._C._cuda_getCurrentRawStream(self.device.index))
+            if err == self._cudart.cudaError_t.cudaSuccess:
+                return
         ev = self._events[k]
         if ev is None:
             ev = self._events[k] = torch.cuda.Event()
         record_event(ev, self.device.index)
+        if self._cudart is not None:
+            self._raw_events[k] = ev._as_parameter_.value
 
     def write_control(self, control: Mapping[str, Any]) -> None:
         """Set control blocks only (a commit between steps), through the staging arena."""
@@ -425,9 +520,7 @@ class StaticInputs:
         for name, v in control.items():
             self._staged_np[k][name][:len(v)] = v
         self._copy_host(k, list(control), 0, one_copy=False)
-        ev = self._events[k] or torch.cuda.Event()
-        record_event(ev, self.device.index)
-        self._events[k] = ev
+        self._record(k)
 
     def _copy_host(self, k: int, names: list[str], width: int, one_copy: bool) -> None:
         if one_copy:
@@ -435,9 +528,8 @@ class StaticInputs:
             # direct cudaMemcpyAsync costs a fraction of a torch copy_ call.
             rt = self._cudart
             if rt is not None:
-                err, = rt.cudaMemcpyAsync(self.arena.data_ptr(), self.staging[k].data_ptr(), self.nbytes,
-                                          rt.cudaMemcpyKind.cudaMemcpyHostToDevice,
-                                          current_stream(self.device.index).cuda_stream)
+                err, = rt.cudaMemcpyAsync(self._arena_ptr, self._staging_ptr[k], self.nbytes, self._h2d,
+                                          torch._C._cuda_getCurrentRawStream(self.device.index))
                 if err == rt.cudaError_t.cudaSuccess:
                     return
             self.arena.copy_(self.staging[k], non_blocking=True)

@@ -183,3 +183,22 @@ def test_child_figures_reach_rows_ratios_and_goal(tmp_path, monkeypatch):
     assert mt["variants"]["compile_default"]["total_ms"] == 1e6 and mt["setup_s"]["compile_default"] == 5.0
     goal = next(g for g in data["goals"] if g["goal"].startswith("mixed trace vs torch.compile"))
     assert goal["status"] == "met" and "(b) ro-default" in goal["measured"]
+
+
+def test_interleaved_timing_runs_each_variant_after_its_prepare_in_rotating_order():
+    from cudagraph_rt.tools.bench_common import time_interleaved
+    log = []
+    variants = {name: ((lambda i, n=name: log.append(("call", n, i))),
+                       (lambda i, n=name: log.append(("prep", n, i))) if name != "a" else None)
+                for name in ("a", "b", "c")}
+    out = time_interleaved(variants, repeats=3, warmup=1, sync=lambda: log.append(("sync",)))
+    calls = [e for e in log if e[0] == "call"]
+    assert len(calls) == 3 * (1 + 3)
+    # every timed round calls each variant once, starting one further along each round
+    timed = [e[1] for e in calls[3:]]
+    assert timed == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    for k, e in enumerate(log):  # a prepare is followed by its own call, never another's
+        if e[0] == "prep":
+            assert next(x for x in log[k + 1:] if x[0] == "call")[1:] == e[1:]
+    assert set(out) == {"a", "b", "c", "_deltas"} and set(out["_deltas"]) == {"b", "c"}
+    assert all(out[n]["n"] == 3 for n in "abc")

@@ -238,3 +238,67 @@ def test_two_threads_never_interleave():
     release.set()
     t.join()
     assert rt.step(a=[5], b=torch.zeros(1, 3)).outputs.tolist() == [5]
+
+
+def _host_forms(T, gen):
+    """The same rows as every kind of host tensor a runner may hand over."""
+    a = torch.randint(-1000, 1000, (T,), generator=gen)
+    b = torch.randn(T, 3, generator=gen)
+    big_a = torch.randint(-1000, 1000, (3 * T + 5,), generator=gen)
+    big_a[4:4 + 3 * T:3] = a
+    wide_b = torch.randn(T + 2, 5, generator=gen)
+    wide_b[2:, 1:4] = b
+    return a, b, {
+        "contiguous": (a.clone(), b.clone()),
+        "storage offset": (big_a[4:4 + 3 * T:3].contiguous(), wide_b[2:, 1:4].contiguous()),
+        "strided": (big_a[4:4 + 3 * T:3], wide_b[2:, 1:4]),
+        "offset slice of a bigger tensor": (torch.cat([a, a])[T:], torch.cat([b, b])[T:]),
+        "requires_grad float": (a.clone(), b.clone().requires_grad_()),
+        "safe casts": (a.to(torch.int32), b.to(torch.float16)),
+        "numpy": (a.numpy().copy(), b.numpy().copy()),
+        "lists": (a.tolist(), b.tolist()),
+    }
+
+
+@pytest.mark.parametrize("T", [1, 3, 8, 37, 64, 80, 130])
+def test_every_host_tensor_form_reaches_the_step_exactly(T):
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    for form, (xa, xb) in _host_forms(T, gen)[2].items():
+        spy, rt = make(dynamic_limit=96)
+        rt.step(a=torch.arange(90), b=torch.randn(90, 3))  # stale rows left behind
+        a = torch.as_tensor(xa).long()
+        b = torch.as_tensor(xb).detach().float()
+        r = rt.step(a=xa, b=xb)
+        seen = torch.cat([s["a"][:sl.length] for s, sl in zip(spy.seen[-len(r.slices):], r.slices)])
+        assert torch.equal(seen, a), form
+        assert torch.equal(r.outputs["y"], a.float() * 2), form
+        torch.testing.assert_close(r.outputs["z"][0], b.sum(-1), rtol=0, atol=1e-5, msg=form)
+        last, sl = spy.seen[-1], r.slices[-1]
+        assert (last["a"][sl.length:] == -5).all() and (last["b"][sl.length:] == 0.25).all(), form
+
+
+def test_handed_views_are_recognised_and_fresh_inputs_still_checked():
+    spy, rt = make()
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    hv = rt.host_inputs(5)
+    again = rt.host_inputs(5)
+    assert all(again[k] is hv[k] for k in hv)  # the same objects: recognised by identity
+    a, b = torch.randint(0, 99, (5,), generator=gen), torch.randn(5, 3, generator=gen)
+    hv["a"].copy_(a)
+    hv["b"].copy_(b)
+    r = rt.step(**hv)
+    assert torch.equal(r.outputs["y"], a.float() * 2) and torch.equal(spy.seen[-1]["a"][:5], a)
+    assert (spy.seen[-1]["a"][5:] == -5).all()
+    # one view swapped for a fresh tensor: the full checks run, the fresh rows are used
+    a2 = torch.randint(0, 99, (5,), generator=gen)
+    hv = rt.host_inputs(5)
+    r = rt.step(a=a2, b=hv["b"])
+    assert torch.equal(r.outputs["y"], a2.float() * 2)
+    # a handed view cut to fewer rows is not the handed object: its rows count is checked
+    hv = rt.host_inputs(5)
+    with pytest.raises(InputError, match=r"b: expected 3 rows like 'a', got 5 rows"):
+        rt.step(a=hv["a"][:3], b=hv["b"])
+    # extra or missing names are refused before the identity check can pass them
+    hv = rt.host_inputs(5)
+    with pytest.raises(InputError, match="unexpected"):
+        rt.step(**hv, c=torch.zeros(5))

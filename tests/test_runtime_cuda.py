@@ -3,7 +3,7 @@ capture failures reported and recovered from."""
 import pytest
 import torch
 
-from cudagraph_rt import CaptureError, GraphRuntime, InputError
+from cudagraph_rt import CaptureError, GraphRuntime, InputError, InputSpec
 from models_for_tests import SlotModel
 
 pytestmark = pytest.mark.cuda
@@ -108,3 +108,62 @@ def test_wrong_device_input_rejected_before_write():
         rt.step(**x)
     torch.cuda.synchronize()
     assert torch.equal(before, m.state)
+
+
+def _echo(x):
+    """Returns what the graph read, so a test sees every real and padding row it got."""
+    return {"a": x["a"] * 1, "b": x["b"] * 1, "h": x["h"] * 1}
+
+
+ECHO = {"a": InputSpec((), torch.int64, -5), "b": InputSpec((3,), torch.float32, 0.25),
+        "h": InputSpec((2,), torch.bfloat16, -1.5)}
+
+
+def test_every_host_tensor_form_reaches_the_graph_exactly():
+    from test_runtime import _host_forms
+    rt = GraphRuntime(_echo, ECHO, dynamic_limit=96)
+    rt.capture()
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    for T in [1, 3, 8, 37, 64, 80, 130]:
+        a, b, forms = _host_forms(T, gen)
+        h = torch.randn(T, 2, generator=gen).to(torch.bfloat16)
+        hs = {"contiguous": h.clone(), "strided": torch.stack([h, -h], 2)[:, :, 0]}
+        for form, (xa, xb) in forms.items():
+            xh = hs["strided" if form == "strided" else "contiguous"]
+            rt.step(a=torch.arange(90), b=torch.randn(90, 3), h=torch.randn(90, 2).bfloat16())  # stale rows
+            out = rt.step(a=xa, b=xb, h=xh).outputs
+            assert torch.equal(out["a"].cpu(), a), (T, form)
+            assert torch.equal(out["b"].cpu(), torch.as_tensor(xb).detach().float()), (T, form)
+            assert torch.equal(out["h"].cpu(), h), (T, form)
+            if T <= 64:  # one graph: its padding rows are visible past T in the static outputs
+                w = rt.plan(T)[0].width
+                full = rt._static_out[w]
+                assert (full["a"][T:w] == -5).all() and (full["b"][T:w] == 0.25).all()
+                assert (full["h"][T:w] == -1.5).all(), (T, form)
+
+
+def test_handed_host_views_zero_copy_and_stale_ones_refused():
+    rt = GraphRuntime(_echo, ECHO)
+    rt.capture()
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    for T in [5, 2, 9, 1, 9]:
+        hv = rt.host_inputs(T)
+        assert all(rt.host_inputs(T)[k] is hv[k] for k in hv)  # same objects until the step
+        want = {"a": torch.randint(0, 99, (T,), generator=gen), "b": torch.randn(T, 3, generator=gen),
+                "h": torch.randn(T, 2, generator=gen).bfloat16()}
+        for k in hv:
+            hv[k].copy_(want[k])
+        out = rt.step(**hv).outputs
+        for k in want:
+            assert torch.equal(out[k].cpu(), want[k]), (T, k)
+        w = rt.plan(T)[0].width
+        assert (rt._static_out[w]["a"][T:w] == -5).all()
+        stale = hv
+    # handed views are good for the one step after host_inputs(): later, or cut, refused
+    for _ in range(2):  # the stale views' staging arena is next again after the second
+        with pytest.raises(InputError, match="expected memory apart"):
+            rt.step(**stale)
+        rt.step(a=[1], b=[[0.0, 0, 0]], h=torch.zeros(1, 2).bfloat16())
+    hv = rt.host_inputs(4)
+    with pytest.raises(InputError, match="expected memory apart"):
+        rt.step(**{k: v[:2] for k, v in hv.items()})

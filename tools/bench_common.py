@@ -79,6 +79,48 @@ def time_calls(call: Callable[[int], Any], *, repeats: int, warmup: int, sync: C
     return summarize(out)
 
 
+def time_interleaved(variants: dict[str, tuple[Callable[[int], Any], Callable[[int], Any] | None]], *,
+                     repeats: int, warmup: int, sync: Callable[[], None], include_sync: bool = True) -> dict:
+    """:func:`time_calls` of several variants side by side: each round times every variant
+    once, in a rotating order, so drift of the machine (clocks, neighbours) hits all of
+    them alike. ``variants``: name -> (call, untimed prepare or None). Returns name ->
+    summary, plus ``"_deltas"``: name -> median over rounds of (variant - first variant)."""
+    names = list(variants)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        for i in range(warmup):
+            for name in names:
+                call, prep = variants[name]
+                if prep is not None:
+                    prep(i)
+                call(i)
+                sync()
+        times = {name: [] for name in names}
+        for i in range(repeats):
+            for j in range(len(names)):
+                name = names[(i + j) % len(names)]
+                call, prep = variants[name]
+                if prep is not None:
+                    prep(i)
+                sync()
+                t0 = time.perf_counter_ns()
+                call(i)
+                if include_sync:
+                    sync()
+                times[name].append(time.perf_counter_ns() - t0)
+                if not include_sync:
+                    sync()
+    finally:
+        if was:
+            gc.enable()
+    out = {name: summarize(ts) for name, ts in times.items()}
+    first = times[names[0]]
+    out["_deltas"] = {name: statistics.median(a - b for a, b in zip(times[name], first)) / 1e3
+                      for name in names[1:]}
+    return out
+
+
 def time_pipelined(call: Callable[[int], Any], *, repeats: int, warmup: int, sync: Callable[[], None]) -> float:
     """Microseconds per call of ``repeats`` back-to-back calls with one synchronize at the
     end: host work of a call overlaps the device work of the ones before it."""

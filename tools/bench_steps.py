@@ -5,7 +5,7 @@ from typing import Any
 
 import torch
 
-from .bench_common import N_SETS, measure, measure_trace, pack, padded_width, time_calls
+from .bench_common import N_SETS, measure, measure_trace, pack, padded_width, time_interleaved
 from .bench_compile import SETUPS
 from .bench_context import Context
 
@@ -160,28 +160,32 @@ def _four_input_step(model):
 
 
 def _overhead_case(ctx: Context, rt, names: list[str], w: int, kw: dict) -> dict:
-    """replay() of the runtime's own graph vs step() vs the zero-copy step, at T = w."""
+    """replay() of the runtime's own graph vs step() vs the zero-copy step, at T = w,
+    timed side by side (interleaved) in one loop."""
     rows = ctx.rows
     host = [{n: v for n, v in rows.host(rows.rows(w)).items() if n in names} for _ in range(N_SETS)]
     g = rt.graphs_captured[w]
+    views = {}
 
     def place(i):  # untimed: a step leaves set i in the graph's static inputs
         rt.step(**host[i % N_SETS])
 
-    def zero_copy(i):
-        v = rt.host_inputs(w)
+    def fill(i):  # untimed: a host runner writes the next rows into the pinned views
+        views.clear()
+        views.update(rt.host_inputs(w))
         for n in names:
-            v[n].copy_(host[i % N_SETS][n])
-        rt.step(**v)
+            views[n].numpy()[:] = host[i % N_SETS][n].numpy()
 
+    variants = {"bare": (lambda i: g.replay(), place), "step": (place, None),
+                "zero_copy": (lambda i: rt.step(**views), fill)}
     r = {"inputs": len(names), "width": w}
-    for name, call, prep in (("bare", lambda i: g.replay(), place), ("step", place, None),
-                             ("zero_copy", zero_copy, None)):
-        r[f"{name}_host"] = time_calls(call, prepare=prep, include_sync=False, **kw)
-        r[f"{name}_latency"] = time_calls(call, prepare=prep, **kw)
-    for name in ("step", "zero_copy"):
-        for kind in ("host", "latency"):
-            r[f"{name}_overhead_{kind}_us"] = r[f"{name}_{kind}"]["median_us"] - r[f"bare_{kind}"]["median_us"]
+    for kind, include_sync in (("host", False), ("latency", True)):
+        t = time_interleaved(variants, include_sync=include_sync, **kw)
+        for name in variants:
+            r[f"{name}_{kind}"] = t[name]
+        for name in ("step", "zero_copy"):
+            r[f"{name}_overhead_{kind}_us"] = t[name]["median_us"] - t["bare"]["median_us"]
+            r[f"{name}_overhead_{kind}_paired_us"] = t["_deltas"][name]
     return r
 
 
@@ -207,8 +211,10 @@ def host_overhead(ctx: Context) -> dict:
         "status": "ok", "rows": out,
         "method": "host clock, device synchronized before each call (so nothing waits on the device). "
                   "*_host: until the call returns (host time to issue it); *_latency: until a synchronize "
-                  f"after it. Median of {reps} calls, {N_SETS} random input sets. bare = replay() of the "
-                  "runtime's own graph for that width (inputs placed untimed by a step before); step = "
-                  "step(**pageable CPU tensors); zero_copy = host_inputs(T), fill the pinned views in place, "
-                  "step(**views). overhead = median(step) - median(bare).",
+                  f"after it. Median of {reps} calls, {N_SETS} random input sets, the three variants "
+                  "interleaved call by call. bare = replay() of the runtime's own graph for that width "
+                  "(inputs placed untimed by a step before); step = step(**pageable CPU tensors); "
+                  "zero_copy = step(**views) after host_inputs(T) and filling the pinned views in place "
+                  "(untimed: the runner's own writes). overhead = median(variant) - median(bare); "
+                  "*_paired_us = median over rounds of (variant - bare).",
     }
