@@ -632,7 +632,8 @@ def bits_other_slots(rig, skip=None):
         rig.rt.capture()
         ring = rig.rt._ring
     skip = ring._next if skip is None else skip
-    return [ring.dst[s].clone() for s in range(ring.depth + 1) if s != skip]
+    # as bytes: the ring starts uninitialised, and a NaN pattern there is never equal to itself
+    return [ring.dst[s].clone().view(torch.uint8) for s in range(ring.depth + 1) if s != skip]
 
 
 # ---- device-chosen rows: padding rows and out-of-range rows, single slice vs sliced --
