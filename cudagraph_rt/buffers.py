@@ -16,6 +16,7 @@ import torch
 from .errors import InputError, expected
 
 _STRIDED = torch.strided
+FEED = 2  # index of the fed graphs' pinned arena in StaticInputs.staging
 _ALIGN = 256  # bytes: keeps every view aligned for vectorised loads
 _ONE_COPY_BYTES = 64 * 1024  # below this a host-to-device copy costs its latency, not its size
 
@@ -85,6 +86,15 @@ def current_stream(device_index: int) -> "torch.cuda.Stream":
 def record_event(ev: "torch.cuda.Event", device_index: int) -> None:
     """``ev.record()`` on the current stream (see ``current_stream``)."""
     torch._C._CudaEventBase.record(ev, current_stream(device_index))
+
+
+def _external_event() -> "torch.cuda.Event | None":
+    """An event whose record inside a capture becomes a node of the graph (None where this
+    torch cannot make one: fed graphs are then off)."""
+    try:
+        return torch.cuda.Event(external=True)
+    except TypeError:
+        return None
 
 
 def _cudart():
@@ -189,22 +199,37 @@ class StaticInputs:
     rows only. Staging arenas alternate between steps; each waits for its own previous
     host-to-device copy before it is rewritten, so the host never overwrites bytes still
     in flight.
+
+    Fed graphs (``feed=True`` on CUDA, small arenas, a torch with external events): a
+    third pinned arena, the feed, is copied by the graph itself. Every captured width
+    starts with :meth:`feed_prologue`: copy the feed to a device mirror, record the feed
+    event, and move into the arena the words of every input the feed holds this step
+    (its ``__src__`` flags; device inputs keep the rows copied into the arena before the
+    replay). A graph step then costs the host no copy call and no event record, only a
+    wait on the feed event (the last replay's copy has left the feed) before writing it.
     """
 
     def __init__(self, specs: Mapping[str, InputSpec], rows: int, device: torch.device,
-                 control: Mapping[str, tuple[int, torch.dtype]] | None = None):
+                 control: Mapping[str, tuple[int, torch.dtype]] | None = None, feed: bool = False):
         self.specs = dict(specs)
         self.rows = rows
         self.device = device
         self._offsets: dict[str, int] = {}
+        control = dict(control or {})
+        feed_event = _external_event() if feed and device.type == "cuda" else None
+        if feed_event is not None:
+            control["__src__"] = (len(self.specs) + 1, torch.bool)  # per input: the feed holds it
         off = 0
         layout = [(n, s.row_bytes * rows) for n, s in self.specs.items()]
-        layout += [(n, numel * _itemsize(dt)) for n, (numel, dt) in (control or {}).items()]
+        layout += [(n, numel * _itemsize(dt)) for n, (numel, dt) in control.items()]
         for name, nbytes in layout:
             self._offsets[name] = off
             off += -(-nbytes // _ALIGN) * _ALIGN
         self.nbytes = max(off, _ALIGN)
-        self.control_specs = dict(control or {})
+        self.fed = feed_event is not None and self.nbytes <= _ONE_COPY_BYTES
+        if not self.fed:
+            feed_event = None
+        self.control_specs = control
         self.arena = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
         self._full = self._carve(self.arena)
         self.staging: list[torch.Tensor] = []
@@ -213,7 +238,7 @@ class StaticInputs:
         self._dirty: list[dict[str, int]] = []
         self._next = 0
         if device.type == "cuda":
-            for _ in range(2):
+            for _ in range(3 if self.fed else 2):  # two alternating, then the feed (FEED)
                 buf = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
                 self.staging.append(buf)
                 self._staged.append(self._carve(buf))
@@ -227,6 +252,21 @@ class StaticInputs:
                     views[name].zero_()
         for d in self._dirty:
             d.update({n: 0 for n in self.specs})
+        self._feed_event = feed_event
+        if self.fed:
+            self.mirror = torch.empty_like(self.arena)
+            self._mirror_src = self._carve(self.mirror)["__src__"]
+            self._staged[FEED]["__src__"].fill_(True)
+            self._feed_flags = [True] * len(self.specs)
+            # word -> flag index: input i's block -> i, everything else -> the last flag
+            # (always set: control blocks always come from the feed). Blocks are 256-byte
+            # aligned, so no 4-byte word holds bytes of two of them.
+            words = torch.full((self.nbytes // 4,), len(self.specs), dtype=torch.int64)
+            for i, (name, spec) in enumerate(self.specs.items()):
+                o = self._offsets[name]
+                words[o // 4:-(-(o + spec.row_bytes * rows) // 4)] = i
+            self._word_src = words.to(device)
+            self._arena_words, self._mirror_words = self.arena.view(torch.int32), self.mirror.view(torch.int32)
         self._full_np = _numpy_views(self._full)
         self._staged_np = [_numpy_views(v) for v in self._staged]
         self._pads_np = {n: s.pad for n, s in self.specs.items()}
@@ -235,7 +275,7 @@ class StaticInputs:
         host_bufs = [b for b in [self.arena, *self.staging] if b.device.type == "cpu"]
         self._host_ranges = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in host_bufs]
         self._device_ranges = [(b.data_ptr(), b.data_ptr() + b.numel())
-                               for b in [self.arena] if b.device.type != "cpu"]
+                               for b in [self.arena, *([self.mirror] if self.fed else [])] if b.device.type != "cpu"]
         self._checks = [(n, s, s.ndim1, torch.Size(s.shape), s.dtype) for n, s in self.specs.items()]
         self._names = self.specs.keys()
         self._row_bytes = {n: s.row_bytes for n, s in self.specs.items()}
@@ -246,7 +286,7 @@ class StaticInputs:
         self._arena_ptr = self.arena.data_ptr()
         self._host_views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._device_views: dict[int, dict[str, torch.Tensor]] = {}
-        self._handed_host: tuple | None = None  # (arena k, views, Prepared) of host_views()
+        self._handed_host: tuple | None = None  # (staging k or FEED, views, Prepared) of host_views()
         self._handed_device: tuple | None = None  # (None, views, Prepared) of device_views()
         self._raw_events: list[int | None] = [None] * len(self.staging)
         self._staging_ptr = [b.data_ptr() for b in self.staging]
@@ -270,17 +310,24 @@ class StaticInputs:
         """A fixed-size control block in the device arena (host-row indices, counts)."""
         return self._full[name]
 
-    def host_views(self, T: int) -> dict[str, torch.Tensor]:
-        """Pinned staging rows ``[:T]`` of the arena the next step will use: write the next
-        step's rows here in place and pass these views to ``step`` to skip the packing.
+    def host_views(self, T: int, fed: bool = False) -> dict[str, torch.Tensor]:
+        """Pinned staging rows ``[:T]`` the next step will use (the feed when ``fed``: that
+        step replays a fed graph): write the next step's rows here in place and pass these
+        views to ``step`` to skip the packing.
 
         The same tensor objects come back for the same arena and ``T``; passing them
-        unchanged lets ``prepare`` recognise them by identity and skip every check."""
-        k = self._next
-        self._wait_staging(k)
+        unchanged lets ``prepare`` recognise them by identity and skip every check. Should
+        the step take another path after all, its rows are copied from them."""
+        if fed and self.fed:
+            k = FEED
+            self._feed_event.synchronize()
+        else:
+            k = self._next
+            self._wait_staging(k)
         src = self._staged[k] if self._staged else self._full
         views = self._handed_cache(self._host_views, (k, T), src, T)
-        self._handed_host = (k, views, Prepared(T, views, frozenset(self.specs), {}))
+        ptrs = {name: v.data_ptr() for name, v in views.items()}
+        self._handed_host = (k, views, Prepared(T, views, frozenset(), ptrs))
         return dict(views)  # the caller may change its dict, never ours
 
     def device_views(self, T: int) -> dict[str, torch.Tensor]:
@@ -302,7 +349,7 @@ class StaticInputs:
         """The Prepared of views host_views()/device_views() handed out, when ``inputs``
         are exactly those tensor objects (and, for host views, the arena is still next)."""
         for handed in (self._handed_host, self._handed_device):
-            if handed is None or (handed[0] is not None and handed[0] != self._next):
+            if handed is None or handed[0] not in (None, FEED, self._next):
                 continue
             k, views, prep = handed
             for name in self._names:
@@ -368,7 +415,7 @@ class StaticInputs:
             # starts inside the buffer: one range test per buffer is exact.
             p = t.data_ptr()
             for lo, hi in ranges:
-                if lo <= p < hi:
+                if lo <= p < hi and not self._is_handed_view(name, t):
                     if not self._is_static_rows(name, t):
                         raise InputError(
                             expected(name, "memory apart from the runtime's static buffers "
@@ -384,6 +431,12 @@ class StaticInputs:
             raise InputError(expected("step inputs", "at least one row", "0 rows"))
         return Prepared(T, tensors, frozenset(zero_copy), host_ptrs)
 
+    def _is_handed_view(self, name: str, t: torch.Tensor) -> bool:
+        """``t`` is the very view host_views() handed out for the next step (passed along
+        with inputs from elsewhere; its rows are then taken from where they lie)."""
+        h = self._handed_host
+        return h is not None and h[0] in (FEED, self._next) and h[1][name] is t
+
     def _is_static_rows(self, name: str, t: torch.Tensor) -> bool:
         """Rows ``[:T]`` of the arena itself (device_inputs(), static_inputs()). Staging rows
         are taken only as the unchanged views host_views() handed out for this very step
@@ -393,14 +446,39 @@ class StaticInputs:
 
     # -- writing -----------------------------------------------------------------------
     @torch.no_grad()
-    def reset(self) -> None:
-        """Pad values into every row of the device arena and zeros into its control blocks
-        (stream-ordered), so that warm-up and capture run on padding rows only, whatever
-        the last step left there."""
+    def reset(self, control: Mapping[str, Any] | None = None) -> None:
+        """Pad values into every row of the device arena, zeros (or ``control``'s values)
+        into its control blocks (stream-ordered), so that warm-up and capture run on
+        padding rows only, whatever the last step left there; the feed too, since fed
+        graphs copy it in at warm-up and capture."""
+        control = control or {}
         for name, spec in self.specs.items():
             self._full[name].fill_(spec.pad)
         for name in self.control_specs:
             self._full[name].zero_()
+        for name, v in control.items():
+            self._full[name][:len(v)].copy_(torch.as_tensor(v, dtype=self._full[name].dtype))
+        self._handed_host = None  # views handed out before may point anywhere now
+        if self.fed:  # the prologue copies the feed: it must hold padding only, too
+            self._feed_event.synchronize()
+            feed = self._staged[FEED]
+            for name, spec in self.specs.items():
+                feed[name].fill_(spec.pad)
+            for name in self.control_specs:
+                feed[name].zero_()
+            for name, v in control.items():
+                feed[name][:len(v)].copy_(torch.as_tensor(v, dtype=feed[name].dtype))
+            feed["__src__"].fill_(True)
+            self._feed_flags = [True] * len(self.specs)
+            self._dirty[FEED] = {n: 0 for n in self.specs}
+
+    def _fill_pad(self, k: int, name: str, lo: int, hi: int) -> None:
+        """Pad values into rows ``[lo, hi)`` of staging arena ``k`` (numpy where it can)."""
+        a = self._staged_np[k][name]
+        if a is not None:
+            a[lo:hi] = self._pads_np[name]
+        else:  # bfloat16 and other dtypes numpy lacks
+            self._staged[k][name][lo:hi].fill_(self.specs[name].pad)
 
     def _wait_staging(self, k: int) -> None:
         if self._events and self._events[k] is not None:
@@ -430,12 +508,13 @@ class StaticInputs:
         if self.device.type != "cuda":
             self._handed_host = None
             for name, t in prep.tensors.items():
-                if name not in prep.zero_copy:
-                    p = ptrs.get(name)
-                    if p is not None:
-                        nb = row_bytes[name]
+                p = ptrs.get(name)
+                if p is not None:
+                    nb = row_bytes[name]
+                    if p + start * nb != self._full_ptr[name]:  # else: the rows are in place
                         ctypes.memmove(self._full_ptr[name], p + start * nb, length * nb)
-                    elif t.device.type == "cpu":
+                elif name not in prep.zero_copy:
+                    if t.device.type == "cpu":
                         self._put(self._full[name], self._full_np[name], t, start, length)
                     else:
                         self._full[name][:length].copy_(t[start:start + length])
@@ -444,7 +523,7 @@ class StaticInputs:
                 self._full_np[name][:len(v)] = v
             return
         k = self._next
-        self._next = (k + 1) % len(self.staging)
+        self._next = k ^ 1
         ev = self._events[k]
         if ev is not None:
             ev.synchronize()  # this arena's previous copy has left it
@@ -457,15 +536,15 @@ class StaticInputs:
             p = ptrs.get(name)
             if p is not None or not t.is_cuda:
                 host.append(name)
-                if name not in zero_copy or start != 0:
-                    if p is not None:
-                        nb = row_bytes[name]
+                if p is not None:
+                    nb = row_bytes[name]
+                    if p + start * nb != staged_ptr[name]:  # else: written in place (host_inputs)
                         ctypes.memmove(staged_ptr[name], p + start * nb, length * nb)
-                    else:
-                        self._put(self._staged[k][name], staged_np[name], t, start, length)
+                else:
+                    self._put(self._staged[k][name], staged_np[name], t, start, length)
                 pad_to = dirty[name]
                 if pad_to > length:  # rows a wider step left behind go back to the pad value
-                    staged_np[name][length:pad_to] = self._pads_np[name]
+                    self._fill_pad(k, name, length, pad_to)
                 dirty[name] = length
             else:
                 dev.append(name)
@@ -481,7 +560,7 @@ class StaticInputs:
         if one_copy:
             for name in dev:
                 if dirty[name] > 0:
-                    staged_np[name][:dirty[name]] = self._pads_np[name]
+                    self._fill_pad(k, name, 0, dirty[name])
                     dirty[name] = 0
         if host:
             self._copy_host(k, host, width, one_copy=one_copy)
@@ -508,6 +587,63 @@ class StaticInputs:
         if self._cudart is not None:
             self._raw_events[k] = ev._as_parameter_.value
 
+    def write_fed(self, prep: Prepared, start: int, length: int, width: int,
+                  control: Mapping[str, Any] | None = None) -> None:
+        """``write`` for a fed graph's replay: host rows (and control blocks) into the feed,
+        which the graph copies itself; device rows into the arena (rows ``[length,
+        width)`` filled with pad values), flagged so that the graph keeps them."""
+        self._feed_event.synchronize()  # the last replay's copy has left the feed
+        if self._handed_host is not None and self._handed_host[0] == FEED:
+            self._handed_host = None
+        ptrs, row_bytes, zero_copy = prep.host_ptrs, self._row_bytes, prep.zero_copy
+        staged_np, dirty, staged_ptr = self._staged_np[FEED], self._dirty[FEED], self._staged_ptr[FEED]
+        flags, dev = self._feed_flags, []
+        for i, (name, t) in enumerate(prep.tensors.items()):
+            p = ptrs.get(name)
+            if p is not None or not t.is_cuda:
+                if p is not None:
+                    nb = row_bytes[name]
+                    if p + start * nb != staged_ptr[name]:  # else: written in place (host_inputs)
+                        ctypes.memmove(staged_ptr[name], p + start * nb, length * nb)
+                else:
+                    self._put(self._staged[FEED][name], staged_np[name], t, start, length)
+                pad_to = dirty[name]
+                if pad_to > length:  # rows a wider step left behind go back to the pad value
+                    self._fill_pad(FEED, name, length, pad_to)
+                dirty[name] = length
+                if not flags[i]:
+                    flags[i] = True
+                    staged_np["__src__"][i] = True
+            else:
+                if flags[i]:
+                    flags[i] = False
+                    staged_np["__src__"][i] = False
+                dev.append(name)
+        if control:
+            for name, v in control.items():
+                staged_np[name][:len(v)] = v
+        for name in dev:
+            if name not in zero_copy:
+                self._full[name][:length].copy_(prep.tensors[name][start:start + length], non_blocking=True)
+            if width > length:
+                self._full[name][length:width].fill_(self.specs[name].pad)
+
+    def unfeed(self) -> None:
+        """Fed graphs keep every input's arena rows until the next step (which feeds again):
+        for a caller that writes the arena itself and replays a graph directly."""
+        if not self.fed or not any(self._feed_flags):
+            return
+        self._feed_event.synchronize()
+        self._feed_flags = [False] * len(self.specs)
+        self._staged_np[FEED]["__src__"][:len(self.specs)] = False
+
+    def feed_prologue(self) -> None:
+        """The first work of every fed graph (captured with it; see the class docstring)."""
+        self.mirror.copy_(self.staging[FEED], non_blocking=True)
+        self._feed_event.record()  # external: a node of the graph, waited on by write_fed
+        keep = self._mirror_src[self._word_src]
+        torch.where(keep, self._mirror_words, self._arena_words, out=self._arena_words)
+
     def write_control(self, control: Mapping[str, Any]) -> None:
         """Set control blocks only (a commit between steps), through the staging arena."""
         if self.device.type != "cuda":
@@ -515,8 +651,10 @@ class StaticInputs:
                 self._full_np[name][:len(v)] = v
             return
         k = self._next
-        self._next = (k + 1) % len(self.staging)
+        self._next = k ^ 1
         self._wait_staging(k)
+        if self._handed_host is not None and self._handed_host[0] == k:
+            self._handed_host = None
         for name, v in control.items():
             self._staged_np[k][name][:len(v)] = v
         self._copy_host(k, list(control), 0, one_copy=False)

@@ -170,7 +170,7 @@ class GraphRuntime:
         control = {}
         if host_rows is not None:
             control = {"__rows__": (self._rows, torch.int32), "__ctrl__": (4, torch.int32)}
-        self._inputs = StaticInputs(inputs, self._rows, self.device, control)
+        self._inputs = StaticInputs(inputs, self._rows, self.device, control, feed=graphs)
         self._lock = threading.Lock()
         self._token = object()  # marks the StepResults this runtime made (commit checks it)
         self._plans: dict[int, tuple[Slice, ...]] = {}
@@ -209,10 +209,16 @@ class GraphRuntime:
         return MappingProxyType(self._graphs)
 
     def static_inputs(self, width: int) -> dict[str, torch.Tensor]:
-        """The device views a graph of ``width`` reads: rows ``[:width]`` of the arena."""
+        """The device views a graph of ``width`` reads: rows ``[:width]`` of the arena.
+
+        For writing them by hand and replaying ``graphs_captured[width]`` directly: a
+        graph normally copies the last step's host rows in first (fed graphs, see
+        StaticInputs); after this call it keeps the arena's rows as they are, until the
+        next ``step``."""
         self._check_open("static_inputs")
         if isinstance(width, bool) or not isinstance(width, int) or (width not in self.widths and not (self.widths[-1] < width <= self._rows)):
             raise InputError(expected("width", f"one of {self.widths} or a dynamic width", width))
+        self._inputs.unfeed()
         return self._inputs.views(width)
 
     def host_inputs(self, T: int) -> dict[str, torch.Tensor]:
@@ -225,7 +231,7 @@ class GraphRuntime:
         InputError (their arena may hold an older step's rows by then)."""
         self._check_open("host_inputs")
         self._check_single_slice(T, "host_inputs")
-        return self._inputs.host_views(T)
+        return self._inputs.host_views(T, fed=self._fed_graph(self.plan(T)[0]) is not None)
 
     def device_inputs(self, T: int) -> dict[str, torch.Tensor]:
         """Zero-copy device path: rows ``[:T]`` of the static device arena. Write them with
@@ -234,6 +240,13 @@ class GraphRuntime:
         self._check_open("device_inputs")
         self._check_single_slice(T, "device_inputs")
         return self._inputs.device_views(T)
+
+    def _fed_graph(self, s: Slice):
+        """The graph that runs slice ``s`` when it is a fed graph (it copies its own host
+        rows in: see StaticInputs), else None."""
+        if not self._inputs.fed or s.path != "graph":
+            return None
+        return self._graphs.get(s.width)
 
     def _check_open(self, what: str) -> None:
         if self._inputs is None:
@@ -260,10 +273,10 @@ class GraphRuntime:
             # Warm-up and capture run the step function for real: on padding rows only, with
             # every gather pointed at the spare ring / snapshot slot (recapture() comes after
             # real steps; their rows, KV slots and held host rows must not be touched again).
-            self._inputs.reset()
+            spare = None
             if self.host_rows_config is not None:
-                spare = torch.tensor([0, self._ring.spare, self.host_rows_config.depth, 0], dtype=torch.int32)
-                self._inputs.control("__ctrl__").copy_(spare)
+                spare = {"__ctrl__": [0, self._ring.spare, self.host_rows_config.depth, 0]}
+            self._inputs.reset(spare)
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
             base = torch.cuda.memory_reserved(self.device)
@@ -274,9 +287,14 @@ class GraphRuntime:
                 if w in self._graphs:
                     continue
                 views = self._inputs.views(w)
+
+                def run(w=w, views=views):
+                    if self._inputs.fed:
+                        self._inputs.feed_prologue()
+                    return self._body(w, views, self.step_fn)
                 try:
                     g, out, tw, tc = capture_width(
-                        w, lambda: self._body(w, views, self.step_fn), pool=self._pool, stream=self._stream,
+                        w, run, pool=self._pool, stream=self._stream,
                         warmup=self.warmup, keep_graph=self.keep_graphs,
                         explain=lambda: self._explain(w),
                     )
@@ -440,8 +458,11 @@ class GraphRuntime:
         if not multi:
             s = slices[0]
             w = s.width
-            self._inputs.write(prep, 0, T, w, control)
             g = self._graphs.get(w) if s.path == "graph" else None
+            if g is not None and self._inputs.fed:
+                self._inputs.write_fed(prep, 0, T, w, control)
+            else:
+                self._inputs.write(prep, 0, T, w, control)
             if g is not None:
                 self._replays[w] += 1
                 g.replay()
@@ -474,7 +495,10 @@ class GraphRuntime:
         T, acc = prep.T, None
         for s in slices:
             width = s.width if s.path == "graph" else s.length
-            self._inputs.write(prep, s.start, s.length, width, control)
+            if self._fed_graph(s) is not None:
+                self._inputs.write_fed(prep, s.start, s.length, width, control)
+            else:
+                self._inputs.write(prep, s.start, s.length, width, control)
             out = self._run_slice(s)
             self._slices += 1
             self._padding += s.padding
