@@ -15,7 +15,7 @@ if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "kernels")) and 
 ):
     __path__.append(_root)  # type: ignore[name-defined]
 
-from .buffers import InputSpec  # noqa: E402
+from .specs import InputSpec  # noqa: E402
 from .capture import CaptureReport, WidthCapture  # noqa: E402
 from .errors import (  # noqa: E402
     BusyError,

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .buffers import InputSpec, StaticInputs
+from .buffers import StaticInputs
 from .capture import CaptureReport, WidthCapture, capture_width
 from .errors import (
     BusyError,
@@ -29,7 +29,14 @@ from .errors import (
     expected,
 )
 from .host_rows import HostRowRing, HostRows, HostRowsHandle, check_host_rows
-from .widths import Slice, check_widths, default_dynamic_limit, default_widths, plan_step
+from .specs import InputSpec
+from .widths import (
+    Slice,
+    check_widths,
+    default_dynamic_limit,
+    default_widths,
+    plan_step,
+)
 
 StepFn = Callable[[Mapping[str, torch.Tensor]], Any]
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..buffers import InputSpec
+from ..specs import InputSpec
 from ..errors import InputError, expected
 
 _EMB = 4.0  # scale of the one-hot token codes

@@ -10,7 +10,7 @@ from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from ..buffers import InputSpec
+from ..specs import InputSpec
 from ..errors import InputError, expected
 from ..models.toy import ToyConfig, ToyDecoder
 from ..runtime import GraphRuntime
