@@ -69,7 +69,7 @@ class Prepared(NamedTuple):
 
     T: int
     tensors: Mapping[str, torch.Tensor]
-    zero_copy: frozenset  # names whose data already sits in the static (or staging) rows
+    zero_copy: frozenset  # names whose rows already sit in the arena (device_inputs() views)
     host_ptrs: Mapping[str, int]  # contiguous host tensors of the declared dtype: data_ptr()
 
 
