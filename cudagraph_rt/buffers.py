@@ -358,6 +358,21 @@ class StaticInputs:
             self._feed_flags = [True] * len(self.specs)
             self._dirty[FEED] = {n: 0 for n in self.specs}
 
+    def _stage(self, k: int, name: str, t: torch.Tensor, p: int | None, start: int, length: int) -> None:
+        """Host rows ``[start, start+length)`` of ``t`` (data pointer ``p`` when a memmove
+        can take them) into rows ``[0, length)`` of staging arena ``k``, and pad values
+        into the rows a wider step left there."""
+        if p is not None:
+            nb = self._row_bytes[name]
+            if p + start * nb != self._staged_ptr[k][name]:  # else: written in place (host_inputs)
+                ctypes.memmove(self._staged_ptr[k][name], p + start * nb, length * nb)
+        else:
+            self._put(self._staged[k][name], self._staged_np[k][name], t, start, length)
+        dirty = self._dirty[k]
+        if dirty[name] > length:
+            self._fill_pad(k, name, length, dirty[name])
+        dirty[name] = length
+
     def _fill_pad(self, k: int, name: str, lo: int, hi: int) -> None:
         """Pad values into rows ``[lo, hi)`` of staging arena ``k`` (numpy where it can)."""
         a = self._staged_np[k][name]
@@ -415,23 +430,14 @@ class StaticInputs:
             ev.synchronize()  # this arena's previous copy has left it
         if self._handed_host is not None and self._handed_host[0] == k:
             self._handed_host = None  # host_views() rows are good for one step
-        staged_np, dirty, staged_ptr = self._staged_np[k], self._dirty[k], self._staged_ptr[k]
+        staged_np, dirty = self._staged_np[k], self._dirty[k]
         zero_copy = prep.zero_copy
         host, dev = [], []
         for name, t in prep.tensors.items():
             p = ptrs.get(name)
             if p is not None or not t.is_cuda:
                 host.append(name)
-                if p is not None:
-                    nb = row_bytes[name]
-                    if p + start * nb != staged_ptr[name]:  # else: written in place (host_inputs)
-                        ctypes.memmove(staged_ptr[name], p + start * nb, length * nb)
-                else:
-                    self._put(self._staged[k][name], staged_np[name], t, start, length)
-                pad_to = dirty[name]
-                if pad_to > length:  # rows a wider step left behind go back to the pad value
-                    self._fill_pad(k, name, length, pad_to)
-                dirty[name] = length
+                self._stage(k, name, t, p, start, length)
             else:
                 dev.append(name)
         if control:
@@ -481,22 +487,12 @@ class StaticInputs:
         self._feed_event.synchronize()  # the last replay's copy has left the feed
         if self._handed_host is not None and self._handed_host[0] == FEED:
             self._handed_host = None
-        ptrs, row_bytes, zero_copy = prep.host_ptrs, self._row_bytes, prep.zero_copy
-        staged_np, dirty, staged_ptr = self._staged_np[FEED], self._dirty[FEED], self._staged_ptr[FEED]
+        ptrs, zero_copy, staged_np = prep.host_ptrs, prep.zero_copy, self._staged_np[FEED]
         flags, dev = self._feed_flags, []
         for i, (name, t) in enumerate(prep.tensors.items()):
             p = ptrs.get(name)
             if p is not None or not t.is_cuda:
-                if p is not None:
-                    nb = row_bytes[name]
-                    if p + start * nb != staged_ptr[name]:  # else: written in place (host_inputs)
-                        ctypes.memmove(staged_ptr[name], p + start * nb, length * nb)
-                else:
-                    self._put(self._staged[FEED][name], staged_np[name], t, start, length)
-                pad_to = dirty[name]
-                if pad_to > length:  # rows a wider step left behind go back to the pad value
-                    self._fill_pad(FEED, name, length, pad_to)
-                dirty[name] = length
+                self._stage(FEED, name, t, p, start, length)
                 if not flags[i]:
                     flags[i] = True
                     staged_np["__src__"][i] = True
