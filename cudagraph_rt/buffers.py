@@ -212,6 +212,11 @@ class StaticInputs:
             self._wait_staging(k)
         src = self._staged[k] if self._staged else self._full
         views = self._handed_cache(self._host_views, (k, T), src, T)
+        if self._staged:  # the caller may fill rows [:T] and then step with fewer
+            dirty = self._dirty[k]
+            for name in self._names:
+                if dirty[name] < T:
+                    dirty[name] = T
         ptrs = {name: v.data_ptr() for name, v in views.items()}
         self._handed_host = (k, views, Prepared(T, views, frozenset(), ptrs))
         return dict(views)  # the caller may change its dict, never ours
@@ -362,13 +367,15 @@ class StaticInputs:
         """Host rows ``[start, start+length)`` of ``t`` (data pointer ``p`` when a memmove
         can take them) into rows ``[0, length)`` of staging arena ``k``, and pad values
         into the rows a wider step left there."""
+        dirty = self._dirty[k]
+        if dirty[name] < length:  # raised first: an interrupted copy leaves no untracked rows
+            dirty[name] = length
         if p is not None:
             nb = self._row_bytes[name]
             if p + start * nb != self._staged_ptr[k][name]:  # else: written in place (host_inputs)
                 ctypes.memmove(self._staged_ptr[k][name], p + start * nb, length * nb)
         else:
             self._put(self._staged[k][name], self._staged_np[k][name], t, start, length)
-        dirty = self._dirty[k]
         if dirty[name] > length:
             self._fill_pad(k, name, length, dirty[name])
         dirty[name] = length
@@ -393,8 +400,8 @@ class StaticInputs:
         if dst_np is not None and t.dtype in _NUMPY_OK:
             src = t.numpy() if not t.requires_grad else t.detach().numpy()
             dst_np[:length] = src[start:start + length]
-        else:
-            dst[:length].copy_(t[start:start + length])
+        else:  # (detached: the staging must never join an autograd graph)
+            dst[:length].copy_(t[start:start + length].detach())
 
     def write(self, prep: Prepared, start: int, length: int, width: int,
               control: Mapping[str, Any] | None = None) -> None:
@@ -418,7 +425,7 @@ class StaticInputs:
                     if t.device.type == "cpu":
                         self._put(self._full[name], self._full_np[name], t, start, length)
                     else:
-                        self._full[name][:length].copy_(t[start:start + length])
+                        self._full[name][:length].copy_(t[start:start + length].detach())
                 self._full[name][length:width].fill_(self.specs[name].pad)
             for name, v in (control or {}).items():
                 self._full_np[name][:len(v)] = v
@@ -493,13 +500,13 @@ class StaticInputs:
             p = ptrs.get(name)
             if p is not None or not t.is_cuda:
                 self._stage(FEED, name, t, p, start, length)
-                if not flags[i]:
-                    flags[i] = True
+                if not flags[i]:  # the feed's byte first: it is what the graph reads
                     staged_np["__src__"][i] = True
+                    flags[i] = True
             else:
                 if flags[i]:
-                    flags[i] = False
                     staged_np["__src__"][i] = False
+                    flags[i] = False
                 dev.append(name)
         if control:
             for name, v in control.items():
@@ -516,8 +523,8 @@ class StaticInputs:
         if not self.fed or not any(self._feed_flags):
             return
         self._feed_event.synchronize()
-        self._feed_flags = [False] * len(self.specs)
         self._staged_np[FEED]["__src__"][:len(self.specs)] = False
+        self._feed_flags = [False] * len(self.specs)
 
     def feed_prologue(self) -> None:
         """The first work of every fed graph (captured with it; see the class docstring)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Iterable, Mapping
@@ -222,11 +223,11 @@ class GraphRuntime:
         graph normally copies the last step's host rows in first (fed graphs, see
         StaticInputs); after this call it keeps the arena's rows as they are, until the
         next ``step``."""
-        self._check_open("static_inputs")
-        if isinstance(width, bool) or not isinstance(width, int) or (width not in self.widths and not (self.widths[-1] < width <= self._rows)):
-            raise InputError(expected("width", f"one of {self.widths} or a dynamic width", width))
-        self._inputs.unfeed()
-        return self._inputs.views(width)
+        with self._exclusive("static_inputs"):
+            if isinstance(width, bool) or not isinstance(width, int) or (width not in self.widths and not (self.widths[-1] < width <= self._rows)):
+                raise InputError(expected("width", f"one of {self.widths} or a dynamic width", width))
+            self._inputs.unfeed()
+            return self._inputs.views(width)
 
     def host_inputs(self, T: int) -> dict[str, torch.Tensor]:
         """Zero-copy host path, the fastest way in: pinned rows ``[:T]`` of the staging
@@ -235,18 +236,34 @@ class GraphRuntime:
         by identity, skips every check and the packing, and one host-to-device copy remains.
 
         Lifetime: good for the next step only. Views kept past it, or cut, are refused with
-        InputError (their arena may hold an older step's rows by then)."""
-        self._check_open("host_inputs")
-        self._check_single_slice(T, "host_inputs")
-        return self._inputs.host_views(T, fed=self._fed_graph(self.plan(T)[0]) is not None)
+        InputError (their arena may hold an older step's rows by then). Captures first if
+        ``capture()`` was not called (a capture would reset the rows handed out). Refused
+        with BusyError while another thread is inside ``step``."""
+        with self._exclusive("host_inputs"):
+            self._check_single_slice(T, "host_inputs")
+            if not self._ready:
+                self.capture()
+            return self._inputs.host_views(T, fed=self._fed_graph(self.plan(T)[0]) is not None)
 
     def device_inputs(self, T: int) -> dict[str, torch.Tensor]:
         """Zero-copy device path: rows ``[:T]`` of the static device arena. Write them with
         your own device ops on the current stream and pass the views to ``step``: no
-        copy is made, only the padding rows are filled."""
-        self._check_open("device_inputs")
-        self._check_single_slice(T, "device_inputs")
-        return self._inputs.device_views(T)
+        copy is made, only the padding rows are filled. Refused with BusyError while
+        another thread is inside ``step``."""
+        with self._exclusive("device_inputs"):
+            self._check_single_slice(T, "device_inputs")
+            return self._inputs.device_views(T)
+
+    @contextmanager
+    def _exclusive(self, what: str):
+        """The step lock, not waited for (BusyError), and the runtime still open."""
+        if not self._lock.acquire(blocking=False):
+            raise BusyError(f"GraphRuntime.{what}: another thread is inside step() of this runtime")
+        try:
+            self._check_open(what)
+            yield
+        finally:
+            self._lock.release()
 
     def _fed_graph(self, s: Slice):
         """The graph that runs slice ``s`` when it is a fed graph (it copies its own host
@@ -432,6 +449,8 @@ class GraphRuntime:
             if hr is None or hr.mode != "host":
                 raise InputError(expected("rows", "None unless the runtime has HostRows(mode='host')", "row indices"))
             idx = check_host_rows(rows, T, self._capacity, hr.allow_duplicates)
+            if not multi and len(idx) > self._rows:  # duplicates: more indices than the block holds
+                raise CapacityError(expected("rows", f"at most {self._rows} indices in a one-slice step", len(idx)))
         if not self._ready:
             self.capture()
         if self._watched is not None:

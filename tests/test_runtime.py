@@ -235,6 +235,11 @@ def test_two_threads_never_interleave():
     assert gate.wait(5)
     with pytest.raises(BusyError):
         rt.step(a=[2], b=torch.zeros(1, 3))
+    # the buffers a step is writing are not handed out meanwhile either
+    for what, call in [("host_inputs", lambda: rt.host_inputs(2)), ("device_inputs", lambda: rt.device_inputs(2)),
+                       ("static_inputs", lambda: rt.static_inputs(2))]:
+        with pytest.raises(BusyError, match=rf"GraphRuntime.{what}: another thread is inside step"):
+            call()
     release.set()
     t.join()
     assert rt.step(a=[5], b=torch.zeros(1, 3)).outputs.tolist() == [5]
@@ -302,3 +307,19 @@ def test_handed_views_are_recognised_and_fresh_inputs_still_checked():
     hv = rt.host_inputs(5)
     with pytest.raises(InputError, match="unexpected"):
         rt.step(**hv, c=torch.zeros(5))
+
+
+def test_host_tensors_that_require_grad_never_join_an_autograd_graph():
+    specs = {"a": InputSpec((), torch.int64, 0), "h": InputSpec((2,), torch.bfloat16, -1.5),
+             "f": InputSpec((3,), torch.float32, 0.5)}
+    rt = GraphRuntime(lambda x: {"h": x["h"] * 1, "f": x["f"] * 1}, specs, graphs=False, device="cpu")
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    for T in [3, 7, 2]:
+        h = torch.randn(T, 4, generator=gen).bfloat16()[:, ::2].requires_grad_()  # strided: the torch copy
+        f = torch.randn(T, 3, generator=gen).requires_grad_()
+        out = rt.step(a=torch.zeros(T, dtype=torch.int64), h=h, f=f).outputs
+        assert torch.equal(out["h"], h.detach()) and torch.equal(out["f"], f.detach())
+        assert not out["h"].requires_grad and not out["f"].requires_grad
+    views = rt.static_inputs(8)
+    assert not any(v.requires_grad or v.grad_fn is not None for v in views.values())
+    assert not rt._inputs.arena.requires_grad

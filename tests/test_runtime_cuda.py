@@ -208,3 +208,24 @@ def test_fed_graphs_queued_ahead_each_read_their_own_rows():
     for i, (want, got) in enumerate(zip(wants, gots)):
         for k in want:
             assert torch.equal(got[k].cpu(), want[k]), (i, k)
+
+
+def test_rows_filled_through_host_inputs_but_not_stepped_become_padding():
+    """A runner fills host_inputs(8), the step is then made with 5 other rows (a retry
+    after a refused step): rows 5..7 the graph reads must be pad values, not those rows."""
+    rt = GraphRuntime(_echo, ECHO)
+    rt.capture()
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    for T_fill, T in [(8, 5), (64, 33), (2, 1)]:
+        hv = rt.host_inputs(T_fill)
+        for k, v in hv.items():
+            v.copy_(torch.randn(v.shape, generator=gen).to(v.dtype) if v.dtype.is_floating_point
+                    else torch.randint(0, 99, v.shape, generator=gen))
+        x = {"a": torch.randint(0, 99, (T,), generator=gen), "b": torch.randn(T, 3, generator=gen),
+             "h": torch.randn(T, 2, generator=gen).bfloat16()}
+        out = rt.step(**x).outputs
+        for k in x:
+            assert torch.equal(out[k].cpu(), x[k]), (T, k)
+        w = rt.plan(T)[0].width
+        full = rt._static_out[w]
+        assert (full["a"][T:w] == -5).all() and (full["b"][T:w] == 0.25).all() and (full["h"][T:w] == -1.5).all()
