@@ -449,8 +449,9 @@ class GraphRuntime:
             if hr is None or hr.mode != "host":
                 raise InputError(expected("rows", "None unless the runtime has HostRows(mode='host')", "row indices"))
             idx = check_host_rows(rows, T, self._capacity, hr.allow_duplicates)
-            if not multi and len(idx) > self._rows:  # duplicates: more indices than the block holds
-                raise CapacityError(expected("rows", f"at most {self._rows} indices in a one-slice step", len(idx)))
+            n = slices[0].width if slices[0].path == "graph" else slices[0].length
+            if not multi and len(idx) > n:  # duplicates: one index per row the step runs, at most
+                raise CapacityError(expected("rows", f"at most {n} indices in a step that runs {n} rows", len(idx)))
         if not self._ready:
             self.capture()
         if self._watched is not None:

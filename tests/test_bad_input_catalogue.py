@@ -986,3 +986,23 @@ def test_cli_survives_one_missing_tool(cli, monkeypatch, capsys):
     monkeypatch.setitem(cli.COMMANDS, "ghost", ("ghost_tool_not_written", "a tool that does not exist"))
     assert cli.main([]) == 2
     assert "usage: cgrt" in capsys.readouterr().out
+
+
+def test_duplicate_host_rows_beyond_the_rows_a_step_runs_are_a_capacity_error():
+    m, ref = SlotModel("cpu", seed=4), SlotModel("cpu", seed=4)
+    rt = GraphRuntime(m, m.specs(), graphs=False, device="cpu",
+                      host_rows=HostRows(source="hidden", mode="host", capacity=300, allow_duplicates=True))
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    rt.step(**m.random_inputs(3, gen=gen))
+    ref.state.copy_(m.state)
+    for T, n in [(3, 4), (70, 70)]:  # padded to width 4; the dynamic path runs exactly 70
+        x = m.random_inputs(T, gen=gen)
+        arena, state = rt._inputs.arena.clone(), m.state.clone()
+        with pytest.raises(CapacityError, match=rf"rows: expected at most {n} indices in a step that runs {n} rows, "
+                                                rf"got {n + 1}"):
+            rt.step(rows=[1] * (n + 1), **x)
+        assert torch.equal(arena, rt._inputs.arena) and torch.equal(state, m.state)
+        h = rt.step(rows=[1] * n, **x).host_rows  # one index per row it runs: fine
+        want = ref(x)["hidden"]
+        torch.testing.assert_close(h.rows(), want[[1] * n], rtol=1e-5, atol=1e-5)
+        h.release()
