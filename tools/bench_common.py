@@ -61,22 +61,27 @@ def time_calls(call: Callable[[int], Any], *, repeats: int, warmup: int, sync: C
                 prepare(i)
             call(i)
             sync()
-        out = []
-        for i in range(repeats):
-            if prepare is not None:
-                prepare(i)
-            sync()
-            t0 = time.perf_counter_ns()
-            call(i)
-            if include_sync:
-                sync()
-            out.append(time.perf_counter_ns() - t0)
-            if not include_sync:
-                sync()
+        out = [_timed_call(call, prepare, i, sync, include_sync) for i in range(repeats)]
     finally:
         if was:
             gc.enable()
     return summarize(out)
+
+
+def _timed_call(call, prepare, i: int, sync: Callable[[], None], include_sync: bool) -> int:
+    """Nanoseconds of ``call(i)`` from an idle device: ``prepare(i)`` untimed first; the
+    clock stops after a synchronize (latency) or when the call returns (host time)."""
+    if prepare is not None:
+        prepare(i)
+    sync()
+    t0 = time.perf_counter_ns()
+    call(i)
+    if include_sync:
+        sync()
+    ns = time.perf_counter_ns() - t0
+    if not include_sync:
+        sync()
+    return ns
 
 
 def time_interleaved(variants: dict[str, tuple[Callable[[int], Any], Callable[[int], Any] | None]], *,
@@ -100,17 +105,7 @@ def time_interleaved(variants: dict[str, tuple[Callable[[int], Any], Callable[[i
         for i in range(repeats):
             for j in range(len(names)):
                 name = names[(i + j) % len(names)]
-                call, prep = variants[name]
-                if prep is not None:
-                    prep(i)
-                sync()
-                t0 = time.perf_counter_ns()
-                call(i)
-                if include_sync:
-                    sync()
-                times[name].append(time.perf_counter_ns() - t0)
-                if not include_sync:
-                    sync()
+                times[name].append(_timed_call(*variants[name], i, sync, include_sync))
     finally:
         if was:
             gc.enable()
