@@ -1,4 +1,5 @@
-"""Small step functions the runtime tests share: a few layers and a slot-indexed state."""
+"""Small step functions the runtime tests share (a few layers and a slot-indexed state),
+and the hand capture the GPU tests use outside the runtime."""
 import torch
 
 from cudagraph_rt import InputSpec
@@ -60,3 +61,19 @@ class ChoosingSlotModel(SlotModel):
 def chosen_rows(tok):
     """The rows ChoosingSlotModel accepts, computed on the host."""
     return [i for i, t in enumerate(tok.tolist()) if t % 2 == 0]
+
+
+def warm_and_capture(body, *, pool=None, keep_graph=False) -> "torch.cuda.CUDAGraph":
+    """Warm ``body`` up (compiles, cuBLAS handles) on a side stream, then capture it into
+    a CUDA graph (``keep_graph``: its cudaGraph_t stays readable, for inspection)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        body()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph(keep_graph=True) if keep_graph else torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        body()
+    torch.cuda.synchronize()
+    return g

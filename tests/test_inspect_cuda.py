@@ -20,23 +20,15 @@ from cudagraph_rt.inspect import (
     inspect_runtime,
     to_dot,
 )
+from models_for_tests import warm_and_capture
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def capture(body, pool=None) -> torch.cuda.CUDAGraph:
-    """Warm ``body`` up on a side stream, then capture it into a kept graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        body()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph(keep_graph=True)
-    with torch.cuda.graph(g, pool=pool):
-        body()
-    return g
+    """A kept graph of ``body`` (inspection reads its nodes)."""
+    return warm_and_capture(body, pool=pool, keep_graph=True)
 
 
 def test_graph_nodes_kernels_pinned_memcpy_memset_edges():

@@ -32,6 +32,7 @@ import pytest  # noqa: E402
 
 from cudagraph_rt.errors import InputError  # noqa: E402
 from cudagraph_rt.kernels import row_gather as rg  # noqa: E402
+from models_for_tests import warm_and_capture  # noqa: E402
 
 MODE = rg.kernel_mode()
 if MODE == "interpreter":
@@ -369,21 +370,6 @@ def test_plan_launch_covers_every_row_and_column(dtype, rng):
 # --------------------------------------------------------------------------------------
 # CUDA: captured graphs writing into a pinned host ring
 # --------------------------------------------------------------------------------------
-def _capture(fn):
-    """Warm up (compile) on a side stream, then capture fn into a CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()  # validate=True inside capture: metadata checks must be capture-safe
-    torch.cuda.synchronize()
-    return graph
-
-
 @pytest.mark.parametrize("H", [3, 1000, 4096])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 @cuda_test
@@ -399,7 +385,8 @@ def test_cuda_graph_into_pinned_ring(dtype, H, rng):
     assert dst.is_pinned() and meta.is_pinned()
     want_dst, want_meta = dst.clone(), meta.clone()  # reference ring on plain CPU memory
 
-    graph = _capture(lambda: rg.gather_rows(src, rows, count, dst, meta, dst_slot=slot))
+    # validate=True inside the capture: its metadata checks must be capture-safe
+    graph = warm_and_capture(lambda: rg.gather_rows(src, rows, count, dst, meta, dst_slot=slot))
     # The warm-up and capture-time launches may have written slot 0: start from poison.
     dst.fill_(float("nan"))
     meta.fill_(POISON_META)
@@ -435,7 +422,7 @@ def test_cuda_graph_src_slabs_and_flags(rng):
     rows = torch.zeros(R, device="cuda", dtype=torch.int64)
     count, s_slot, d_slot = _i32([0], "cuda"), _i32([0], "cuda"), _i32([0], "cuda")
     dst, meta = _poisoned(S, C, H, dtype, "cpu", pin=True)
-    graph = _capture(lambda: rg.gather_rows(src, rows, count, dst, meta, src_slot=s_slot, dst_slot=d_slot))
+    graph = warm_and_capture(lambda: rg.gather_rows(src, rows, count, dst, meta, src_slot=s_slot, dst_slot=d_slot))
     cases = [(0, 5), (2, 8), (1, 10), (S_src, 4), (-1, 3), (1, -2), (0, 0)]  # (slab, count)
     for step, (s, c) in enumerate(cases):
         rows.copy_(torch.randint(-1, N + 1, (R,)))
