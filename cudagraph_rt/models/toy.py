@@ -30,6 +30,7 @@ from torch import Tensor
 
 from ..specs import InputSpec
 from ..errors import InputError, expected
+from .accept import greedy_accept
 
 _EMB = 4.0  # scale of the one-hot token codes
 _OUT = 2.0  # readout gain: designed margin _EMB * _OUT = 8 logits
@@ -262,7 +263,8 @@ class ToyDecoder:
         return {"tokens": greedy, "hidden": torch.cat([taps[i] for i in self.config.taps], -1)}
 
     def verify_step(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
-        """:meth:`step` plus greedy speculative acceptance on the device (no host sync).
+        """:meth:`step` plus greedy speculative acceptance on the device (no host sync), by
+        :func:`~cudagraph_rt.models.accept.greedy_accept` (shared with every model).
 
         ``next_tokens[i]`` is the token fed at ``positions[i] + 1`` of the same sequence in
         this step (the draft the next row checks), -1 if none. Row i MISMATCHES when
@@ -281,18 +283,7 @@ class ToyDecoder:
         """
         (nxt,) = self._take(inputs, ("next_tokens",))
         out = self.step(inputs)  # checks the other inputs
-        pos, seq, want = inputs["positions"], inputs["seq_ids"], inputs["want"] == 1
-        mismatch = want & (out["tokens"] != nxt)
-        earlier = (seq[None, :] == seq[:, None]) & (pos[None, :] < pos[:, None])  # [i, j]: j before i
-        committed = want & ~(earlier & mismatch[None, :]).any(1)
-        n = committed.shape[0]
-        rows = torch.arange(n, device=committed.device)
-        # Pack without nonzero(): committed rows go to their rank, others to distinct dump slots.
-        dest = torch.where(committed, torch.cumsum(committed, 0) - 1, n + rows)
-        packed = torch.zeros(2 * n, dtype=torch.int32, device=committed.device)
-        packed.scatter_(0, dest, rows.to(torch.int32))
-        count = committed.sum().to(torch.int32).reshape(1)
-        return {**out, "accept_rows": packed[:n], "accept_count": count, "committed": committed}
+        return {**out, **greedy_accept(out["tokens"], nxt, inputs["positions"], inputs["seq_ids"], inputs["want"])}
 
     # ----------------------------------------------------------------- eager reference
     @torch.no_grad()
