@@ -1,0 +1,410 @@
+"""transformers decoder-only causal LMs on a cell KV pool: one packed step of many sequences.
+
+:class:`HFDecoder` wraps a ``*ForCausalLM`` (Llama, Qwen2, Qwen3, Mistral and anything
+built the same way) and gives it the toy decoder's surfaces (``inputs``, ``step``,
+``verify_step``, ``reference``, ``cell_for``, ...), so every tool and the sweep harness take
+either. It plugs in through transformers' own extension points only, never by patching
+model source:
+
+* an attention function registered with ``AttentionInterface.register`` (name
+  :data:`ATTENTION`). It is selected for the duration of a step only (the config's
+  attention implementation is switched around the call and restored), so ``reference``,
+  ``generate`` and anything else the user runs see the model exactly as it was. The step
+  passes its per-step state through the model call's keyword arguments, which the model
+  forwards to every attention call; the function reads ``module.layer_idx``, writes the
+  rows' K/V (after RoPE, which the model applied from ``position_ids``) into the pool by
+  cell index and attends over the whole pool under an explicit mask;
+* that mask is built on the device from the cells' owners and positions and passed as a
+  4-D ``attention_mask``, which transformers' masking code returns as is (so none of it
+  runs, and nothing syncs with the host). Sliding-window layers (Mistral, Qwen2/3 with
+  ``layer_types``) get the window applied to the same mask inside the function.
+
+transformers' own ``StaticCache`` is not used: it advances a device counter on every call,
+so warm-up runs, captures and padding rows would shift it.
+
+The cell pool is the toy's: cell ``seq * max_len + pos`` for ``max_seqs`` sequences, plus
+one scratch cell (the last) that padding rows write and only they see.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..errors import InputError, expected
+from ..specs import InputSpec
+from .accept import greedy_accept
+
+ATTENTION = "cgrt_cells"  # the registered attention function's name
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+SIZES = ("tiny", "1b")
+_INPUTS = ("tokens", "positions", "seq_ids", "cells", "want")
+# A greedy token is "clear" when the reference's top-1 logit beats its top-2 by more than
+# MARGIN_ULPS * eps(dtype) * max|logit| of that row (see HFDecoder.clear_positions).
+MARGIN_ULPS = {torch.float32: 256.0, torch.float16: 4.0, torch.bfloat16: 4.0}
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as e:  # the optional extra
+        raise ImportError("cudagraph_rt.models.hf needs transformers: pip install -e \".[hf]\"") from e
+    return transformers
+
+
+# ------------------------------------------------------------------------------ configs
+@dataclass(frozen=True)
+class HFSpec:
+    """What the tools read off a model (the toy's ``ToyConfig`` fields they use). Immutable.
+
+    ``vocab``/``hidden``/``layers`` come from the transformers config; ``max_seqs`` x
+    ``max_len`` cells form the pool; ``family``/``size`` name how it was built ("custom"
+    for a model passed in)."""
+
+    vocab: int
+    hidden: int
+    layers: int
+    max_seqs: int
+    max_len: int
+    dtype: torch.dtype
+    family: str = "custom"
+    size: str = "custom"
+
+
+def hf_config(family: str, size: str = "tiny", **overrides):
+    """A transformers config of ``family`` (llama | qwen2 | qwen3 | mistral) and ``size``.
+
+    ``tiny``: 2 layers, 64 hidden, 4 heads over 2 KV heads, vocab 512: a CPU forward takes
+    about a millisecond. Mistral's tiny config has a sliding window of 16 and Qwen2's a
+    sliding second layer, so the window path is exercised. ``1b``: Llama-3.2-1B's shape
+    (16 layers, 2048 hidden, 32 heads over 8 KV heads, vocab 128256, tied embeddings, llama3
+    RoPE) in the family's own config class. ``overrides`` go to the config constructor.
+    InputError for an unknown family or size."""
+    if family not in FAMILIES:
+        raise InputError(expected("family", " | ".join(FAMILIES), repr(family)))
+    if size not in SIZES:
+        raise InputError(expected("size", " | ".join(SIZES), repr(size)))
+    tf = _transformers()
+    cls = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "qwen3": tf.Qwen3Config,
+           "mistral": tf.MistralConfig}[family]
+    if size == "tiny":
+        kw = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False)
+        if family == "mistral":
+            kw["sliding_window"] = 16
+        if family == "qwen2":  # layer 1 slides, layer 0 is full: both paths in one model
+            kw.update(use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    else:
+        kw = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                  num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+                  rms_norm_eps=1e-5, tie_word_embeddings=True,
+                  rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0,
+                                       high_freq_factor=4.0, original_max_position_embeddings=8192))
+        if family in ("mistral", "qwen2", "qwen3"):
+            kw["sliding_window"] = None
+    kw.update(overrides)
+    return cls(**kw)
+
+
+def build(family: str, size: str = "tiny", *, dtype: torch.dtype | None = None, device=None, seed: int = 0,
+          max_seqs: int | None = None, max_len: int | None = None, path: str | None = None) -> HFDecoder:
+    """An :class:`HFDecoder` for the CLI: random weights from ``hf_config(family, size)``
+    (seeded), or ``from_pretrained(path)`` of a local directory (never a download).
+    Defaults: tiny fp32 with 8 x 128 cells; 1b bf16 with 16 x 256 cells."""
+    dtype = dtype or (torch.float32 if size == "tiny" else torch.bfloat16)
+    dev = _device(device)
+    if path is not None:
+        if not os.path.isdir(path):
+            raise InputError(expected("path", "a local model directory", repr(path)))
+        tf = _transformers()
+        model = tf.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).to(dev)
+    else:
+        tf = _transformers()
+        cfg = hf_config(family, size)
+        torch.manual_seed(seed)
+        with torch.device(dev):  # initialise on the device: a 1b model inits in seconds there
+            model = tf.AutoModelForCausalLM.from_config(cfg)
+        model = model.to(dtype)
+    defaults = (8, 128) if size == "tiny" else (16, 256)
+    return HFDecoder(model, max_seqs=max_seqs or defaults[0], max_len=max_len or defaults[1],
+                     family=family, size=size if path is None else "local")
+
+
+def _device(device) -> torch.device:
+    dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda" and dev.index is None:  # "cuda" != "cuda:0" in the input checks
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+# ------------------------------------------------------------------------------ attention
+class _CellStep:
+    """The state one step hands every attention call (through the model's kwargs): the
+    pool, the rows' cells and positions, and the mask per window size (built once, on the
+    device). Lives for one model call."""
+
+    def __init__(self, pool: HFDecoder, cells: Tensor, positions: Tensor, visible: Tensor):
+        self.pool, self.cells, self.positions = pool, cells, positions
+        self._masks = {None: visible}
+
+    def mask(self, window: int | None) -> Tensor:
+        """[N, cells] bool. A sliding layer also hides cells ``window`` or more positions back
+        (transformers' rule: key visible iff ``q_pos - k_pos < window``)."""
+        if window is not None and window >= self.pool.config.max_len:
+            window = None  # no position in the pool is that far back
+        if window not in self._masks:
+            near = self.pool.cell_pos[None, :] > self.positions[:, None] - window
+            self._masks[window] = self._masks[None] & near
+        return self._masks[window]
+
+
+def cell_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling: float | None = None,
+                   dropout: float = 0.0, cgrt_cells: _CellStep | None = None, sliding_window: int | None = None,
+                   **kwargs):
+    """The registered attention function (``ATTENTION``): q [1, heads, N, d], k/v
+    [1, kv_heads, N, d] after RoPE. Writes k/v into layer ``module.layer_idx`` of the pool
+    at the step's cells, then attends over every cell of that layer under the step's mask.
+    Returns ``([1, N, heads, d], None)`` like transformers' sdpa function.
+
+    Grouped-query attention without copying K/V: the query heads that share a KV head are
+    stacked along the query axis, so each KV head is read once."""
+    if cgrt_cells is None:
+        raise RuntimeError(f"attention {ATTENTION!r} runs only inside HFDecoder.step (no cell state was passed)")
+    st, layer = cgrt_cells, module.layer_idx
+    k_pool, v_pool = st.pool.k_cache[layer], st.pool.v_cache[layer]  # [kv_heads, cells, d]
+    k_pool.index_copy_(1, st.cells, key[0].to(k_pool.dtype))  # duplicate cells only from padding rows
+    v_pool.index_copy_(1, st.cells, value[0].to(v_pool.dtype))
+    _, heads, n, d = query.shape
+    kvh = k_pool.shape[0]
+    g = heads // kvh
+    mask = st.mask(sliding_window)  # [N, cells]
+    q = query.reshape(1, kvh, g * n, d)  # head h = kv * g + j: rows (j, i) of kv head kv
+    m = mask[None].expand(g, n, mask.shape[1]).reshape(1, 1, g * n, mask.shape[1])
+    out = torch.nn.functional.scaled_dot_product_attention(q, k_pool[None], v_pool[None], attn_mask=m,
+                                                           scale=scaling)
+    return out.reshape(1, heads, n, d).transpose(1, 2), None
+
+
+_REGISTERED = False
+
+
+def _register() -> None:
+    global _REGISTERED
+    if not _REGISTERED:
+        _transformers().AttentionInterface.register(ATTENTION, cell_attention)
+        _REGISTERED = True
+
+
+# ------------------------------------------------------------------------------ the decoder
+class HFDecoder:
+    """A transformers causal LM stepped on a multi-sequence cell KV pool.
+
+    Lifetime: the wrapped ``model`` is shared, not copied (put it in eval mode, on one
+    device, in its dtype before wrapping); the KV pool (``k_cache``, ``v_cache`` [layers,
+    kv_heads, cells + 1, head_dim], ``cell_owner``, ``cell_pos``) lives as long as the object
+    and is MUTATED BY EVERY :meth:`step` / :meth:`verify_step`, padding rows included (they
+    write only :attr:`scratch_cell`). :meth:`reset_cache` frees every cell. Outputs are fresh
+    tensors (graph-owned memory when replayed from a CUDA graph).
+
+    Visibility (as the toy's): a row attends to the cells whose owner equals its ``seq_id``
+    and whose position is ``<=`` its own (and, on a sliding layer, within the window), after
+    every row of the step has written its cell in that layer. Cells of rejected positions
+    stay invisible until overwritten, so a sequence id may be reused without freeing as
+    long as each sequence feeds its positions from 0 in order.
+
+    Failure modes: the step checks names, shapes, dtypes and devices on the host
+    (:class:`InputError`); values are NOT checked (that would need a host sync inside a
+    captured graph): out-of-range tokens, positions or cells fail on the device. A model
+    whose attention modules lack ``layer_idx``, or that does not forward keyword arguments
+    to its attention function, is refused at construction (InputError naming it).
+    """
+
+    def __init__(self, model, *, max_seqs: int = 8, max_len: int = 128, family: str = "custom",
+                 size: str = "custom"):
+        _register()
+        for name, v in (("max_seqs", max_seqs), ("max_len", max_len)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InputError(expected(name, "a positive int", repr(v)))
+        cfg = getattr(model, "config", None)
+        if cfg is None or not hasattr(model, "get_output_embeddings") or not hasattr(model, "get_decoder"):
+            raise InputError(expected("model", "a transformers *ForCausalLM", type(model).__name__))
+        if max_len > getattr(cfg, "max_position_embeddings", max_len):
+            raise InputError(expected("max_len", f"<= max_position_embeddings {cfg.max_position_embeddings}", max_len))
+        self.model = model.eval()
+        self.decoder, self.head = model.get_decoder(), model.get_output_embeddings()
+        p = next(model.parameters())
+        self.device, dtype = _device(p.device), p.dtype
+        attn = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "head_dim")]
+        if not attn:
+            raise InputError(expected("model", "attention modules with layer_idx and head_dim",
+                                      type(model).__name__))
+        layers = cfg.num_hidden_layers
+        kvh = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = attn[0].head_dim
+        self.config = HFSpec(cfg.vocab_size, cfg.hidden_size, layers, max_seqs, max_len, dtype, family, size)
+        self.num_cells = max_seqs * max_len
+        self.scratch_cell = self.num_cells
+        shape = (layers, kvh, self.num_cells + 1, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.cell_owner = torch.empty(self.num_cells + 1, dtype=torch.int64, device=self.device)
+        self.cell_pos = torch.empty(self.num_cells + 1, dtype=torch.int64, device=self.device)
+        self.reset_cache()
+
+    # ----------------------------------------------------------------- public surface
+    @property
+    def hidden_width(self) -> int:
+        """Width of the "hidden" output: the model's hidden size (its last, normed layer)."""
+        return self.config.hidden
+
+    def reset_cache(self) -> None:
+        """Free every cell (owner -2) and zero K/V: masked cells get probability exactly 0,
+        and 0 * garbage could be NaN."""
+        self.k_cache.zero_()
+        self.v_cache.zero_()
+        self.cell_owner.fill_(-2)
+        self.cell_pos.zero_()
+
+    def cell_for(self, seq: int, pos: int) -> int:
+        """The cell of ``(seq, pos)``; :class:`InputError` outside the pool."""
+        if not 0 <= seq < self.config.max_seqs:
+            raise InputError(expected("seq", f"in [0, {self.config.max_seqs})", seq))
+        if not 0 <= pos < self.config.max_len:
+            raise InputError(expected("pos", f"in [0, {self.config.max_len})", pos))
+        return seq * self.config.max_len + pos
+
+    def inputs(self, verify: bool = False) -> dict[str, InputSpec]:
+        """Per-row int64 inputs and their pad values, as the toy's (``next_tokens`` only for
+        the verify step). A padding row (token 0, position 0, seq -1, scratch cell, want 0)
+        writes only the scratch cell and attends only to it."""
+        specs = dict(tokens=InputSpec(pad=0), positions=InputSpec(pad=0), seq_ids=InputSpec(pad=-1),
+                     cells=InputSpec(pad=self.scratch_cell), want=InputSpec(pad=0))
+        if verify:
+            specs["next_tokens"] = InputSpec(pad=-1)
+        return specs
+
+    def step(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+        """One packed step of N rows from any sequences (capturable: no host sync, static
+        shapes). Returns ``tokens`` [N] int64 (greedy argmax of the model's logits where
+        ``want == 1``, else -1) and ``hidden`` [N, hidden] (the model's last hidden state,
+        after its final norm: what the LM head reads). Logits of all N rows, masked."""
+        t, pos, seq, cells, want = self._take(inputs, _INPUTS)
+        h = self.forward_cells(t, pos, seq, cells)
+        greedy = self.head(h).argmax(-1).masked_fill(want != 1, -1)
+        return {"tokens": greedy, "hidden": h}
+
+    def forward_cells(self, tokens: Tensor, positions: Tensor, seq_ids: Tensor, cells: Tensor) -> Tensor:
+        """The model's decoder over N packed rows on the pool: [N, hidden]. Owners and
+        positions are written first, so every layer's mask sees all rows of this step."""
+        self.cell_owner.index_copy_(0, cells, seq_ids)
+        self.cell_pos.index_copy_(0, cells, positions)
+        visible = (self.cell_owner[None, :] == seq_ids[:, None]) & (self.cell_pos[None, :] <= positions[:, None])
+        state = _CellStep(self, cells, positions, visible)
+        with self._cell_attention():
+            out = self.decoder(input_ids=tokens[None], position_ids=positions[None],
+                               attention_mask=visible[None, None], use_cache=False, cgrt_cells=state)
+        return out.last_hidden_state[0]
+
+    def verify_step(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+        """:meth:`step` plus greedy speculative acceptance on the device (no host sync), by
+        :func:`~cudagraph_rt.models.accept.greedy_accept`, exactly as the toy's
+        ``verify_step`` (see it for ``next_tokens`` and the outputs ``committed``,
+        ``accept_rows``, ``accept_count``)."""
+        (nxt,) = self._take(inputs, ("next_tokens",))
+        out = self.step(inputs)
+        return {**out, **greedy_accept(out["tokens"], nxt, inputs["positions"], inputs["seq_ids"], inputs["want"])}
+
+    # ----------------------------------------------------------------- eager reference
+    @torch.no_grad()
+    def reference_logits(self, tokens: list[int]) -> tuple[Tensor, Tensor]:
+        """Logits [L, vocab] (fp32 copies of the model's) and last hidden [L, hidden] of one
+        sequence at positions 0..L-1: the model's own forward (its own attention and mask),
+        no cache, no padding. Reads and writes no cell. InputError for an empty or too long
+        sequence or a bad token."""
+        n, vocab = len(tokens), self.config.vocab
+        if not 1 <= n <= self.config.max_len:
+            raise InputError(expected("tokens", f"1..{self.config.max_len} tokens", n))
+        if any(not 0 <= int(t) < vocab for t in tokens):
+            raise InputError(expected("tokens", f"ids in [0, {vocab})", list(tokens)))
+        ids = torch.tensor([[int(v) for v in tokens]], dtype=torch.int64, device=self.device)
+        h = self.decoder(input_ids=ids, use_cache=False).last_hidden_state[0]
+        return self.head(h).float(), h
+
+    def reference(self, tokens: list[int]) -> tuple[Tensor, Tensor]:
+        """``(greedy [L] int64, hidden [L, hidden])``: greedy[p] is the next token after
+        tokens[:p+1], hidden[p] the last hidden row at p."""
+        logits, hidden = self.reference_logits(tokens)
+        return logits.argmax(-1), hidden
+
+    def clear_positions(self, logits: Tensor) -> Tensor:
+        """[L] bool: where the greedy token of ``logits`` [L, vocab] is CLEAR, i.e. its top-1
+        logit beats the top-2 by more than ``MARGIN_ULPS[dtype] * eps(dtype) * max|logit|``
+        of that row. Random weights leave many near-ties; a packed, padded step may round
+        differently from the one-sequence reference, so a token that differs where the
+        margin is not clear is no evidence of a bug (the tools count such rows apart).
+        256 ulps for fp32; 4 for bf16/fp16, whose logits are rounded to the model dtype
+        (an ulp of the largest logit) in both computations."""
+        eps = torch.finfo(self.config.dtype).eps
+        top2 = logits.float().topk(2, -1).values
+        bound = MARGIN_ULPS.get(self.config.dtype, 4.0) * eps * logits.float().abs().amax(-1)
+        return (top2[:, 0] - top2[:, 1]) > bound
+
+    @torch.no_grad()
+    def greedy_generate(self, prompt: list[int], n: int) -> list[int]:
+        """The ``n`` tokens ``model.generate(do_sample=False)`` appends to ``prompt`` (its own
+        dynamic cache, batch 1, no padding)."""
+        if len(prompt) + max(n, 1) - 1 > self.config.max_len:
+            raise InputError(expected("prompt + n", f"<= {self.config.max_len + 1} tokens", len(prompt) + n))
+        if n < 1:
+            return []
+        ids = torch.tensor([[int(t) for t in prompt]], dtype=torch.int64, device=self.device)
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                                  min_new_tokens=n, pad_token_id=0, eos_token_id=None)
+        return out[0, len(prompt):].tolist()
+
+    # ----------------------------------------------------------------- helpers
+    @contextlib.contextmanager
+    def _cell_attention(self):
+        """The cell attention for one call only; the model's own implementation after."""
+        cfg = self.model.config
+        before = cfg._attn_implementation
+        cfg._attn_implementation = ATTENTION
+        try:
+            yield
+        finally:
+            cfg._attn_implementation = before
+
+    def _take(self, inputs: dict[str, Tensor], names: tuple[str, ...]) -> list[Tensor]:
+        """Host-side checks only (names, 1-D, one N, int64, device): no device values read."""
+        missing = [k for k in names if k not in inputs]
+        if missing:
+            raise InputError(expected("inputs", f"keys {list(names)}", f"missing {missing}"))
+        n = inputs["tokens"].shape[0] if "tokens" in inputs else None
+        out = []
+        for k in names:
+            v = inputs[k]
+            if not isinstance(v, Tensor) or v.dim() != 1 or (n is not None and v.shape[0] != n):
+                raise InputError(expected(k, f"a 1-D tensor of {n} rows", getattr(v, "shape", type(v))))
+            if v.dtype != torch.int64 or v.device != self.device:
+                raise InputError(expected(k, f"int64 on {self.device}", f"{v.dtype} on {v.device}"))
+            out.append(v)
+        return out
+
+
+def parse_model(text: str) -> str | None:
+    """``--model`` value -> family (``hf:llama`` -> "llama"), None for ``toy``; InputError
+    otherwise."""
+    if text == "toy":
+        return None
+    fam = text[3:] if text.startswith("hf:") else None
+    if fam not in FAMILIES:
+        raise InputError(expected("--model", "toy | " + " | ".join(f"hf:{f}" for f in FAMILIES), repr(text)))
+    return fam
+
+
+__all__ = ["ATTENTION", "FAMILIES", "SIZES", "HFDecoder", "HFSpec", "build", "cell_attention", "hf_config",
+           "parse_model"]
