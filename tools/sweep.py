@@ -1,4 +1,5 @@
-"""``cgrt sweep``: the width-sweep harness on the embedded toy decoder.
+"""``cgrt sweep``: the width-sweep harness on the embedded toy decoder or, with ``--model
+hf:<family>``, a transformers causal LM with random weights (``models/hf.py``).
 
 Every step width 1..max+1 plus extras, R times each, shuffled, through the runtime with
 graphs on and off (off only where there is no CUDA, and it says so), each step checked
@@ -15,8 +16,9 @@ import sys
 import torch
 
 from cudagraph_rt.errors import CgrtError, InputError, expected
+from cudagraph_rt.models.hf import SIZES, parse_model
 from cudagraph_rt.models.toy import ToyConfig
-from cudagraph_rt.testing import SweepOptions, ToyAdapter, run_sweep
+from cudagraph_rt.testing import HFAdapter, SweepOptions, ToyAdapter, run_sweep
 from cudagraph_rt.testing.report import plot, rich_tables
 from cudagraph_rt.tools.console import make_console
 
@@ -33,6 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--graphs", metavar="MODE", default="auto",
                    help="on | off | both | auto (default: both where CUDA exists, else off)")
     p.add_argument("--device", metavar="DEV", help="cuda or cpu (default: cuda if available)")
+    p.add_argument("--model", metavar="M", default="toy",
+                   help="toy (default) | hf:llama | hf:qwen2 | hf:qwen3 | hf:mistral (transformers, random weights)")
+    p.add_argument("--size", metavar="S", default="tiny",
+                   help="hf models: tiny (default: 2 layers, fp32, seconds on a CPU) | 1b (Llama-3.2-1B shape, bf16)")
     p.add_argument("--bench-size", action="store_true", help="the bf16 bench config of the toy (default: tiny fp32)")
     p.add_argument("--dtype", metavar="DT", help="override the config dtype: " + " | ".join(_DTYPES))
     p.add_argument("--widths", metavar="W,W,..", help="captured width set (default 1,2,4,..,64)")
@@ -47,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU intra-op threads while sweeping (default: 1 for the tiny config on the CPU, "
                         "whose tiny ops only lose time to thread hand-offs, most of all on shared CPUs)")
     p.add_argument("--details", metavar="N", default="5", help="failed steps printed per mode (default 5)")
+    p.add_argument("--tp", metavar="N", type=int, default=1,
+                   help="tensor-parallel ranks (launch with torchrun --nproc-per-node N; default 1)")
 
 
 def _int(flag: str, v: str | None, lo: int = 0) -> int | None:
@@ -87,23 +95,41 @@ def _threads(n: int | None):
         torch.set_num_threads(before)
 
 
-def _adapter(args) -> ToyAdapter:
+def _adapter(args) -> ToyAdapter | HFAdapter:
     dtype = None
     if args.dtype is not None:
         if args.dtype not in _DTYPES:
             raise InputError(expected("--dtype", " | ".join(_DTYPES), repr(args.dtype)))
         dtype = _DTYPES[args.dtype]
+    family = parse_model(args.model)
+    if family is not None or args.size != "tiny":
+        if family is None:
+            raise InputError(expected("--size", "tiny for the toy (its GPU config is --bench-size)", repr(args.size)))
+        if args.size not in SIZES:
+            raise InputError(expected("--size", " | ".join(SIZES), repr(args.size)))
+        if args.bench_size:
+            raise InputError(expected("--bench-size", "the toy only (hf models take --size)", args.model))
+        widths = _ints("--widths", args.widths)
+        if widths == ():
+            raise InputError(expected("--widths", "at least one width", repr(args.widths)))
+        return HFAdapter(family, args.size, dtype, args.device, widths)
     make = ToyConfig.bench if args.bench_size else ToyConfig.tiny
     config = make(dtype=dtype) if dtype is not None else make()
     widths = _ints("--widths", args.widths)
     if widths == ():
         raise InputError(expected("--widths", "at least one width", repr(args.widths)))
+    if getattr(args, "tp", 1) > 1:
+        from cudagraph_rt.tools.sweep_tp import TPAdapter
+        return TPAdapter(config, args.device, widths)
     return ToyAdapter(config, args.device, widths)
 
 
 def run(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    if getattr(args, "tp", 1) > 1 and not getattr(args, "tp_inner", False):  # one process per rank
+        from cudagraph_rt.tools.sweep_tp import run_tp
+        return run_tp(args, run)
     # With --json, stdout carries only the JSON; people's text goes to stderr.
     console, err = make_console(stderr=args.json), make_console(stderr=True)
     try:
@@ -118,7 +144,7 @@ def run(args) -> int:
                 raise InputError(expected("--plot", "a path in an existing folder", repr(args.plot)))
         adapter = _adapter(args)
         threads = _int("--threads", args.threads, 1)
-        if threads is None and adapter.device.type == "cpu" and not args.bench_size:
+        if threads is None and adapter.device.type == "cpu" and not args.bench_size and args.size == "tiny":
             threads = 1
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with _threads(threads), Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:

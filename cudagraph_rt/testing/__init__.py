@@ -3,13 +3,14 @@ modes, and check each step against the model's eager reference.
 
 ``run_sweep(adapter, ...) -> SweepReport`` for programs, ``assert_sweep(adapter, ...)`` for
 a pytest suite, ``cgrt sweep`` on the command line. A model plugs in through the small
-adapter protocol (``SweepAdapter``; ``ToyAdapter`` for the embedded toy decoder).
+adapter protocol (``SweepAdapter``; ``ToyAdapter`` for the embedded toy decoder, ``HFAdapter`` for
+transformers causal LMs).
 
 Modules: plans (which steps and rows), adapter (the protocol and the toy's adapter), checks
 (one step against its expectations), harness (the run), report (tables, JSON, plot),
 assertions (the pytest helper).
 """
-from .adapter import BaseAdapter, SweepAdapter, ToyAdapter
+from .adapter import BaseAdapter, HFAdapter, SweepAdapter, ToyAdapter
 from .assertions import assert_sweep
 from .checks import Tolerance
 from .harness import resolve_graphs, run_sweep
@@ -22,6 +23,7 @@ __all__ = [
     "SweepAdapter",
     "BaseAdapter",
     "ToyAdapter",
+    "HFAdapter",
     "Capacity",
     "Tolerance",
     "SweepOptions",

@@ -33,7 +33,7 @@ class SweepAdapter(Protocol):
       positions 0..L-1, reads and writes no runtime state.
 
     Optional hooks (defaults in :class:`BaseAdapter`): ``outputs``, ``continuation``,
-    ``release``, ``check_state``, ``cli_args``, ``tolerance``.
+    ``release``, ``check_state``, ``cli_args``, ``tolerance``, ``clear``.
     """
 
     name: str
@@ -61,6 +61,10 @@ class BaseAdapter:
     * ``cli_args()``: ``cgrt sweep`` flags that rebuild this adapter, or None when the CLI
       cannot (then failures print a Python call to reproduce them).
     * ``tolerance``: a ``Tolerance`` for the hidden rows, or None (chosen by dtype).
+    * ``clear(tokens)``: [L] bool, where the reference's greedy token (after ``tokens[:p+1]``)
+      has a clear top-1/top-2 margin, or None (default: every position is clear). Where it
+      is not, a differing token is counted as a near-tie and is not a failure: for models
+      with random weights, whose logits have near-ties that rounding may flip.
     """
 
     tolerance = None
@@ -85,6 +89,9 @@ class BaseAdapter:
         return []
 
     def cli_args(self) -> list[str] | None:
+        return None
+
+    def clear(self, tokens: Sequence[int]) -> torch.Tensor | None:
         return None
 
 
@@ -211,6 +218,108 @@ class ToyAdapter(BaseAdapter):
         default_dtype = (ToyConfig.bench() if size == "bench" else ToyConfig.tiny()).dtype
         if c.dtype != default_dtype:
             args += ["--dtype", str(c.dtype).replace("torch.", "")]
+        machine = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device.type != machine:
+            args += ["--device", self.device.type]
+        if self.widths is not None:
+            args += ["--widths", ",".join(map(str, self.widths))]
+        return args
+
+
+class HFAdapter(BaseAdapter):
+    """A transformers causal LM (``models/hf.py``) under the sweep, built by
+    ``hf.build(family, size, ...)`` (random weights from a config, or a local directory with
+    ``path``) or passed in as an :class:`~cudagraph_rt.models.hf.HFDecoder` (``model=``).
+
+    Random weights leave small logit margins, so :meth:`clear` tells the harness where the
+    reference's greedy token is clear (``HFDecoder.clear_positions``: top-1 beats top-2 by
+    more than a few ulps of the row's largest logit); a token that differs elsewhere is
+    counted as a near-tie, not a failure. Graphs on and off must still agree bit for bit
+    (the sweep's own comparison of each mode against the same reference, and the GPU tests,
+    check it). Sequence ids are reused without freeing, as the toy's.
+    """
+
+    def __init__(self, family: str = "llama", size: str = "tiny", dtype: torch.dtype | None = None,
+                 device: str | torch.device | None = None, widths: Sequence[int] | None = None, *,
+                 model=None, seed: int = 0, path: str | None = None):
+        from ..models import hf
+
+        if model is None:
+            if device is not None:
+                try:
+                    device = torch.device(device)
+                except (RuntimeError, TypeError):
+                    raise InputError(expected("device", "a torch device such as 'cpu' or 'cuda'",
+                                              repr(device))) from None
+                if device.type == "cuda" and not torch.cuda.is_available():
+                    raise InputError(expected("device", "a device this machine has", f"{device} (no CUDA here)"))
+            model = hf.build(family, size, dtype=dtype, device=device, seed=seed, path=path)
+        self.model, self.family, self.size, self.path = model, model.config.family, model.config.size, path
+        self.device = model.device
+        self.widths = tuple(widths) if widths is not None else None
+        c = model.config
+        self.capacity = Capacity(c.max_seqs, c.max_len, c.vocab)
+        self._logits: tuple[tuple[int, ...], torch.Tensor] | None = None
+        self.name = f"hf:{self.family} {self.size} {str(c.dtype).replace('torch.', '')}"
+
+    def build(self, graphs: bool) -> GraphRuntime:
+        self.model.reset_cache()
+        return GraphRuntime(self.model.step, self.model.inputs(), widths=self.widths, graphs=graphs,
+                            device=self.device)
+
+    def step_inputs(self, step: StepPlan) -> dict[str, torch.Tensor]:
+        def col(v) -> torch.Tensor:
+            return torch.tensor(v, dtype=torch.int64)
+
+        cells = [self.model.cell_for(s, p) for s, p in zip(step.seq_ids, step.positions)]
+        return dict(tokens=col(step.tokens), positions=col(step.positions), seq_ids=col(step.seq_ids),
+                    cells=col(cells), want=col([int(w) for w in step.want]))
+
+    def reference(self, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, hidden = self.model.reference_logits(list(tokens))
+        self._logits = (tuple(int(t) for t in tokens), logits)  # for clear(): no second forward
+        return logits.argmax(-1), hidden
+
+    def clear(self, tokens: Sequence[int]) -> torch.Tensor:
+        """[L] bool: positions whose reference greedy token has a clear margin."""
+        key = tuple(int(t) for t in tokens)
+        if self._logits is None or self._logits[0] != key:
+            self.reference(key)
+        return self.model.clear_positions(self._logits[1]).cpu()
+
+    def continuation(self, prompt: list[int], n: int) -> list[int]:
+        """Greedy continuation that the one-call reference of the whole sequence agrees with:
+        grown one reference call per token, then checked with one call over all of it (the
+        length changes the rounding, which can flip a near-tie) and repaired from the first
+        disagreement. Terminates: each repair fixes one more position for good (the logits
+        at p do not depend on later tokens)."""
+        toks = list(prompt)
+        for _ in range(n):
+            toks.append(int(self.reference(toks)[0][-1]))
+        for _ in range(n + 1):
+            greedy = self.reference(toks)[0].tolist()
+            bad = next((p for p in range(len(prompt) - 1, len(toks) - 1) if greedy[p] != toks[p + 1]), None)
+            if bad is None:
+                break
+            toks[bad + 1:] = greedy[bad:len(toks) - 1]
+        return toks[len(prompt):]
+
+    def check_state(self) -> list[str]:
+        """Padding rows own no live cell: the padding seq id may only own the scratch cell."""
+        m, pad_seq = self.model, -1
+        stolen = (m.cell_owner[:m.num_cells] == pad_seq).nonzero().flatten()
+        if stolen.numel() == 0:
+            return []
+        return [f"padding rows wrote {stolen.numel()} live cell(s) (first {stolen[:4].tolist()}) outside the "
+                f"scratch cell {m.scratch_cell}; the pad of 'cells' must be the scratch cell"]
+
+    def cli_args(self) -> list[str] | None:
+        if self.size not in ("tiny", "1b") or self.path is not None:
+            return None
+        args = ["--model", f"hf:{self.family}"] + (["--size", self.size] if self.size != "tiny" else [])
+        default = torch.float32 if self.size == "tiny" else torch.bfloat16
+        if self.model.config.dtype != default:
+            args += ["--dtype", str(self.model.config.dtype).replace("torch.", "")]
         machine = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device.type != machine:
             args += ["--device", self.device.type]

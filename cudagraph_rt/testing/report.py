@@ -68,7 +68,9 @@ class ModeReport:
     detail (up to the harness's ``max_details``); ``failed`` counts all of them and
     ``kinds`` counts failed checks by kind. ``worst_hidden`` is the largest hidden-row
     error seen as a fraction of its tolerance (< 1 passes): the headroom left;
-    ``tolerance`` says which rule (see checks.Tolerance)."""
+    ``tolerance`` says which rule (see checks.Tolerance). ``near_ties`` counts tokens that
+    differed from the reference where the adapter's ``clear`` said the reference's top-1/top-2
+    margin was not clear (not failures; always 0 for adapters without ``clear``)."""
 
     graphs: bool
     device: str
@@ -82,6 +84,7 @@ class ModeReport:
     seconds: float
     worst_hidden: float
     tolerance: str = ""
+    near_ties: int = 0
 
     @property
     def ok(self) -> bool:
@@ -120,7 +123,9 @@ class SweepReport:
                     + (f" (after {m.steps_run - m.steps_checked} unchecked history steps)"
                        if m.steps_run > m.steps_checked else "")
                     + f", {m.seconds:.1f} s, hidden error <= {m.worst_hidden:.2g} of tolerance"
-                    + (f" ({m.tolerance})" if m.tolerance else "") + ": ")
+                    + (f" ({m.tolerance})" if m.tolerance else "")
+                    + (f", {m.near_ties} token(s) differed at near-ties (not counted)" if m.near_ties else "")
+                    + ": ")
             if m.ok:
                 lines.append(head + "all passed")
                 continue
