@@ -1,5 +1,6 @@
-"""A speculative-decoding host runner on the toy decoder: the loop an engine wraps around
-a GraphRuntime. Copy it and swap in your model, drafter and scheduler.
+"""A speculative-decoding host runner on the toy decoder or a transformers model
+(``models/hf.py``): the loop an engine wraps around a GraphRuntime. Copy it and swap in
+your model, drafter and scheduler.
 
 One *step* of a lane serves every sequence of that lane at once:
 
@@ -134,6 +135,73 @@ class ToyDrafter:
     def forget(self, seq: Sequence) -> None:
         self._seen.pop(seq.uid, None)
         self._rng.pop(seq.uid, None)
+
+
+class ReferenceDrafter:
+    """A drafter for any model (the transformers ones included) that is right with
+    probability ``accept_prob`` per draft token, so acceptance stays controlled.
+
+    Its "truth" is the model's own plain greedy decoding (``model.greedy_generate``, e.g.
+    ``generate(do_sample=False)``) of each sequence, planned once per prompt (``prepare``,
+    before timing) and re-planned from the sequence's tokens when the served output leaves
+    the plan (a near-tie that rounded the other way: rare, and the runtime's own greedy
+    token always wins, so the output stays plain greedy decoding whatever is drafted).
+    A wrong draft is the truth plus a random non-zero offset. ``observe`` checks one finite
+    host row per committed token; ``propose`` refuses to draft before they were observed.
+    Deterministic: one RNG per sequence, seeded by ``(seed, uid)``.
+    """
+
+    def __init__(self, model, accept_prob: float, seed: int = 0):
+        if not 0.0 <= accept_prob <= 1.0:
+            raise InputError(expected("accept_prob", "a probability in [0, 1]", accept_prob))
+        self.model, self.p, self.seed = model, accept_prob, seed
+        self._plans: dict[tuple[int, ...], list[int]] = {}  # prompt or prefix -> full token list
+        self._seen: dict[int, int] = {}
+        self._rng: dict[int, np.random.Generator] = {}
+        self._cur: dict[int, list[int]] = {}  # uid -> the plan its drafts follow
+        self.replans = 0
+
+    def prepare(self, requests) -> None:
+        """Plan every request's greedy continuation now (outside any timed run)."""
+        for r in requests:
+            self._plan(list(r.prompt), r.max_new)
+
+    def _plan(self, tokens: list[int], n: int) -> list[int]:
+        key = tuple(tokens)
+        if key not in self._plans:
+            n = max(0, min(n, self.model.config.max_len + 1 - len(tokens)))
+            self._plans[key] = list(tokens) + (self.model.greedy_generate(list(tokens), n) if n else [])
+        return self._plans[key]
+
+    def observe(self, seq: Sequence, first_pos: int, rows: torch.Tensor) -> None:
+        n = len(seq.tokens) - 1 - first_pos
+        if rows.shape[0] != n:
+            raise RuntimeError(f"sequence {seq.uid}: {rows.shape[0]} host rows for {n} committed tokens")
+        if not bool(torch.isfinite(rows.float()).all()):
+            raise RuntimeError(f"sequence {seq.uid}: non-finite host rows at positions {first_pos}..{first_pos + n - 1}")
+        self._seen[seq.uid] = len(seq.tokens)
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        if self._seen.get(seq.uid) != len(seq.tokens):
+            raise RuntimeError(f"sequence {seq.uid}: drafting before its committed rows were observed")
+        rng = self._rng.setdefault(seq.uid, np.random.default_rng([self.seed, seq.uid]))
+        toks = seq.tokens
+        plan = self._cur.get(seq.uid) or self._plan(list(seq.prompt), seq.max_new)
+        if plan[:len(toks)] != toks:  # the output left the plan: plan again from here
+            self.replans += 1
+            plan = self._plan(list(toks), seq.max_new - len(seq.generated))
+        self._cur[seq.uid] = plan
+        vocab, out = self.model.config.vocab, []
+        for i in range(k):
+            j = len(toks) + i
+            truth = plan[j] if j < len(plan) else 0
+            out.append(truth if rng.random() < self.p else (truth + 1 + int(rng.integers(vocab - 1))) % vocab)
+        return out
+
+    def forget(self, seq: Sequence) -> None:
+        self._seen.pop(seq.uid, None)
+        self._rng.pop(seq.uid, None)
+        self._cur.pop(seq.uid, None)
 
 
 @dataclass(frozen=True)
