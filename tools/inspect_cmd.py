@@ -3,18 +3,21 @@
 On a GPU, per width: capture time, replay time, pool bytes, node counts, kernels, copies,
 capture hazards, graphs on vs off per output; between neighbouring widths: kernels added
 or removed and grids that change. ``--dot DIR`` writes ``DIR/width_<N>.dot`` per width.
-On a CPU only the hazard finder runs (graph introspection needs CUDA: exit 2).
+On a CPU only the hazard finder runs (graph introspection needs CUDA; the report says so).
 
 Target: ``--target module:factory``. ``factory(graphs: bool)`` returns a GraphRuntime
 (built with ``keep_graphs=True`` when ``graphs`` is True; graphs off otherwise, same
 weights and state) or ``(runtime, inputs)`` where ``inputs(T)`` gives step inputs of T
 rows, used to compare graphs on against graphs off.
 Exit code: 0 all clear; 1 a hazard, a graph hazard (pageable copy, host callback), an
-on/off mismatch or a failed width; 2 no graphs could be read (no CUDA) or a bad target.
+on/off mismatch or a failed width; 2 a usage error (bad flags, a target that cannot be
+loaded). On a CPU the exit code reflects the hazard finder alone, so a CPU CI job can
+tell "hazard" (1) from "clean" (0).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import os
@@ -25,6 +28,7 @@ import torch
 
 from cudagraph_rt.errors import CgrtError
 from cudagraph_rt.inspect import InspectReport, inspect_runtime, short_kernel_name, to_dot
+from cudagraph_rt.models.hf import SIZES, parse_model
 
 DEFAULT_TARGET = "cudagraph_rt.tools.inspect_cmd:toy_target"   # the embedded toy decoder
 
@@ -49,6 +53,36 @@ def toy_target(graphs: bool):
     return rt, inputs
 
 
+@functools.lru_cache(maxsize=2)
+def _hf_model(family: str, size: str):
+    from cudagraph_rt.models.hf import build
+
+    return build(family, size)
+
+
+def hf_target(graphs: bool, family: str = "llama", size: str = "tiny"):
+    """``--model hf:<family>``: a transformers model with random weights (built once: the
+    graphs-on and graphs-off runtimes share its weights, each with its own KV pool).
+    ``inputs(T)`` as :func:`toy_target`'s."""
+    from cudagraph_rt import GraphRuntime
+    from cudagraph_rt.models.hf import HFDecoder
+
+    base = _hf_model(family, size)
+    model = HFDecoder(base.model, max_seqs=base.config.max_seqs, max_len=base.config.max_len, family=family,
+                      size=size)
+    rt = GraphRuntime(model.step, model.inputs(), graphs=graphs, keep_graphs=graphs, device=model.device)
+    gen, calls = torch.Generator().manual_seed(0), iter(range(1 << 30))
+
+    def inputs(T: int) -> dict[str, torch.Tensor]:
+        seq, cfg = next(calls) % model.config.max_seqs, model.config
+        pos = torch.arange(T)
+        return dict(tokens=torch.randint(0, cfg.vocab, (T,), generator=gen), positions=pos,
+                    seq_ids=torch.full((T,), seq), cells=seq * cfg.max_len + pos,
+                    want=torch.ones(T, dtype=torch.int64))
+
+    return rt, inputs
+
+
 def _width_list(text: str) -> tuple[int, ...]:
     try:
         widths = tuple(int(w) for w in text.split(",") if w.strip())
@@ -60,8 +94,13 @@ def _width_list(text: str) -> tuple[int, ...]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = ("exit codes: 0 clean; 1 a capture hazard, a graph hazard, a graphs on/off mismatch "
+                "or a failed width (on a CPU: the hazard finder alone); 2 a usage error")
     p.add_argument("--target", default=DEFAULT_TARGET, metavar="MODULE:FACTORY",
                    help=f"runtime factory (default: {DEFAULT_TARGET}); see the module docstring")
+    p.add_argument("--model", default="toy", metavar="M",
+                   help="toy (default) | hf:llama | hf:qwen2 | hf:qwen3 | hf:mistral (replaces --target)")
+    p.add_argument("--size", default="tiny", help="hf models: tiny (default) | 1b (Llama-3.2-1B shape, bf16)")
     p.add_argument("--widths", type=_width_list, default=None, metavar="W,W,...",
                    help="inspect only these captured widths (default: all)")
     p.add_argument("--replays", type=int, default=20, help="event-timed replays per width (median)")
@@ -88,7 +127,19 @@ def _build(factory: Callable, graphs: bool) -> tuple[Any, Callable | None]:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        factory = _load(args.target)
+        family = parse_model(args.model)
+        if family is not None and args.target != DEFAULT_TARGET:
+            raise ValueError("--model: expected toy when --target is given, got " + repr(args.model))
+        if family is None and args.size != "tiny":
+            raise ValueError(f"--size: expected tiny for the toy, got {args.size!r}")
+        if family is not None and args.size not in SIZES:
+            raise ValueError(f"--size: expected {' | '.join(SIZES)}, got {args.size!r}")
+    except ValueError as exc:
+        print(f"cgrt inspect: {exc}", file=sys.stderr)
+        return 2
+    try:
+        factory = (functools.partial(hf_target, family=family, size=args.size) if family is not None
+                   else _load(args.target))
     except (ImportError, AttributeError, ValueError) as exc:
         print(f"cgrt inspect: --target {args.target}: {exc}", file=sys.stderr)
         return 2
@@ -110,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_json(), indent=2))
     else:
         _print(report)
-    return 0 if report.ok else 1 if report.available else 2
+    return report.exit_code
 
 
 def _inspect(rt, ref, inputs, args) -> InspectReport:
