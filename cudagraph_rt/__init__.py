@@ -1,6 +1,6 @@
 """cudagraph_rt: capture a step function once per padded width, replay it for any width.
 
-See README.md for the two-minute tour and shared/DESIGN.md for the architecture.
+See README.md for the two-minute tour.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "kernels")) and 
 
 from .specs import InputSpec  # noqa: E402
 from .capture import CaptureReport, WidthCapture  # noqa: E402
+from .digest import StateDigest  # noqa: E402
 from .errors import (  # noqa: E402
     BusyError,
     CapacityError,
@@ -39,6 +40,7 @@ __all__ = [
     "HostRowsHandle",
     "StepResult",
     "RuntimeStats",
+    "StateDigest",
     "CaptureReport",
     "WidthCapture",
     "Slice",

@@ -7,12 +7,13 @@ and the padding rows into it; graphs captured over its views read them at replay
 from __future__ import annotations
 
 import ctypes
+import threading
 from typing import Any, Mapping, NamedTuple
 
 import torch
 
-from .errors import InputError, expected
-from .specs import _NUMPY_OK, InputSpec, _as_tensor, _cast, _itemsize
+from .errors import BusyError, InputError, expected
+from .specs import NUMPY_DTYPES, InputSpec, as_input_tensor, cast_input, itemsize
 
 __all__ = ["FEED", "Prepared", "StaticInputs", "current_stream", "record_event"]
 
@@ -59,7 +60,7 @@ _STREAMS: dict[tuple, "torch.cuda.Stream"] = {}  # a cache of immutable wrappers
 
 def _numpy_views(views: dict[str, torch.Tensor]) -> dict[str, Any]:
     """numpy views of host tensors (None for dtypes numpy lacks, and for device memory)."""
-    return {n: (v.numpy() if v.device.type == "cpu" and v.dtype in _NUMPY_OK else None)
+    return {n: (v.numpy() if v.device.type == "cpu" and v.dtype in NUMPY_DTYPES else None)
             for n, v in views.items()}
 
 
@@ -107,7 +108,7 @@ class StaticInputs:
             control["__src__"] = (len(self.specs) + 1, torch.bool)  # per input: the feed holds it
         off = 0
         layout = [(n, s.row_bytes * rows) for n, s in self.specs.items()]
-        layout += [(n, numel * _itemsize(dt)) for n, (numel, dt) in control.items()]
+        layout += [(n, numel * itemsize(dt)) for n, (numel, dt) in control.items()]
         for name, nbytes in layout:
             self._offsets[name] = off
             off += -(-nbytes // _ALIGN) * _ALIGN
@@ -130,8 +131,14 @@ class StaticInputs:
                 self._staged.append(self._carve(buf))
                 self._events.append(None)
                 self._dirty.append({n: rows for n in self.specs})
+            self._host_stage = None
+        else:
+            # host_inputs() rows on a CPU: never the arena itself, so that views kept past
+            # their step, or cut, are told apart from the arena rows (and refused) as on CUDA.
+            self._host_stage = torch.empty(self.nbytes, dtype=torch.uint8)
+        cpu_staged = [self._carve(self._host_stage)] if self._host_stage is not None else []
         with torch.no_grad():
-            for views in [self._full, *self._staged]:
+            for views in [self._full, *self._staged, *cpu_staged]:
                 for name, spec in self.specs.items():
                     views[name].fill_(spec.pad)
                 for name in self.control_specs:
@@ -158,7 +165,9 @@ class StaticInputs:
         self._pads_np = {n: s.pad for n, s in self.specs.items()}
         self._cudart = _cudart() if device.type == "cuda" else None
         self._h2d = self._cudart.cudaMemcpyKind.cudaMemcpyHostToDevice if self._cudart is not None else None
-        host_bufs = [b for b in [self.arena, *self.staging] if b.device.type == "cpu"]
+        self._cpu_staged = cpu_staged[0] if cpu_staged else None
+        host_bufs = [b for b in [self.arena, *self.staging, self._host_stage]
+                     if b is not None and b.device.type == "cpu"]
         self._host_ranges = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in host_bufs]
         self._device_ranges = [(b.data_ptr(), b.data_ptr() + b.numel())
                                for b in [self.arena, *([self.mirror] if self.fed else [])] if b.device.type != "cpu"]
@@ -172,7 +181,9 @@ class StaticInputs:
         self._arena_ptr = self.arena.data_ptr()
         self._host_views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._device_views: dict[int, dict[str, torch.Tensor]] = {}
-        self._handed_host: tuple | None = None  # (staging k or FEED, views, Prepared) of host_views()
+        # (staging k or FEED, views, Prepared, thread id) of host_views(): good for the next
+        # step only, and only from the thread that asked for them
+        self._handed_host: tuple | None = None
         self._handed_device: tuple | None = None  # (None, views, Prepared) of device_views()
         self._raw_events: list[int | None] = [None] * len(self.staging)
         self._staging_ptr = [b.data_ptr() for b in self.staging]
@@ -184,8 +195,14 @@ class StaticInputs:
             out[name] = buf[o:o + spec.row_bytes * self.rows].view(spec.dtype).view(self.rows, *spec.shape)
         for name, (numel, dt) in self.control_specs.items():
             o = self._offsets[name]
-            out[name] = buf[o:o + numel * _itemsize(dt)].view(dt)
+            out[name] = buf[o:o + numel * itemsize(dt)].view(dt)
         return out
+
+    def digest_parts(self) -> tuple[list, list]:
+        """(the arena, the staging arenas and their bookkeeping) for ``StateDigest``."""
+        staging = [*self.staging, *([self._host_stage] if self._host_stage is not None else []),
+                   self._next, self._dirty, getattr(self, "_feed_flags", None)]
+        return [self.arena], staging
 
     # -- views -----------------------------------------------------------------------
     def views(self, n: int) -> dict[str, torch.Tensor]:
@@ -203,14 +220,23 @@ class StaticInputs:
 
         The same tensor objects come back for the same arena and ``T``; passing them
         unchanged lets ``prepare`` recognise them by identity and skip every check. Should
-        the step take another path after all, its rows are copied from them."""
+        the step take another path after all, its rows are copied from them.
+
+        The views belong to the calling thread until a step consumes them: another
+        thread's ``host_views`` meanwhile raises BusyError (it would hand out the same rows
+        while they are being filled), and another thread's step with them InputError."""
+        h = self._handed_host
+        me = threading.get_ident()
+        if h is not None and h[3] != me and h[0] in (None, FEED, self._next):
+            raise BusyError("host_inputs: the rows handed out by host_inputs() to another thread are "
+                            "not stepped yet (one thread at a time fills and steps them)")
         if fed and self.fed:
             k = FEED
             self._feed_event.synchronize()
         else:
             k = self._next
             self._wait_staging(k)
-        src = self._staged[k] if self._staged else self._full
+        src = self._staged[k] if self._staged else self._cpu_staged
         views = self._handed_cache(self._host_views, (k, T), src, T)
         if self._staged:  # the caller may fill rows [:T] and then step with fewer
             dirty = self._dirty[k]
@@ -218,14 +244,14 @@ class StaticInputs:
                 if dirty[name] < T:
                     dirty[name] = T
         ptrs = {name: v.data_ptr() for name, v in views.items()}
-        self._handed_host = (k, views, Prepared(T, views, frozenset(), ptrs))
+        self._handed_host = (k, views, Prepared(T, views, frozenset(), ptrs), me)
         return dict(views)  # the caller may change its dict, never ours
 
     def device_views(self, T: int) -> dict[str, torch.Tensor]:
         """Rows ``[:T]`` of the device arena, for a runner that writes them in place with
         its own device ops (``device_inputs``); recognised by identity like host_views."""
         views = self._handed_cache(self._device_views, T, self._full, T)
-        self._handed_device = (None, views, Prepared(T, views, frozenset(self.specs), {}))
+        self._handed_device = (None, views, Prepared(T, views, frozenset(self.specs), {}), None)
         return dict(views)
 
     def _handed_cache(self, cache: dict, key, src: dict, T: int) -> dict[str, torch.Tensor]:
@@ -242,11 +268,14 @@ class StaticInputs:
         for handed in (self._handed_host, self._handed_device):
             if handed is None or handed[0] not in (None, FEED, self._next):
                 continue
-            k, views, prep = handed
+            k, views, prep, owner = handed
             for name in self._names:
                 if inputs[name] is not views[name]:
                     break
             else:
+                if owner is not None and owner != threading.get_ident():
+                    raise InputError(expected("step inputs", "views host_inputs() handed to this thread",
+                                              "the views handed to another thread"))
                 return prep
         return None
 
@@ -271,9 +300,11 @@ class StaticInputs:
         for name, spec, ndim, shape, dtype in self._checks:
             t = inputs[name]
             if type(t) is not torch.Tensor:
-                t = _as_tensor(name, t, spec)
+                t = as_input_tensor(name, t, spec)
             if t.layout is not _STRIDED:
                 raise InputError(expected(name, "a dense (strided) tensor", f"layout {t.layout}"))
+            if t.is_neg():  # a lazy negation (conj().imag): its bytes hold the other sign
+                t = t.resolve_neg()
             try:
                 sh = t.shape
             except RuntimeError:  # a nested tensor has no sizes
@@ -289,9 +320,9 @@ class StaticInputs:
                 raise InputError(expected(name, f"{T} rows like {first!r}", f"{sh[0]} rows"))
             cast = t.dtype is not dtype
             if cast:
-                if t.dtype.is_complex:
+                if t.dtype.is_complex or t.is_quantized:
                     raise InputError(expected(name, f"dtype {dtype}", t.dtype))
-                t = _cast(name, t, spec)
+                t = cast_input(name, t, spec)
             if t.is_cuda:
                 if t.device != self.device:
                     raise InputError(expected(name, f"a tensor on {self.device} or the host", f"one on {t.device}"))
@@ -326,7 +357,7 @@ class StaticInputs:
         """``t`` is the very view host_views() handed out for the next step (passed along
         with inputs from elsewhere; its rows are then taken from where they lie)."""
         h = self._handed_host
-        return h is not None and h[0] in (FEED, self._next) and h[1][name] is t
+        return h is not None and h[0] in (FEED, self._next) and h[1][name] is t and h[3] == threading.get_ident()
 
     def _is_static_rows(self, name: str, t: torch.Tensor) -> bool:
         """Rows ``[:T]`` of the arena itself (device_inputs(), static_inputs()). Staging rows
@@ -397,7 +428,7 @@ class StaticInputs:
         """Host rows into host memory when no memmove can (a cast, or strided rows):
         through numpy where it can (a fraction of torch's per-op cost), else torch
         (bfloat16 and other dtypes numpy lacks)."""
-        if dst_np is not None and t.dtype in _NUMPY_OK:
+        if dst_np is not None and t.dtype in NUMPY_DTYPES:
             src = t.numpy() if not t.requires_grad else t.detach().numpy()
             dst_np[:length] = src[start:start + length]
         else:  # (detached: the staging must never join an autograd graph)

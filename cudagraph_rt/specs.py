@@ -58,28 +58,35 @@ class InputSpec:
 
     @property
     def row_bytes(self) -> int:
-        return math.prod(self.shape) * _itemsize(self.dtype)
+        return math.prod(self.shape) * itemsize(self.dtype)
 
 
-_NUMPY_OK = {torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool,
+NUMPY_DTYPES = {torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool,
               torch.float16, torch.float32, torch.float64}
 
 
-def _itemsize(dtype: torch.dtype) -> int:
+def itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _as_tensor(name: str, value: Any, spec: InputSpec) -> torch.Tensor:
+def as_input_tensor(name: str, value: Any, spec: InputSpec) -> torch.Tensor:
     """Turn a tensor, numpy array or (nested) list into a tensor, without casting yet."""
     if isinstance(value, torch.Tensor):
         return value
     if isinstance(value, np.ndarray):
         if value.dtype == object or value.dtype.kind not in "biuf":
             raise InputError(expected(name, "a numeric array", f"numpy dtype {value.dtype}"))
+        if not value.dtype.isnative:  # big-endian: torch takes native byte order only
+            value = value.astype(value.dtype.newbyteorder("="))  # exact: same values
         return torch.from_numpy(np.ascontiguousarray(value) if value.ndim else value.copy())
     if isinstance(value, (list, tuple)):
         try:
-            return torch.as_tensor(value)
+            t = torch.as_tensor(value)
+            if t.dtype.is_floating_point and spec.dtype.is_floating_point and t.dtype != spec.dtype:
+                # Python floats are doubles: round each once, into the declared dtype (as
+                # written into a buffer of that dtype), never through torch's float32 default.
+                t = torch.as_tensor(value, dtype=spec.dtype)
+            return t
         except (TypeError, ValueError, RuntimeError) as e:
             raise InputError(expected(name, "a list of numbers with one row per token", f"{e}")) from None
     raise InputError(
@@ -90,7 +97,7 @@ def _as_tensor(name: str, value: Any, spec: InputSpec) -> torch.Tensor:
 _MANTISSA = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53}
 
 
-def _cast(name: str, t: torch.Tensor, spec: InputSpec) -> torch.Tensor:
+def cast_input(name: str, t: torch.Tensor, spec: InputSpec) -> torch.Tensor:
     """Cast only where no value can change; host integers may narrow after a range check."""
     if t.dtype == spec.dtype:
         return t
@@ -107,9 +114,11 @@ def _cast(name: str, t: torch.Tensor, spec: InputSpec) -> torch.Tensor:
         # an integer is exact in a float only up to 2**mantissa
         lim = 2 ** _MANTISSA.get(spec.dtype, 24)
         if t.device.type == "cpu":
-            if t.numel() and int(t.abs().max()) > lim:
+            # min and max as Python ints: abs() of the most negative value overflows
+            big = max(-int(t.min()), int(t.max())) if t.numel() else 0
+            if big > lim:
                 raise InputError(expected(name, f"integers of magnitude <= 2**{_MANTISSA.get(spec.dtype, 24)} "
-                                          f"(exact in {spec.dtype})", f"up to {int(t.abs().max())}"))
+                                          f"(exact in {spec.dtype})", f"magnitude {big}"))
             return t
         if max(abs(torch.iinfo(t.dtype).min), torch.iinfo(t.dtype).max) > lim:
             raise InputError(expected(name, f"dtype {spec.dtype} (or one that casts to it exactly)", t.dtype))

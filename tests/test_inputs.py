@@ -1,0 +1,196 @@
+"""What a step may pass for an input, on the CPU path: zero-copy views and their lifetime,
+lazily negated tensors, float lists, int-to-float range checks, big-endian and quantized
+inputs, input names. Each case here broke the contract before (issue 12, R1-R5): the
+runtime ran on the wrong rows, changed a value, or raised a raw error after writing.
+
+Every "refused" case checks the public state digest: a refused call writes nothing.
+"""
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from cudagraph_rt import BusyError, GraphRuntime, InputError, InputSpec
+from models_for_tests import SlotModel
+
+
+def seeded_gen() -> torch.Generator:
+    seed = int(torch.randint(0, 2**31, (1,)))
+    print(f"seed {seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+def slot_runtime(seed=3):
+    m, ref = SlotModel("cpu", seed=seed), SlotModel("cpu", seed=seed)
+    return m, ref, GraphRuntime(m, m.specs(), graphs=False, device="cpu")
+
+
+def fill(views, x):
+    for k, v in x.items():
+        views[k].copy_(v)
+
+
+# ---- R1: host_inputs views kept past their step, or cut --------------------------------
+def test_stale_host_views_are_refused_on_the_cpu():
+    m, ref, rt = slot_runtime()
+    gen = seeded_gen()
+    v = rt.host_inputs(3)
+    x = m.random_inputs(3, gen=gen)
+    fill(v, x)
+    torch.testing.assert_close(rt.step(**v).outputs["hidden"], ref(x)["hidden"])
+    y = m.random_inputs(3, gen=gen)
+    torch.testing.assert_close(rt.step(**y).outputs["hidden"], ref(y)["hidden"])
+    before, state = rt.state_digest(), m.state.clone()
+    with pytest.raises(InputError, match=r"tokens: expected memory apart from the runtime's static buffers"):
+        rt.step(**v)  # good for one step only: it would run on y's rows
+    assert rt.state_digest() == before and torch.equal(m.state, state)
+
+
+def test_cut_host_views_are_refused_on_the_cpu():
+    m, _, rt = slot_runtime()
+    v = rt.host_inputs(4)
+    fill(v, m.random_inputs(4, gen=seeded_gen()))
+    before = rt.state_digest()
+    with pytest.raises(InputError, match=r"expected memory apart from the runtime's static buffers"):
+        rt.step(**{k: t[:2] for k, t in v.items()})
+    assert rt.state_digest() == before
+
+
+def test_host_views_belong_to_the_thread_that_asked():
+    m, ref, rt = slot_runtime()
+    gen = seeded_gen()
+    v = rt.host_inputs(3)
+    errors = []
+
+    def other():
+        try:
+            rt.host_inputs(3)
+        except BusyError as e:
+            errors.append(("host_inputs", str(e)))
+        try:
+            rt.step(**v)
+        except InputError as e:
+            errors.append(("step", str(e)))
+
+    before = rt.state_digest()
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert [e[0] for e in errors] == ["host_inputs", "step"], errors
+    assert "another thread" in errors[0][1] and "handed to another thread" in errors[1][1]
+    assert rt.state_digest() == before
+    x = m.random_inputs(3, gen=gen)  # the owner still steps them
+    fill(v, x)
+    torch.testing.assert_close(rt.step(**v).outputs["hidden"], ref(x)["hidden"])
+    rt.host_inputs(2)  # consumed: any thread may ask again
+
+
+def test_threads_doing_host_inputs_fill_step_never_get_wrong_rows():
+    """Four threads each loop host_inputs -> fill -> step with their own rows and KV slots;
+    every step either runs on its own rows (checked against the reference) or is refused,
+    and no thread's KV slots ever hold another thread's rows."""
+    m, ref, rt = slot_runtime()
+    lock, bad, done = threading.Lock(), [], [0]
+
+    def worker(i):
+        g = torch.Generator().manual_seed(1000 + i)
+        for _ in range(40):
+            T = int(torch.randint(1, 9, (1,), generator=g))
+            x = {"tokens": torch.randint(0, 50, (T,), generator=g),
+                 "slot": torch.arange(T) + 64 * i, "read": torch.full((T,), 255),  # never written
+                 "scale": torch.rand(T, 1, generator=g)}
+            try:
+                v = rt.host_inputs(T)
+                fill(v, x)
+                out = rt.step(**v).outputs["hidden"].clone()
+            except (BusyError, InputError):
+                continue
+            with lock:
+                if not torch.allclose(out, ref(x)["hidden"], rtol=1e-5, atol=1e-5):
+                    bad.append((i, T))
+                done[0] += 1
+
+    ts = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not bad, f"{len(bad)} steps ran on another thread's rows: {bad[:5]}"
+    assert done[0] > 0
+    torch.testing.assert_close(m.state[:256], ref.state[:256])
+
+
+# ---- R2: lazily negated tensors ---------------------------------------------------------
+@pytest.mark.parametrize("strided", [False, True])
+def test_negative_bit_tensors_keep_their_sign(strided):
+    specs = {"a": InputSpec((), torch.int64, 0), "f": InputSpec((2,), torch.float32, 0.0)}
+    rt = GraphRuntime(lambda x: {"f": x["f"] * 1, "a": x["a"] * 1}, specs, graphs=False, device="cpu")
+    gen = seeded_gen()
+    re, im = torch.randn(5, 4, generator=gen), torch.randn(5, 4, generator=gen)
+    neg = torch.complex(re, im).conj().imag  # a float view with the negative bit set
+    assert neg.is_neg()
+    f = neg[:, ::2] if strided else neg[:, :2]
+    want = -im[:, ::2] if strided else -im[:, :2]
+    out = rt.step(a=torch.arange(5), f=f).outputs["f"]
+    assert torch.equal(out, want)
+
+
+# ---- R3: Python floats are rounded once, into the declared dtype -------------------------
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_float_lists_are_rounded_into_the_spec_dtype_only(dtype):
+    specs = {"f": InputSpec((), dtype, 0.0)}
+    rt = GraphRuntime(lambda x: {"f": x["f"] * 1}, specs, graphs=False, device="cpu")
+    vals = [0.1, 1 / 3, 2.0 ** -20 + 1, 65504.0]
+    out = rt.step(f=vals).outputs["f"]
+    assert out.dtype == dtype
+    assert torch.equal(out, torch.tensor(vals, dtype=torch.float64).to(dtype))
+
+
+# ---- R4: integers into a float spec: the magnitude check cannot overflow --------------------
+@pytest.mark.parametrize("value,dtype", [(-2**31, torch.int32), (-2**63, torch.int64), (-2**15, torch.int16)])
+def test_most_negative_integers_are_refused_for_a_half_spec(value, dtype):
+    rt = GraphRuntime(lambda x: {"f": x["f"] * 1}, {"f": InputSpec((), torch.float16, 0.0)},
+                      graphs=False, device="cpu")
+    rt.step(f=torch.tensor([1, -2048], dtype=dtype))  # exact in float16: fine
+    before = rt.state_digest()
+    with pytest.raises(InputError, match=r"f: expected integers of magnitude <= 2\*\*11"):
+        rt.step(f=torch.tensor([0, value], dtype=dtype))
+    assert rt.state_digest() == before
+
+
+# ---- R5: odd inputs: big-endian arrays, quantized tensors, an input named "self" ----------
+@pytest.mark.parametrize("np_dtype", [">i8", ">i4", ">f4", ">f8", ">u2"])
+def test_big_endian_arrays_are_read_by_value(np_dtype):
+    gen = seeded_gen()
+    kind = np.dtype(np_dtype).kind
+    spec_dtype = torch.float64 if kind == "f" else torch.int64
+    rt = GraphRuntime(lambda x: {"v": x["v"] * 1}, {"v": InputSpec((), spec_dtype, 0)}, graphs=False, device="cpu")
+    vals = (torch.rand(6, generator=gen) * 1000).to(torch.int64).numpy()
+    arr = vals.astype(np_dtype)
+    assert not arr.dtype.isnative
+    out = rt.step(v=arr).outputs["v"]
+    assert out.tolist() == [float(v) if kind == "f" else int(v) for v in vals]
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+def test_quantized_tensor_is_an_input_error():
+    rt = GraphRuntime(lambda x: {"f": x["f"] * 1}, {"f": InputSpec((), torch.float32, 0.0)},
+                      graphs=False, device="cpu")
+    q = torch.quantize_per_tensor(torch.rand(4), 0.1, 0, torch.quint8)
+    before = rt.state_digest()
+    with pytest.raises(InputError, match=r"f: expected dtype torch.float32, got torch.quint8"):
+        rt.step(f=q)
+    assert rt.state_digest() == before
+
+
+def test_an_input_named_self_steps():
+    rt = GraphRuntime(lambda x: {"y": x["self"] * 2}, {"self": InputSpec((), torch.int64, 0)},
+                      graphs=False, device="cpu")
+    assert rt.step(self=[1, 2, 3]).outputs["y"].tolist() == [2, 4, 6]
+    assert rt.step(**{"self": [4]}).outputs["y"].tolist() == [8]
+
+
+def test_input_named_rows_is_refused_at_construction():
+    with pytest.raises(InputError, match=r"inputs: expected identifier names other than 'rows'"):
+        GraphRuntime(lambda x: x, {"rows": InputSpec()}, graphs=False, device="cpu")
