@@ -26,18 +26,44 @@ class WidthCapture:
 
 @dataclass(frozen=True)
 class CaptureReport:
-    """Every width's capture, largest first, and the shared pool's size after all."""
+    """Every width's capture, largest first, and the shared pool's size after all.
+
+    ``step_fn_calls``: how many times capture ran the step function (the first-use probe
+    at the widest width when HostRows is set, then ``warmup`` eager runs and one captured
+    run per width). Every one of them ran on padding rows only (each input's ``pad``), so
+    a step function that keeps state of its own, beyond what its inputs index (a counter
+    it advances per call, as transformers' StaticCache does), was advanced that many
+    times before the first real step."""
 
     widths: tuple[WidthCapture, ...]
     seconds: float
     pool_bytes: int
+    step_fn_calls: int = 0
 
     def to_json(self) -> dict:
         return {
             "seconds": self.seconds,
             "pool_bytes": self.pool_bytes,
+            "step_fn_calls": self.step_fn_calls,
+            "rows_of_those_calls": "padding rows only",
             "widths": [vars(w) for w in self.widths],
         }
+
+
+def release_blas_workspaces() -> None:
+    """Free the cuBLAS / cuBLASLt workspaces torch caches per (handle, stream).
+
+    Called before and after each capture, as torch.compile's own CUDA graphs do: a graph
+    bakes in the workspace address its matmuls ran with. One cached from an eager run
+    belongs to torch's general allocator, and whoever frees the cache later (torch.compile
+    with mode="reduce-overhead" does, on every recording) hands that memory to other
+    tensors while our graphs still write into it: silent corruption or an illegal memory
+    access at replay. Freed before capture, the workspace is allocated inside our graph
+    pool during capture, so it lives exactly as long as our graphs; freed after, no cache
+    keeps a block of our pool."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
 
 
 def _end_open_capture(stream: torch.cuda.Stream) -> None:
@@ -109,12 +135,14 @@ def capture_width(
         ) from e
     t1 = time.perf_counter()
     graph = torch.cuda.CUDAGraph(keep_graph=True) if keep_graph else torch.cuda.CUDAGraph()
+    release_blas_workspaces()  # the capture allocates its own, inside the pool
     try:
         with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
             outputs = run()
         if keep_graph:
             graph.instantiate()
     except Exception as e:  # noqa: BLE001 - every capture failure becomes a CaptureError
+        release_blas_workspaces()
         _reset_after_failure(side, caller, pool)
         hazards = explain()
         where = "".join(f"\n  {h}" for h in hazards) or "\n  (the hazard finder saw no known hazard)"
@@ -124,4 +152,5 @@ def capture_width(
             width=width, hazards=hazards, cause=e,
         ) from e
     torch.cuda.synchronize()
+    release_blas_workspaces()  # no cache keeps the pool's workspace: only the graph uses it
     return graph, outputs, t1 - t0, time.perf_counter() - t1

@@ -5,7 +5,6 @@ slot of a ring of pinned host buffers. The step's handle waits only on that slot
 """
 from __future__ import annotations
 
-import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -127,7 +126,11 @@ class HostRowRing:
         self._gen = [0] * depth
         self._next = 0
         self._step = 0
-        self._lock = threading.Lock()
+
+    def digest_parts(self) -> list:
+        """Rows, meta and bookkeeping, for ``StateDigest``."""
+        held = [(r() is not None and not r().released) if r is not None else False for r in self._held]
+        return [self.dst, self.meta, self._next, self._gen, self._step, held]
 
     def check_free(self) -> int:
         """The slot the next step will use; CapacityError if it is still held."""
@@ -150,9 +153,11 @@ class HostRowRing:
         return slot
 
     def unacquire(self, slot: int) -> None:
-        """Give back a slot taken by a step that then failed: the next step takes it again.
-        (Its generation stays bumped: no handle of an earlier step can read it.)"""
+        """Give back a slot taken by a step that then failed: the next step takes it again,
+        and the ring's bookkeeping is as before the step. (The handle of the slot's earlier
+        step was released or dropped, so whatever the failed step wrote is read by no one.)"""
         self._next = slot
+        self._gen[slot] -= 1
 
     def publish(self, slot: int, T: int, host_count: int | None) -> "HostRowsHandle":
         """Record the slot's event on the current stream and hand out its handle."""
@@ -176,7 +181,6 @@ class HostRowsHandle:
 
     def __init__(self, ring: HostRowRing, slot: int, gen: int, step: int, T: int, host_count: int | None):
         self._ring, self.slot, self._gen, self.step, self.T = ring, slot, gen, step, T
-        self._host_count = host_count
         self.released = False
 
     def ready(self) -> bool:
@@ -192,11 +196,23 @@ class HostRowsHandle:
         self._check()
         flag = int(self._ring.meta[self.slot, 1])
         if flag:
-            raise DeviceRowIndexError(
-                f"host rows of step {self.step}: the device chose row indices outside [0, {self.T}) "
-                f"or more than the capacity {self._ring.capacity}; those rows were not written"
-            )
+            raise DeviceRowIndexError(f"host rows of step {self.step}: " + "; ".join(self._flag_causes(flag)))
         return self
+
+    def _flag_causes(self, flag: int) -> list[str]:
+        """The gather's error bits (kernels.row_gather FLAG_*) in words."""
+        causes = []
+        if flag & 1:
+            causes.append(f"the device chose row indices outside [0, {self.T}); those rows were not written")
+        if flag & 2:
+            causes.append(f"the device accepted more rows than HostRows.capacity ({self._ring.capacity}); "
+                          f"rows past it were not written")
+        if flag & 4:
+            causes.append(f"the device's accept count was negative or above the rows the step ran "
+                          f"(T={self.T} padded to its width)")
+        if flag & ~7:
+            causes.append(f"internal gather error (flag {flag})")
+        return causes
 
     @property
     def count(self) -> int:

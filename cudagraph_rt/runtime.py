@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .buffers import StaticInputs
 from .capture import CaptureReport, WidthCapture, capture_width
+from .digest import StateDigest, fingerprint
 from .errors import (
     BusyError,
     CapacityError,
@@ -190,6 +191,7 @@ class GraphRuntime:
         self._snap: torch.Tensor | None = None
         self._snap_gen: list[int] = []
         self._snap_next = 0
+        self._snap_writes = 0  # snapshot gathers begun (a failed step before one keeps its turn)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._static_out: dict[int, Any] = {}
         self._eager_widths: set[int] = set()
@@ -226,6 +228,8 @@ class GraphRuntime:
         with self._exclusive("static_inputs"):
             if isinstance(width, bool) or not isinstance(width, int) or (width not in self.widths and not (self.widths[-1] < width <= self._rows)):
                 raise InputError(expected("width", f"one of {self.widths} or a dynamic width", width))
+            if not self._ready:  # capture resets the arena: it must come before rows written here
+                self.capture()
             self._inputs.unfeed()
             return self._inputs.views(width)
 
@@ -248,10 +252,13 @@ class GraphRuntime:
     def device_inputs(self, T: int) -> dict[str, torch.Tensor]:
         """Zero-copy device path: rows ``[:T]`` of the static device arena. Write them with
         your own device ops on the current stream and pass the views to ``step``: no
-        copy is made, only the padding rows are filled. Refused with BusyError while
-        another thread is inside ``step``."""
+        copy is made, only the padding rows are filled. Captures first if ``capture()``
+        was not called (capture runs on padding rows and resets the arena). Refused with
+        BusyError while another thread is inside ``step``."""
         with self._exclusive("device_inputs"):
             self._check_single_slice(T, "device_inputs")
+            if not self._ready:  # capture resets the arena: it must come before rows written here
+                self.capture()
             return self._inputs.device_views(T)
 
     @contextmanager
@@ -291,7 +298,7 @@ class GraphRuntime:
         if self._ready:
             return self.capture_report
         t0 = time.perf_counter()
-        self._probe()
+        calls = [int(self._probe())]  # step_fn runs, every one on padding rows
         reports = []
         if self.graphs:
             # Warm-up and capture run the step function for real: on padding rows only, with
@@ -313,6 +320,7 @@ class GraphRuntime:
                 views = self._inputs.views(w)
 
                 def run(w=w, views=views):
+                    calls[0] += 1
                     if self._inputs.fed:
                         self._inputs.feed_prologue()
                     return self._body(w, views, self.step_fn)
@@ -340,7 +348,7 @@ class GraphRuntime:
             pool = torch.cuda.memory_reserved(self.device) - base
         else:
             pool = 0
-        self.capture_report = CaptureReport(tuple(reports), time.perf_counter() - t0, pool)
+        self.capture_report = CaptureReport(tuple(reports), time.perf_counter() - t0, pool, calls[0])
         self._ready = True
         return self.capture_report
 
@@ -368,7 +376,7 @@ class GraphRuntime:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def step(self, rows: Any = None, **inputs: Any) -> StepResult:
+    def step(self, /, rows: Any = None, **inputs: Any) -> StepResult:
         """Run one step of T rows (T = rows of every input).
 
         ``inputs``: one entry per declared input, CUDA or CPU tensors, numpy arrays or
@@ -409,6 +417,8 @@ class GraphRuntime:
                 raise StaleRowsError(f"commit: the snapshot of that step was reused by a later step "
                                      f"(commit within {hr.depth} steps)")
             idx = check_host_rows(rows, result.T, self._capacity, hr.allow_duplicates)
+            if len(idx) > self._rows:  # duplicates: the index block holds one per arena row
+                raise CapacityError(expected("rows", f"at most {self._rows} indices (the runtime's rows)", len(idx)))
             slot = self._ring.check_free()
             # -- nothing was written above --
             slot = self._ring.acquire()
@@ -431,6 +441,25 @@ class GraphRuntime:
             MappingProxyType(dict(self._dynamic)), self._commits,
         )
 
+    def state_digest(self) -> StateDigest:
+        """A fingerprint of everything a step, commit or refused call could write: the
+        device arena, the pinned staging and feed, the host-row ring, the commit snapshots
+        and the counters (see StateDigest). Waits for the device first. Meant for tests
+        ("a refused call writes nothing": equal digests before and after) and debugging:
+        it copies every buffer to the host, so keep it off a serving loop's hot path."""
+        with self._exclusive("state_digest"):
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            arena, staging = self._inputs.digest_parts()
+            ring = fingerprint(self._ring.digest_parts()) if self._ring is not None else "-"
+            snaps = "-"
+            if self._snap is not None:
+                snaps = fingerprint([self._snap, self._snap_meta, self._snap_gen, self._snap_next])
+            st = self.stats()
+            counters = (st.steps, st.slices, st.padding_rows, tuple(sorted(st.graph_replays.items())),
+                        tuple(sorted(st.eager_calls.items())), tuple(sorted(st.dynamic_calls.items())), st.commits)
+            return StateDigest(fingerprint(arena), fingerprint(staging), ring, snaps, counters)
+
     def reset_stats(self) -> None:
         self._steps = self._slices = self._padding = self._commits = 0
         self._replays, self._eager, self._dynamic = Counter(), Counter(), Counter()
@@ -452,6 +481,11 @@ class GraphRuntime:
             n = slices[0].width if slices[0].path == "graph" else slices[0].length
             if not multi and len(idx) > n:  # duplicates: one index per row the step runs, at most
                 raise CapacityError(expected("rows", f"at most {n} indices in a step that runs {n} rows", len(idx)))
+        if multi and hr is not None and hr.mode == "device" and hr.capacity is None and T > self._capacity:
+            raise CapacityError(expected(
+                "step inputs", f"at most {self._capacity} rows in HostRows(mode='device') (a step may accept "
+                f"every row; the default HostRows.capacity is the runtime's {self._capacity} rows: set it to "
+                f"the widest step)", f"{T} rows"))
         if not self._ready:
             self.capture()
         if self._watched is not None:
@@ -474,6 +508,17 @@ class GraphRuntime:
             snap = self._snap_next
             self._snap_next = (snap + 1) % hr.depth
             self._snap_gen[snap] += 1
+            writes = self._snap_writes
+            try:
+                return self._step_run(prep, T, slices, multi, hr, idx, ships, slot, snap)
+            except BaseException:
+                if self._snap_writes == writes:  # the snapshot slot was never written:
+                    self._snap_gen[snap] -= 1    # the commit window keeps its turn
+                    self._snap_next = snap
+                raise
+        return self._step_run(prep, T, slices, multi, hr, idx, ships, slot, snap)
+
+    def _step_run(self, prep, T, slices, multi, hr, idx, ships, slot, snap) -> StepResult:
         control = None
         if hr is not None:
             one = not multi and ships
@@ -492,6 +537,7 @@ class GraphRuntime:
                 self._inputs.write(prep, 0, T, w, control)
             if g is not None:
                 self._replays[w] += 1
+                self._snap_writes += 1
                 g.replay()
                 # Replays return the same static tensors every time: cut them once per T.
                 out = self._static_out[w]
@@ -574,7 +620,10 @@ class GraphRuntime:
             hr = self.host_rows_config
             r = _key_get(out, hr.rows_output, "rows_output")
             c = _key_get(out, hr.count_output, "count_output")
-            acc[2].append((s.start, s.width, r[:s.length].long(), c.reshape(-1)[:1].long()))
+            width = s.width if s.path == "graph" else s.length
+            # All `width` entries: a chooser may list padding rows first (they are dropped
+            # in the merge), so cutting to the slice's length could lose real rows.
+            acc[2].append((s.start, width, s.length, r.reshape(-1)[:width].long(), c.reshape(-1)[:1].long()))
         return acc
 
     def _gather_sliced(self, outputs: Any, idx, slot: int, T: int, slice_rows: list) -> Any:
@@ -587,12 +636,14 @@ class GraphRuntime:
             count = torch.tensor([idx.numel()], dtype=torch.int32).to(self.device, non_blocking=True)
         else:
             mask = torch.zeros(T + 1, dtype=torch.int32, device=self.device)
-            bad = torch.zeros((), dtype=torch.bool, device=self.device)
-            for start, width, r, c in slice_rows:
+            bad = torch.zeros((), dtype=torch.bool, device=self.device)  # an index out of range
+            bad_count = torch.zeros((), dtype=torch.bool, device=self.device)  # a count outside [0, width]
+            for start, width, length, r, c in slice_rows:
                 j = torch.arange(r.numel(), device=self.device)
                 used = j < c
-                ok = used & (r >= 0) & (r < r.numel())  # rows [length, width) are padding: dropped
-                bad = bad | (used & ((r < 0) | (r >= width))).any() | (c < 0).any() | (c > width).any()
+                ok = used & (r >= 0) & (r < length)  # rows [length, width) are padding: dropped
+                bad = bad | (used & ((r < 0) | (r >= width))).any()
+                bad_count = bad_count | (c < 0).any() | (c > width).any()
                 mask.index_fill_(0, torch.where(ok, r + start, T), 1)
             mask = mask[:T]
             order = torch.sort(1 - mask, stable=True).indices.to(torch.int32)
@@ -602,6 +653,7 @@ class GraphRuntime:
             rows = torch.cat([order, order.new_full((1,), T)])
             rows = torch.where((torch.arange(T + 1, device=self.device) == n_ok) & bad, T, rows)
             count = (n_ok + bad.to(torch.int32)).reshape(1)
+            count = torch.where(bad_count, -1, count)  # flagged as a bad count, nothing shipped
             if isinstance(outputs, dict):
                 outputs = dict(outputs)
                 outputs[hr.rows_output], outputs[hr.count_output] = order, n_ok.reshape(1)
@@ -635,9 +687,12 @@ class GraphRuntime:
             used = torch.arange(rows.numel(), device=rows.device) < count
             pad = used & (rows >= ctrl[3]) & (rows < n)
             order = torch.sort(pad.to(torch.int8), stable=True).indices
-            rows, count = rows[order], count - pad.sum().to(torch.int32)
+            # A count above the n rows is kept as it is, so the gather flags it (count > R).
+            rows = rows[order]
+            count = torch.where(count > n, count, count - pad.sum().to(torch.int32))
             self._gather(src, rows, count, self._ring.dst, self._ring.meta, dst_slot=ctrl[1:2])
         else:
+            self._snap_writes += 1  # from here on the snapshot slot may hold this step's rows
             self._gather(src, self._iota[:n], self._width_count[n], self._snap, self._snap_meta,
                          dst_slot=ctrl[2:3])
         return out
@@ -686,13 +741,14 @@ class GraphRuntime:
         c = _key_get(out, hr.count_output, "HostRows.count_output")
         return next(i for i, t in enumerate(leaves) if t is c)
 
-    def _probe(self) -> None:
+    def _probe(self) -> bool:
         """One eager call at the widest width on padding rows only: fixes the output
-        structure and sizes the host-row ring before anything is captured."""
+        structure and sizes the host-row ring before anything is captured. True if it ran."""
         hr = self.host_rows_config
         if hr is None or self._ring is not None:
-            return
+            return False
         w = self.widths[-1]
+        self._inputs.reset()  # padding rows only, whatever was written into the arena before
         out = self.step_fn(self._inputs.views(w))
         if isinstance(out, torch.Tensor) or not isinstance(out, (dict, tuple, list)):
             raise StepFunctionError(expected("step_fn output", "a dict or tuple when HostRows is used", type(out).__name__))
@@ -709,6 +765,7 @@ class GraphRuntime:
         H = src.shape[1]
         self._make_host_buffers(H, src.dtype)
         self._check_structure(w, out)
+        return True
 
     @torch.inference_mode(False)
     def _make_host_buffers(self, H: int, dtype: torch.dtype) -> None:

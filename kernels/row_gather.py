@@ -17,10 +17,11 @@ Contract (shared with :func:`gather_rows_reference`, which the tests compare aga
   ``[1]``) chooses the slot (``None`` -> slot 0).
 * ``meta``: ``[S, 2 + C]`` int32, same memory kind as ``dst``. With
   ``n = min(max(count, 0), C, R)``:
-  ``meta[slot, 0] = n``; ``meta[slot, 1] = 1`` if ``count < 0``, ``count > C``,
-  ``count > R`` (more rows asked for than ``rows`` holds: an extension of the API note,
-  which never bounds ``count`` by ``R``), ``src_slot`` is outside ``[0, S_src)``, or any
-  ``rows[j]`` with ``j < n`` is outside ``[0, N)``; else ``0``;
+  ``meta[slot, 0] = n``; ``meta[slot, 1]`` is 0, or the OR of the error bits
+  (:data:`FLAG_INDEX` 1: some ``rows[j]`` with ``j < n`` is outside ``[0, N)``;
+  :data:`FLAG_CAPACITY` 2: ``count > C``; :data:`FLAG_COUNT` 4: ``count < 0`` or
+  ``count > R``, more rows asked for than ``rows`` holds; :data:`FLAG_SRC_SLOT` 8:
+  ``src_slot`` is outside ``[0, S_src)``);
   ``meta[slot, 2 + j] = rows[j]`` (as int32) for ``j < n``. Exactly one program writes
   ``meta``, so there are no races.
 * For ``j < n`` with ``0 <= rows[j] < N`` (and a valid ``src_slot``):
@@ -76,6 +77,10 @@ except ImportError:  # pragma: no cover - exercised only on installs without tri
     tl = None
 
 __all__ = [
+    "FLAG_CAPACITY",
+    "FLAG_COUNT",
+    "FLAG_INDEX",
+    "FLAG_SRC_SLOT",
     "GatherBench",
     "GatherLaunch",
     "SUPPORTED_DTYPES",
@@ -90,6 +95,12 @@ __all__ = [
 ]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# meta[slot, 1]: the OR of these (0: nothing wrong)
+FLAG_INDEX = 1  # a used index outside [0, N)
+FLAG_CAPACITY = 2  # count > C, the slot's capacity
+FLAG_COUNT = 4  # count < 0 or count > R, the indices given
+FLAG_SRC_SLOT = 8  # src_slot outside [0, S_src)
 
 # Tile shape limits. 1024 elements of H per program keeps one program's row within a few
 # KiB (fp32: 4 KiB), and ~2048 elements per program gives each of 128 threads a couple
@@ -149,7 +160,8 @@ if triton is not None:
             # meta is written by program (0, 0) alone: the flag needs every used index,
             # and one writer means no atomics and no ordering between programs.
             if (pid_r == 0) & (pid_h == 0):
-                bad = ((count < 0) | (count > C) | (count > R) | (src_ok == 0)).to(tl.int32)
+                bad = ((count > C).to(tl.int32) * 2 + ((count < 0) | (count > R)).to(tl.int32) * 4
+                       + (src_ok == 0).to(tl.int32) * 8)
                 meta_row = meta_ptr + d64 * stride_meta_s
                 # META_BLOCK = next_pow2(min(R, C)) (capped at 1024): one iteration
                 # for any realistic capacity.
@@ -158,7 +170,7 @@ if triton is not None:
                     jm = j < n_used
                     idx = tl.load(rows_ptr + j.to(tl.int64) * stride_rows, mask=jm, other=0)
                     oob = jm & ((idx < 0) | (idx >= N))
-                    bad = tl.maximum(bad, tl.max(oob.to(tl.int32), axis=0))
+                    bad = bad | tl.max(oob.to(tl.int32), axis=0)  # FLAG_INDEX
                     tl.store(meta_row + 2 + j, idx.to(tl.int32), mask=jm)
                 tl.store(meta_row, n_used)
                 tl.store(meta_row + 1, bad)
@@ -410,10 +422,11 @@ def gather_rows_reference(src, rows, count, dst, meta, *, src_slot=None, dst_slo
 
     idx = rows[:n].to(torch.int64)
     in_range = (idx >= 0) & (idx < n_rows)
-    bad = c < 0 or c > C or c > R or not src_ok or not bool(in_range.all())
+    bad = ((FLAG_INDEX if not bool(in_range.all()) else 0) | (FLAG_CAPACITY if c > C else 0)
+           | (FLAG_COUNT if (c < 0 or c > R) else 0) | (FLAG_SRC_SLOT if not src_ok else 0))
 
     meta[d, 0] = n
-    meta[d, 1] = int(bad)
+    meta[d, 1] = bad
     meta[d, 2 : 2 + n] = idx.to(torch.int32).to(meta.device)
     if src_ok and n > 0:
         slab = src[s] if src.dim() == 3 else src

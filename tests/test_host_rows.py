@@ -44,7 +44,8 @@ def test_host_chosen_rows(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_device_chosen_rows(device):
-    m, ref, rt = build(device, "device", ChoosingSlotModel)
+    # capacity for the widest step drawn (130): a device-mode step may accept every row
+    m, ref, rt = build(device, "device", ChoosingSlotModel, capacity=130)
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     for T in fresh_T(gen):
         x = m.random_inputs(T, gen=gen)
@@ -164,3 +165,105 @@ def test_rows_without_host_mode_refused():
     rt = GraphRuntime(m, m.specs(), graphs=False, device="cpu")
     with pytest.raises(InputError, match="rows"):
         rt.step(rows=[0], **m.random_inputs(3))
+
+
+# ---- device-chosen rows: counts and orders a chooser may give (issue 12, R6, R7) --------
+class FixedChooser(SlotModel):
+    """A chooser that returns ``rows_fn(n)`` and ``count_fn(n)`` at width n."""
+
+    def __init__(self, *a, rows_fn, count_fn, **kw):
+        super().__init__(*a, **kw)
+        self.rows_fn, self.count_fn = rows_fn, count_fn
+
+    def __call__(self, x):
+        out = super().__call__(x)
+        n = out["tok"].shape[0]
+        out["accept_rows"] = torch.tensor(self.rows_fn(n), dtype=torch.int32)
+        out["accept_count"] = torch.tensor([self.count_fn(n)], dtype=torch.int32)
+        return out
+
+
+def chooser_runtime(rows_fn, count_fn, **kw):
+    m = FixedChooser("cpu", seed=7, rows_fn=rows_fn, count_fn=count_fn)
+    ref = SlotModel("cpu", seed=7)
+    rt = GraphRuntime(m, m.specs(), graphs=False, device="cpu",
+                      host_rows=HostRows(source="hidden", mode="device", **kw.pop("hr", {})), **kw)
+    return m, ref, rt
+
+
+@pytest.mark.parametrize("T,count", [(3, 5), (4, 5), (3, -1)])
+def test_device_count_beyond_the_rows_is_flagged_never_shipped_as_padding(T, count):
+    """At T=3 (width 4) a count of 5 used to ship row 3, a padding row."""
+    m, _, rt = chooser_runtime(lambda n: list(range(n)), lambda n: count)
+    res = rt.step(**m.random_inputs(T, gen=torch.Generator().manual_seed(T)))
+    with pytest.raises(DeviceRowIndexError, match=r"accept count was negative or above the rows the step ran"):
+        res.host_rows.rows()
+
+
+def test_device_rows_listed_highest_first_in_a_sliced_step_lose_none():
+    """widths (1, 2, 4, 8), T=11: slices of 8 and 3 (width 4). A chooser listing every row
+    highest first, padding row included (count = width), used to lose row 8."""
+    m, ref, rt = chooser_runtime(lambda n: list(range(n - 1, -1, -1)), lambda n: n,
+                                 widths=(1, 2, 4, 8), dynamic_limit=8, hr=dict(capacity=16))
+    x = m.random_inputs(11, gen=seeded())
+    res = rt.step(**x)
+    assert [(s.width, s.length) for s in res.slices] == [(8, 8), (4, 3)]
+    h = res.host_rows
+    assert h.indices().tolist() == list(range(11))
+    torch.testing.assert_close(h.rows(), ref(x)["hidden"], rtol=1e-5, atol=1e-5)
+    assert int(res.outputs["accept_count"][0]) == 11
+
+
+def test_device_count_beyond_a_slices_width_is_flagged_as_a_count():
+    m, _, rt = chooser_runtime(lambda n: list(range(n)), lambda n: n + 1,
+                               widths=(1, 2, 4, 8), dynamic_limit=8, hr=dict(capacity=16))
+    res = rt.step(**m.random_inputs(11, gen=seeded()))
+    with pytest.raises(DeviceRowIndexError, match=r"accept count was negative or above"):
+        res.host_rows.rows()
+
+
+def test_device_mode_default_capacity_refuses_wider_steps_up_front():
+    """The default capacity is the runtime's rows (96); a sliced step may accept all its
+    rows, so a wider step is refused before anything is written, not flagged at read."""
+    m, ref, rt = build("cpu", "device", ChoosingSlotModel)
+    gen = seeded()
+    x = m.random_inputs(5, gen=gen)
+    rt.step(**x)
+    ref(x)
+    before = rt.state_digest()
+    with pytest.raises(CapacityError, match=r"step inputs: expected at most 96 rows in HostRows\(mode='device'\).*"
+                                            r"got 97 rows"):
+        rt.step(**m.random_inputs(97, gen=gen))
+    assert rt.state_digest() == before
+    x = m.random_inputs(96, gen=gen)
+    h = rt.step(**x).host_rows  # the widest step it takes
+    want = ref(x)
+    rows = chosen_rows(want["tok"])
+    assert h.indices().tolist() == rows
+    torch.testing.assert_close(h.rows(), want["hidden"][rows], rtol=1e-5, atol=1e-5)
+
+
+def test_device_accepting_more_than_an_explicit_capacity_names_the_capacity():
+    m, _, rt = chooser_runtime(lambda n: list(range(n)), lambda n: n, hr=dict(capacity=4))
+    res = rt.step(**m.random_inputs(20, gen=seeded()))
+    with pytest.raises(DeviceRowIndexError, match=r"accepted more rows than HostRows.capacity \(4\)"):
+        res.host_rows.rows()
+
+
+# ---- commit mode: more indices than the rows block (R8) ---------------------------------
+def test_commit_with_more_duplicate_indices_than_rows_is_a_capacity_error():
+    m = SlotModel("cpu", seed=2)
+    rt = GraphRuntime(m, m.specs(), graphs=False, device="cpu", widths=(1, 2, 4, 8), dynamic_limit=8,
+                      host_rows=HostRows(source="hidden", mode="commit", capacity=50, allow_duplicates=True))
+    r = rt.step(**m.random_inputs(6, gen=seeded()))
+    before = rt.state_digest()
+    with pytest.raises(CapacityError, match=r"rows: expected at most 8 indices \(the runtime's rows\), got 40"):
+        rt.commit(r, [0] * 40)
+    assert rt.state_digest() == before
+    assert rt.commit(r, [0] * 8).count == 8  # the window was not used up
+
+
+def seeded() -> torch.Generator:
+    seed = int(torch.randint(0, 2**31, (1,)))
+    print(f"seed {seed}")
+    return torch.Generator().manual_seed(seed)

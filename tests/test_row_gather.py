@@ -115,7 +115,7 @@ def _check_contract(src, rows, count, dst, meta, src_slot=None, dst_slot=None, *
         src_ok = 0 <= s < slabs
         bad_rows = [r for r in rows_l[:n] if not 0 <= r < N]
         want_meta[d, 0] = n
-        want_meta[d, 1] = int(c < 0 or c > C or c > R or not src_ok or bool(bad_rows))
+        want_meta[d, 1] = (1 * bool(bad_rows)) | (2 * (c > C)) | (4 * (c < 0 or c > R)) | (8 * (not src_ok))
         for j in range(n):
             want_meta[d, 2 + j] = rows_l[j]
             if src_ok and 0 <= rows_l[j] < N:
@@ -175,7 +175,7 @@ def test_bad_indices_are_flagged_and_skipped(dtype, rng):
             rows_l[w] = b
         count = max(where) + 1 + rng.randint(0, R - 1 - max(where))  # bad rows are inside the count
         _, km = _run_both(src, _i32(rows_l, KDEV), _i32([count], KDEV), S, C)
-        assert int(km[0, 1]) == 1
+        assert int(km[0, 1]) == 1  # FLAG_INDEX alone
 
 
 @needs_kernel
@@ -202,7 +202,7 @@ def test_count_out_of_range(R, C, count, rng):
     rows = torch.randint(0, N, (R,), device=KDEV, dtype=torch.int32)
     _, km = _run_both(src, rows, _i32([count], KDEV), 2, C)
     assert int(km[0, 0]) == max(0, min(count, C, R))
-    assert int(km[0, 1]) == int(count < 0 or count > C or count > R)
+    assert int(km[0, 1]) == 2 * (count > C) + 4 * (count < 0 or count > R)  # FLAG_CAPACITY, FLAG_COUNT
 
 
 @needs_kernel
@@ -215,7 +215,7 @@ def test_src_slot_and_dst_slot_pick_slabs(rows_dtype, rng):
         rows = torch.randint(0, N, (R,), device=KDEV, dtype=rows_dtype)
         count = rng.randint(1, R)
         _, km = _run_both(src, rows, _i32([count], KDEV), S, C, src_slot=_i32([s], KDEV), dst_slot=_i32([d], KDEV))
-        assert int(km[d, 1]) == int(not 0 <= s < S_src)
+        assert int(km[d, 1]) == 8 * (not 0 <= s < S_src)  # FLAG_SRC_SLOT
 
 
 @needs_kernel

@@ -1,0 +1,115 @@
+"""The runtime's life around its steps: what capture runs the step function on, the first
+step after rows were written in place, the commit window across a failed step, and the
+public state digest. CPU path (graphs off); the GPU side is in test_reliability_cuda.py.
+"""
+import pytest
+import torch
+
+from cudagraph_rt import GraphRuntime, HostRows, InputSpec, StaleRowsError, StateDigest
+from models_for_tests import SlotModel
+
+
+def seeded() -> torch.Generator:
+    seed = int(torch.randint(0, 2**31, (1,)))
+    print(f"seed {seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+class Recorder(SlotModel):
+    """SlotModel that keeps a copy of the inputs of every call."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.calls = []
+
+    def __call__(self, x):
+        self.calls.append({k: v.clone() for k, v in x.items()})
+        return super().__call__(x)
+
+
+def only_padding(call, specs) -> bool:
+    return all(bool((call[k] == s.pad).all()) for k, s in specs.items())
+
+
+# ---- R9: the first-use probe runs on padding rows, whatever was written in place ---------
+@pytest.mark.parametrize("how", ["device_inputs", "static_inputs"])
+def test_first_step_after_rows_written_in_place_probes_padding_only(how):
+    m, ref = Recorder("cpu", seed=4), SlotModel("cpu", seed=4)
+    specs = m.specs()
+    rt = GraphRuntime(m, specs, graphs=False, device="cpu", host_rows=HostRows(source="hidden", mode="host"))
+    x = m.random_inputs(4, gen=seeded())
+    views = rt.device_inputs(4) if how == "device_inputs" else rt.static_inputs(4)
+    for k, v in x.items():
+        views[k][:4].copy_(v)
+    res = rt.step(rows=[0, 2], **(views if how == "device_inputs" else x))
+    want = ref(x)
+    assert all(only_padding(c, specs) for c in m.calls[:-1]), "capture ran the step function on real rows"
+    assert len(m.calls) == rt.capture_report.step_fn_calls + 1
+    torch.testing.assert_close(res.outputs["hidden"], want["hidden"])
+    torch.testing.assert_close(res.host_rows.rows(), want["hidden"][[0, 2]])
+    torch.testing.assert_close(m.state[:-1], ref.state[:-1])  # no real slot written twice
+
+
+def test_capture_report_counts_the_step_function_calls():
+    m = Recorder("cpu", seed=1)
+    rt = GraphRuntime(m, m.specs(), graphs=False, device="cpu", host_rows=HostRows(source="hidden"))
+    rep = rt.capture()
+    assert rep.step_fn_calls == len(m.calls) == 1  # the probe, graphs off
+    assert rep.to_json()["step_fn_calls"] == 1
+    m2 = Recorder("cpu", seed=1)
+    rt2 = GraphRuntime(m2, m2.specs(), graphs=False, device="cpu")
+    assert rt2.capture().step_fn_calls == len(m2.calls) == 0
+
+
+# ---- R10: a failed step does not use up a turn of the commit window ----------------------
+class FailOnce(SlotModel):
+    fail = False
+
+    def __call__(self, x):
+        if self.fail:
+            raise RuntimeError("step function failed")
+        return super().__call__(x)
+
+
+def test_a_failed_step_keeps_the_commit_windows_turn():
+    m, ref = FailOnce("cpu", seed=6), SlotModel("cpu", seed=6)
+    rt = GraphRuntime(m, m.specs(), graphs=False, device="cpu",
+                      host_rows=HostRows(source="hidden", mode="commit", depth=2))
+    gen = seeded()
+    x0 = m.random_inputs(5, gen=gen)
+    r0 = rt.step(**x0)
+    want0 = ref(x0)["hidden"]
+    m.fail = True
+    with pytest.raises(RuntimeError, match="step function failed"):
+        rt.step(**m.random_inputs(3, gen=gen))
+    m.fail = False
+    x1 = m.random_inputs(7, gen=gen)
+    rt.step(**x1)
+    ref(x1)
+    h = rt.commit(r0, [4, 0, 2])  # one good step since r0: inside the window of 2
+    torch.testing.assert_close(h.rows(), want0[[4, 0, 2]])
+    h.release()
+    rt.step(**m.random_inputs(2, gen=gen))
+    with pytest.raises(StaleRowsError):
+        rt.commit(r0, [0])  # two good steps since: its snapshot was reused
+
+
+# ---- the public state digest ---------------------------------------------------------------
+def test_state_digest_sees_every_part_a_step_or_commit_writes():
+    m = SlotModel("cpu", seed=8)
+    rt = GraphRuntime(m, m.specs(), graphs=False, device="cpu",
+                      host_rows=HostRows(source="hidden", mode="commit", depth=2))
+    gen = seeded()
+    d0 = rt.state_digest()
+    assert isinstance(d0, StateDigest) and d0 == rt.state_digest()
+    r = rt.step(**m.random_inputs(3, gen=gen))
+    d1 = rt.state_digest()
+    assert set(d0.changed(d1)) == {"arena", "counters"}  # ring and snapshots were built since
+    h = rt.commit(r, [1])
+    d2 = rt.state_digest()
+    assert set(d1.changed(d2)) == {"arena", "ring", "counters"}  # control block, ring slot, commits
+    h.release()
+    assert d2.changed(rt.state_digest()) == ["ring"]  # a released slot is free again
+    rt.host_inputs(2)
+    rt.reset_stats()
+    assert "counters" in d2.changed(rt.state_digest())
