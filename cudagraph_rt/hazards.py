@@ -11,6 +11,8 @@ With CUDA inputs nothing is simulated: device means ``tensor.device``.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import dataclasses
 import linecache
 import os
@@ -382,6 +384,19 @@ class _DispatchMode(TorchDispatchMode):
                     and value.numel() == 1 and not self.tr.is_dev(value))
 
 
+@contextmanager
+def _capturing_as_seen_by_code():
+    """``torch.cuda.is_current_stream_capturing()`` answers True while the finder runs, so
+    code that branches on it (transformers' masking skips a data-dependent check while
+    capturing) takes the path capture takes, and only what capture would hit is reported."""
+    before = torch.cuda.is_current_stream_capturing
+    torch.cuda.is_current_stream_capturing = lambda: True
+    try:
+        yield
+    finally:
+        torch.cuda.is_current_stream_capturing = before
+
+
 def find_capture_hazards(fn: Callable, *args, device=None, **kwargs) -> tuple[Hazard, ...]:
     """Run ``fn(*args, **kwargs)`` once, eagerly, and list what would break or be frozen
     by a CUDA-graph capture, each with the user's file and line.
@@ -411,7 +426,7 @@ def find_capture_hazards(fn: Callable, *args, device=None, **kwargs) -> tuple[Ha
         target = torch.device(device) if device is not None else torch.device("cuda")
         tr = _Tracker(simulate=True, target=target if target.type != "cpu" else torch.device("cuda"))
     try:
-        with _DispatchMode(tr), _FunctionMode(tr):
+        with _DispatchMode(tr), _FunctionMode(tr), _capturing_as_seen_by_code():
             fn(*args, **kwargs)
     except Exception as exc:  # report it as a hazard at the user's line; keep the rest
         frames = [(f.filename, f.lineno) for f in reversed(traceback.extract_tb(exc.__traceback__))]

@@ -103,6 +103,14 @@ class InspectReport:
             w.hazards or w.node_hazards or w.error or not all(d.equal for d in w.diffs)
             for w in self.widths)
 
+    @property
+    def exit_code(self) -> int:
+        """What ``cgrt inspect`` exits with: 1 for a hazard, a graph hazard, an on/off
+        mismatch or a failed width (found with graphs readable or not), else 0."""
+        bad = any(w.hazards or w.node_hazards or w.error or not all(d.equal for d in w.diffs)
+                  for w in self.widths)
+        return 1 if bad else 0
+
     def to_json(self) -> dict:
         return {"available": self.available, "reason": self.reason, "device": self.device,
                 "ok": self.ok, "widths": [w.to_json() for w in self.widths],
