@@ -703,3 +703,24 @@ def test_gpu_only_bad_inputs_write_nothing():
     xc["tokens"] = xc["tokens"].cuda()
     with pytest.raises(InputError, match=r"tokens: expected a tensor on cpu or the host, got one on cuda:0"):
         rt_cpu.step(**xc)
+
+
+@pytest.mark.parametrize("mode", [None, "host"])
+def test_rows_written_through_device_inputs_before_the_first_step_reach_it(mode):
+    """device_inputs() captures first: capture resets the arena, so rows written into it
+    before the first step used to be wiped (silently: the step ran on padding rows)."""
+    m, ref = SlotModel("cuda", seed=11), SlotModel("cuda", seed=11)
+    hr = HostRows(source="hidden", mode=mode) if mode else None
+    rt = GraphRuntime(m, m.specs(), graphs=True, host_rows=hr)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    x = cuda(m.random_inputs(5, gen=gen))
+    views = rt.device_inputs(5)
+    assert rt.capture_report is not None  # captured before handing out the arena
+    for k, v in x.items():
+        views[k].copy_(v)
+    res = rt.step(rows=[4, 1], **views) if mode else rt.step(**views)
+    want = ref(x)
+    torch.testing.assert_close(res.outputs["hidden"], want["hidden"], **TOL)
+    if mode:
+        torch.testing.assert_close(res.host_rows.rows(), want["hidden"][[4, 1]].cpu(), **TOL)
+    torch.testing.assert_close(m.state[:-1], ref.state[:-1], **TOL)
