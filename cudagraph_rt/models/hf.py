@@ -356,14 +356,16 @@ class HFDecoder:
     @torch.no_grad()
     def greedy_generate(self, prompt: list[int], n: int) -> list[int]:
         """The ``n`` tokens ``model.generate(do_sample=False)`` appends to ``prompt`` (its own
-        dynamic cache, batch 1, no padding)."""
+        dynamic cache, batch 1, no padding, no stop at EOS)."""
         if len(prompt) + max(n, 1) - 1 > self.config.max_len:
             raise InputError(expected("prompt + n", f"<= {self.config.max_len + 1} tokens", len(prompt) + n))
         if n < 1:
             return []
         ids = torch.tensor([[int(t) for t in prompt]], dtype=torch.int64, device=self.device)
+        # eos_token_id=None: no stop at the config's EOS (min_new_tokens would instead forbid
+        # EOS, which changes the greedy tokens where EOS wins).
         out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
-                                  min_new_tokens=n, pad_token_id=0, eos_token_id=None)
+                                  pad_token_id=0, eos_token_id=None)
         return out[0, len(prompt):].tolist()
 
     # ----------------------------------------------------------------- helpers

@@ -1,0 +1,402 @@
+"""transformers causal LMs on the cell KV pool (cudagraph_rt.models.hf), against the
+model's own forward with no cache and its own ``generate``.
+
+CPU tests use the tiny random-init configs (fp32) of every family; the cuda ones check
+graphs on == graphs off bit for bit, bf16, and the 1b shape. Inputs are fresh random each
+run from a seed printed on failure (HF_TEST_SEED=<n> replays one).
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from cudagraph_rt import GraphRuntime, InputError  # noqa: E402
+from cudagraph_rt.models import hf  # noqa: E402
+from cudagraph_rt.models.accept import greedy_accept  # noqa: E402
+from cudagraph_rt.runner import ReferenceDrafter, Request, SpecRunner  # noqa: E402
+from cudagraph_rt.testing import HFAdapter, run_sweep  # noqa: E402
+from cudagraph_rt.testing.checks import Tolerance  # noqa: E402
+
+FAMILIES = hf.FAMILIES
+# fp32: the packed step and the one-sequence forward differ by reduction order only.
+TOL = Tolerance.for_dtype(torch.float32)
+
+
+@pytest.fixture(autouse=True)
+def _single_thread(one_thread):  # see conftest.py
+    yield
+
+
+@pytest.fixture
+def rng() -> random.Random:
+    seed = int(os.environ.get("HF_TEST_SEED", random.SystemRandom().randrange(2**31)))
+    print(f"HF_TEST_SEED={seed}")
+    return random.Random(seed)
+
+
+_MODELS: dict = {}
+
+
+def model_for(family: str, device="cpu", dtype=torch.float32, max_len: int = 64) -> hf.HFDecoder:
+    """One random-init model per (family, device, dtype), a fresh pool per call."""
+    key = (family, str(device), dtype)
+    if key not in _MODELS:
+        _MODELS[key] = hf.build(family, "tiny", dtype=dtype, device=device, max_len=max_len)
+    base = _MODELS[key]
+    return hf.HFDecoder(base.model, max_seqs=base.config.max_seqs, max_len=base.config.max_len, family=family,
+                        size="tiny")
+
+
+def poison(m: hf.HFDecoder, seed: int) -> None:
+    """Large finite garbage in every K/V cell (all are free, so none may be seen: a mask that
+    lets one through changes rows by far more than any tolerance; NaN would make even a
+    correct mask's 0-weight products NaN)."""
+    g = torch.Generator(device=m.device).manual_seed(seed)
+    m.k_cache.copy_(torch.randn(m.k_cache.shape, generator=g, device=m.device) * 100)
+    m.v_cache.copy_(torch.randn(m.v_cache.shape, generator=g, device=m.device) * 100)
+
+
+def rows_to_inputs(m, rows, width: int | None = None, verify: bool = False) -> dict[str, torch.Tensor]:
+    """rows: (token, pos, seq, want, next_token); padded to ``width`` with the pad values."""
+    specs = m.inputs(verify)
+    width = width or len(rows)
+    cols = {k: [] for k in specs}
+    for tok, pos, seq, want, nxt in rows:
+        for k, v in (("tokens", tok), ("positions", pos), ("seq_ids", seq), ("cells", m.cell_for(seq, pos)),
+                     ("want", want), ("next_tokens", nxt)):
+            if k in cols:
+                cols[k].append(v)
+    for k in cols:
+        cols[k] += [specs[k].pad] * (width - len(rows))
+    return {k: torch.tensor(v, dtype=torch.int64, device=m.device) for k, v in cols.items()}
+
+
+def random_schedule(rng, m, n_seqs: int, max_chunk: int = 9):
+    """Random prompts for ``n_seqs`` sequence ids and a schedule of packed steps, each taking
+    a random chunk from several sequences in a shuffled row order."""
+    V, L = m.config.vocab, m.config.max_len
+    seqs = {s: [rng.randrange(V) for _ in range(rng.randint(1, L))] for s in rng.sample(range(m.config.max_seqs), n_seqs)}
+    fed = {s: 0 for s in seqs}
+    steps = []
+    while any(fed[s] < len(t) for s, t in seqs.items()):
+        rows, open_ = [], [s for s in seqs if fed[s] < len(seqs[s])]
+        for s in rng.sample(open_, rng.randint(1, len(open_))):
+            n = min(rng.randint(1, max_chunk), len(seqs[s]) - fed[s])
+            rows += [(seqs[s][p], p, s, rng.randint(0, 1), -1) for p in range(fed[s], fed[s] + n)]
+            fed[s] += n
+        rng.shuffle(rows)
+        steps.append(rows)
+    return seqs, steps
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cell_cache_matches_no_cache_forward(rng, family):
+    """Many sequences in packed, padded, shuffled steps: every hidden row equals the model's
+    own no-cache forward of that sequence (fp32 tolerance), every token its greedy argmax
+    where the margin is clear, -1 where no token was asked for."""
+    m = model_for(family)
+    poison(m, rng.randrange(1 << 30))
+    m.cell_owner.fill_(-2)
+    seqs, steps = random_schedule(rng, m, n_seqs=rng.randint(2, 5))
+    got_h = {s: torch.full((len(t), m.config.hidden), float("nan")) for s, t in seqs.items()}
+    got_t = {s: torch.full((len(t),), -7, dtype=torch.int64) for s, t in seqs.items()}
+    with torch.no_grad():
+        for rows in steps:
+            out = m.step(rows_to_inputs(m, rows, len(rows) + rng.randint(0, 5)))
+            assert out["tokens"].shape[0] >= len(rows)
+            for i, (_, pos, s, want, _) in enumerate(rows):
+                got_h[s][pos] = out["hidden"][i].float()
+                got_t[s][pos] = out["tokens"][i] if want else (-1 if out["tokens"][i] == -1 else -9)
+            assert (out["tokens"][len(rows):] == -1).all()  # padding rows want no token
+    for s, toks in seqs.items():
+        logits, hidden = m.reference_logits(toks)
+        err, bound = TOL.errors(got_h[s], hidden)
+        assert (err <= bound).all(), f"seq {s}: hidden rows off by {(err / bound).max():.3g} of tolerance"
+        asked = got_t[s] != -1
+        assert (got_t[s] != -9).all()
+        clear = m.clear_positions(logits)
+        ref = logits.argmax(-1)
+        assert ((got_t[s] == ref) | ~asked | ~clear).all()
+
+
+def test_reference_is_the_models_own_forward(rng):
+    m = model_for("llama")
+    toks = [rng.randrange(m.config.vocab) for _ in range(rng.randint(2, 40))]
+    logits, _ = m.reference_logits(toks)
+    with torch.no_grad():
+        own = m.model(torch.tensor([toks])).logits[0].float()
+    assert torch.equal(logits, own)
+    impl = m.model.config._attn_implementation
+    m.step(rows_to_inputs(m, [(toks[0], 0, 0, 1, -1)]))
+    assert m.model.config._attn_implementation == impl  # restored after the step
+
+
+def test_sliding_window_is_applied(rng):
+    """Mistral's tiny window (16): a sequence longer than it matches the model's own forward
+    (above), and the window matters (without it the rows differ)."""
+    m = model_for("mistral")
+    toks = [rng.randrange(m.config.vocab) for _ in range(40)]
+    _, hidden = m.reference_logits(toks)
+    m.model.config.sliding_window = None
+    try:
+        _, no_window = m.reference_logits(toks)
+    finally:
+        m.model.config.sliding_window = 16
+    assert (hidden[20:] - no_window[20:]).abs().max() > 1e-3
+
+
+def test_padding_rows_write_only_the_scratch_cell(rng):
+    m = model_for("qwen3")
+    m.reset_cache()
+    toks = [rng.randrange(m.config.vocab) for _ in range(12)]
+    m.step(rows_to_inputs(m, [(t, p, 3, 0, -1) for p, t in enumerate(toks)]))
+    k, v, owner, pos = m.k_cache.clone(), m.v_cache.clone(), m.cell_owner.clone(), m.cell_pos.clone()
+    out = m.step(rows_to_inputs(m, [], width=rng.randint(1, 16)))
+    live = slice(0, m.num_cells)
+    assert torch.equal(m.k_cache[:, :, live], k[:, :, live]) and torch.equal(m.v_cache[:, :, live], v[:, :, live])
+    assert torch.equal(m.cell_owner[live], owner[live]) and torch.equal(m.cell_pos[live], pos[live])
+    assert int(m.cell_owner[m.scratch_cell]) == -1
+    assert (out["tokens"] == -1).all()
+
+
+def test_bad_inputs_name_the_argument():
+    m = model_for("llama")
+    good = rows_to_inputs(m, [(1, 0, 0, 1, -1)])
+    with pytest.raises(InputError, match="positions"):
+        m.step({**good, "positions": good["positions"].to(torch.int32)})
+    with pytest.raises(InputError, match="missing"):
+        m.step({k: v for k, v in good.items() if k != "cells"})
+    with pytest.raises(InputError, match="next_tokens"):
+        m.verify_step(good)
+    with pytest.raises(InputError, match="family"):
+        hf.hf_config("gpt2")
+    with pytest.raises(InputError, match="--model"):
+        hf.parse_model("hf:gpt2")
+    with pytest.raises(InputError, match="max_len"):
+        hf.HFDecoder(m.model, max_len=10**7)
+
+
+def python_acceptance(tokens, rows) -> list[bool]:
+    """Greedy acceptance written the slow way: per sequence, walk rows by position."""
+    committed = [False] * len(rows)
+    for s in {r[2] for r in rows}:
+        for i in sorted((i for i, r in enumerate(rows) if r[2] == s), key=lambda i: rows[i][1]):
+            if rows[i][3] == 1:
+                committed[i] = True
+                if tokens[i] != rows[i][4]:
+                    break
+    return committed
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_verify_step_acceptance(rng, family):
+    """Drafts from plain greedy decoding with random wrong tokens: committed rows follow the
+    slow acceptance rule, and the accepted tokens continue ``generate(do_sample=False)``."""
+    m = model_for(family)
+    m.reset_cache()
+    V, prompts = m.config.vocab, {}
+    for s in rng.sample(range(m.config.max_seqs), 4):
+        prompts[s] = [rng.randrange(V) for _ in range(rng.randint(1, 20))]
+        m.step(rows_to_inputs(m, [(t, p, s, 0, -1) for p, t in enumerate(prompts[s])]))
+    rows, truths = [], {}
+    for j, s in enumerate(prompts):
+        p, k = prompts[s], rng.randint(1, 5)
+        truths[s] = m.greedy_generate(p, k + 2)
+        good = 1 if j == 0 else rng.randint(0, k)  # the first sequence: a sure mismatch after one
+        drafts = truths[s][1:1 + good] + [(truths[s][1 + i] + 1 + rng.randrange(V - 1)) % V for i in range(good, k)]
+        toks = [truths[s][0]] + drafts
+        rows += [(t, len(p) + i, s, 1, (toks + [-1])[i + 1]) for i, t in enumerate(toks)]
+    out = m.verify_step(rows_to_inputs(m, rows, len(rows) + rng.randint(0, 6), verify=True))
+    tokens, got = out["tokens"].tolist(), out["committed"].tolist()
+    want = python_acceptance(tokens, rows)
+    assert got[:len(rows)] == want and not any(got[len(rows):])
+    idx = [i for i, c in enumerate(want) if c]
+    assert out["accept_count"].tolist() == [len(idx)]
+    assert out["accept_rows"].tolist() == idx + [0] * (len(tokens) - len(idx))
+    for s, truth in truths.items():
+        acc = [tokens[i] for i in idx if rows[i][2] == s]
+        assert acc == truth[1:1 + len(acc)]
+    # the same acceptance as the shared function on the same tokens
+    inp = rows_to_inputs(m, rows, len(tokens), verify=True)
+    shared = greedy_accept(out["tokens"], inp["next_tokens"], inp["positions"], inp["seq_ids"], inp["want"])
+    assert torch.equal(shared["committed"], out["committed"])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_runtime_greedy_decoding_equals_generate(rng, family):
+    """Prefill then one token per step through a GraphRuntime (graphs off), two sequences
+    sharing each step: the tokens equal ``model.generate(do_sample=False)``."""
+    m = model_for(family)
+    m.reset_cache()
+    rt = GraphRuntime(m.step, m.inputs(), graphs=False, device=m.device)
+    V, n = m.config.vocab, 12
+    prompts = {s: [rng.randrange(V) for _ in range(rng.randint(1, 20))] for s in (1, 6)}
+    seqs = {s: list(p) for s, p in prompts.items()}
+    # rows of each step are grouped by sequence in dict order; one row per sequence asks
+    rows = [(t, i, s, int(i == len(p) - 1), -1) for s, p in prompts.items() for i, t in enumerate(p)]
+    for _ in range(n):
+        toks = rt.step(**rows_to_inputs(m, rows)).outputs["tokens"].tolist()
+        asked = [t for t in toks if t != -1]
+        assert len(asked) == len(seqs)
+        for s, t in zip(seqs, asked):
+            seqs[s].append(t)
+        rows = [(seqs[s][-1], len(seqs[s]) - 1, s, 1, -1) for s in seqs]
+    rt.close()
+    for s, p in prompts.items():
+        ids = torch.tensor([p])
+        want = m.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                                pad_token_id=0, eos_token_id=None)[0, len(p):].tolist()
+        assert len(want) == n
+        assert seqs[s][len(p):] == want, f"seq {s}"
+        assert m.greedy_generate(p, n) == want
+
+
+def test_clear_positions_rule():
+    """Clear iff top1 - top2 > MARGIN_ULPS * eps * max|logit| of the row."""
+    m = model_for("llama")
+    eps, ulps = torch.finfo(torch.float32).eps, hf.MARGIN_ULPS[torch.float32]
+    row = torch.zeros(3, m.config.vocab)
+    row[:, 5] = 10.0
+    row[0, 7] = 10.0 - 2 * ulps * eps * 10  # clear
+    row[1, 7] = 10.0 - 0.5 * ulps * eps * 10  # a near-tie
+    row[2, 7] = 10.0  # an exact tie
+    assert m.clear_positions(row).tolist() == [True, False, False]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+def test_sweep_graphs_off(rng, family):
+    """The width sweep through HFAdapter, graphs off: every width against the reference."""
+    adapter = HFAdapter(model=model_for(family, max_len=64), widths=(1, 2, 4, 8, 16))
+    report = run_sweep(adapter, graphs="off", seed=rng.randrange(1 << 30), repeats=1, extras=(24,))
+    assert report.ok, report.summary()
+    assert report.modes[0].steps_checked >= 18
+
+
+class _StolenCellAdapter(HFAdapter):
+    """A broken integration: padding rows write cell 0 (seq 0, position 0), a live cell."""
+
+    def build(self, graphs):
+        self.model.reset_cache()
+        specs = dict(self.model.inputs(), cells=hf.InputSpec(pad=0))
+        return GraphRuntime(self.model.step, specs, widths=self.widths, graphs=graphs, device=self.device)
+
+
+def test_sweep_catches_a_padding_row_in_a_live_cell(rng):
+    adapter = _StolenCellAdapter(model=model_for("llama", max_len=64), widths=(1, 2, 4, 8, 16))
+    report = run_sweep(adapter, graphs="off", seed=rng.randrange(1 << 30), repeats=2, extras=())
+    assert not report.ok
+    assert any(k in ("hidden", "model state") for k, _ in report.modes[0].kinds)
+
+
+def test_speculative_runner_keeps_greedy_output(rng):
+    """SpecRunner with the ReferenceDrafter (k=3, p=0.6) through the runtime, graphs off:
+    every sequence's output equals model.generate(do_sample=False), some drafts were
+    accepted and some rejected, and one host row arrived per generated token."""
+    m = model_for("qwen2")
+    m.reset_cache()
+    V = m.config.vocab
+    reqs = [Request(tuple(rng.randrange(V) for _ in range(rng.randint(1, 20))), rng.randint(2, 14))
+            for _ in range(6)]
+    drafter = ReferenceDrafter(m, 0.6, seed=rng.randrange(1000))
+    runner = SpecRunner(m, drafter, k=3, slots=4, lanes=2, graphs=False, record_rows=True)
+    runner.submit(reqs)
+    rep = runner.run()
+    assert len(runner.finished) == len(reqs)
+    assert 0 < rep.accepted < rep.proposed
+    for seq in runner.finished:
+        assert seq.generated == m.greedy_generate(list(seq.prompt), seq.max_new), f"uid {seq.uid}"
+        assert sum(r.shape[0] for r in seq.rows) == seq.max_new
+
+
+def test_from_local_directory(tmp_path, rng):
+    """``build(path=...)`` loads a saved model (local files only) with the same outputs."""
+    m = model_for("qwen3")
+    m.model.save_pretrained(tmp_path)
+    loaded = hf.build("qwen3", "tiny", device="cpu", path=str(tmp_path), max_len=m.config.max_len)
+    toks = [rng.randrange(m.config.vocab) for _ in range(10)]
+    assert torch.equal(loaded.reference_logits(toks)[0], m.reference_logits(toks)[0])
+    with pytest.raises(InputError, match="path"):
+        hf.build("qwen3", path=str(tmp_path / "missing"))
+
+
+def test_cli_demo_and_sweep_take_hf_models():
+    from cudagraph_rt import cli
+
+    assert cli.main(["demo", "--model", "hf:llama", "--sequences", "4", "--max-new", "8", "--json"]) == 0
+    assert cli.main(["sweep", "--model", "hf:mistral", "--widths", "1,2,4", "--repeats", "1", "--extras", "none",
+                     "--seed", "5"]) == 0
+    assert cli.main(["sweep", "--model", "hf:bert"]) == 2
+    assert cli.main(["sweep", "--size", "1b"]) == 2  # the toy has no 1b size
+
+
+# ------------------------------------------------------------------------------ CUDA
+def _on_off(m, rng, widths=(1, 2, 4, 8, 16, 32)):
+    """The same random packed steps through graphs on and graphs off (fresh pools): every
+    output bit-identical."""
+    outs = {}
+    V, L = m.config.vocab, min(m.config.max_len, 64)
+    r = random.Random(rng.randrange(1 << 30))
+    plan = []
+    for _ in range(12):
+        T = r.randint(1, widths[-1])
+        plan.append([(r.randrange(V), p, s, r.randint(0, 1), -1)
+                     for s in range(min(4, m.config.max_seqs)) for p in range(0, L, max(1, L // (T // 4 + 1)))][:T])
+    for graphs in (True, False):
+        m.reset_cache()
+        rt = GraphRuntime(m.step, m.inputs(), widths=widths, graphs=graphs, device=m.device)
+        rt.capture()
+        got = []
+        for rows in plan:
+            res = rt.step(**rows_to_inputs(m, rows))
+            got.append({k: v.clone() for k, v in res.outputs.items()})
+        torch.cuda.synchronize()
+        rt.close()
+        outs[graphs] = got
+    for a, b in zip(outs[True], outs[False]):
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graphs_on_equal_off_cuda(rng, family, dtype):
+    _on_off(model_for(family, device="cuda", dtype=dtype), rng)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_cell_cache_matches_reference_cuda(rng, family):
+    """bf16 on the GPU: packed, padded steps against the one-sequence forward, hidden rows
+    within the sweep's bf16 rule and tokens equal where the margin is clear."""
+    m = model_for(family, device="cuda", dtype=torch.bfloat16)
+    m.reset_cache()
+    seqs, steps = random_schedule(rng, m, n_seqs=4)
+    got = {s: torch.zeros(len(t), m.config.hidden, device="cuda") for s, t in seqs.items()}
+    toks = {s: torch.full((len(t),), -1, dtype=torch.int64, device="cuda") for s, t in seqs.items()}
+    with torch.no_grad():
+        for rows in steps:
+            rows = [(t, p, s, 1, n) for t, p, s, _, n in rows]
+            out = m.step(rows_to_inputs(m, rows, len(rows) + rng.randint(0, 3)))
+            for i, (_, pos, s, _, _) in enumerate(rows):
+                got[s][pos] = out["hidden"][i].float()
+                toks[s][pos] = out["tokens"][i]
+    tol = Tolerance.for_dtype(torch.bfloat16)
+    for s, t in seqs.items():
+        logits, hidden = m.reference_logits(t)
+        err, bound = tol.errors(got[s], hidden)
+        assert (err <= bound).all(), f"seq {s}: {(err / bound).max():.3g} of tolerance"
+        clear = m.clear_positions(logits)
+        assert ((toks[s] == logits.argmax(-1)) | ~clear).all()
+
+
+@pytest.mark.cuda
+def test_1b_graphs_on_equal_off_cuda(rng):
+    """The Llama-3.2-1B shape in bf16: a few widths, graphs on == off bit for bit."""
+    m = hf.build("llama", "1b", device="cuda", max_seqs=4, max_len=128)
+    _on_off(m, rng, widths=(1, 4, 16))
