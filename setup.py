@@ -27,6 +27,7 @@ setup(
         "rich>=13",
         "matplotlib>=3.7",
     ],
-    extras_require={"test": ["pytest>=7", "hypothesis>=6"]},
+    # hf: transformers causal LMs on the runtime (cudagraph_rt.models.hf, --model hf:...).
+    extras_require={"test": ["pytest>=7", "hypothesis>=6"], "hf": ["transformers>=5.17,<6"]},
     entry_points={"console_scripts": ["cgrt = cudagraph_rt.cli:main"]},
 )
