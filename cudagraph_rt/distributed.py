@@ -324,8 +324,8 @@ class DistributedRuntime(GraphRuntime):
         if self.inputs_from is None or self.rank != self.inputs_from:
             raise CgrtError("DistributedRuntime.stop_followers: only on the inputs_from rank")
         if not self._stopped:
-            self._stopped = True
             self._send(("stop", error))
+            self._stopped = True
 
     def _send(self, msg) -> None:
         if self._stopped:
