@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from contextlib import contextmanager
 from typing import Any, Mapping, NamedTuple
 
 import torch
@@ -197,6 +198,17 @@ class StaticInputs:
             o = self._offsets[name]
             out[name] = buf[o:o + numel * itemsize(dt)].view(dt)
         return out
+
+    @contextmanager
+    def rows_kept(self):
+        """Put the device arena back as it was when the block is left (stream-ordered):
+        capture resets it to padding rows, and must not wipe rows a caller wrote into it."""
+        kept = self.arena.clone()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                self.arena.copy_(kept)
 
     def digest_parts(self) -> tuple[list, list]:
         """(the arena, the staging arenas and their bookkeeping) for ``StateDigest``."""

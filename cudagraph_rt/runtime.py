@@ -228,8 +228,6 @@ class GraphRuntime:
         with self._exclusive("static_inputs"):
             if isinstance(width, bool) or not isinstance(width, int) or (width not in self.widths and not (self.widths[-1] < width <= self._rows)):
                 raise InputError(expected("width", f"one of {self.widths} or a dynamic width", width))
-            if not self._ready:  # capture resets the arena: it must come before rows written here
-                self.capture()
             self._inputs.unfeed()
             return self._inputs.views(width)
 
@@ -252,13 +250,11 @@ class GraphRuntime:
     def device_inputs(self, T: int) -> dict[str, torch.Tensor]:
         """Zero-copy device path: rows ``[:T]`` of the static device arena. Write them with
         your own device ops on the current stream and pass the views to ``step``: no
-        copy is made, only the padding rows are filled. Captures first if ``capture()``
-        was not called (capture runs on padding rows and resets the arena). Refused with
-        BusyError while another thread is inside ``step``."""
+        copy is made, only the padding rows are filled. Rows written here before the first
+        step survive the capture that step runs (capture works on padding rows and puts
+        the arena back). Refused with BusyError while another thread is inside ``step``."""
         with self._exclusive("device_inputs"):
             self._check_single_slice(T, "device_inputs")
-            if not self._ready:  # capture resets the arena: it must come before rows written here
-                self.capture()
             return self._inputs.device_views(T)
 
     @contextmanager
@@ -297,6 +293,12 @@ class GraphRuntime:
         self._check_open("capture")
         if self._ready:
             return self.capture_report
+        # The probe, warm-up and capture run on padding rows; rows the caller wrote into the
+        # arena (device_inputs, static_inputs) are put back afterwards, even on failure.
+        with self._inputs.rows_kept():
+            return self._capture_widths()
+
+    def _capture_widths(self) -> CaptureReport:
         t0 = time.perf_counter()
         calls = [int(self._probe())]  # step_fn runs, every one on padding rows
         reports = []
