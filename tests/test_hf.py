@@ -400,3 +400,20 @@ def test_1b_graphs_on_equal_off_cuda(rng):
     """The Llama-3.2-1B shape in bf16: a few widths, graphs on == off bit for bit."""
     m = hf.build("llama", "1b", device="cuda", max_seqs=4, max_len=128)
     _on_off(m, rng, widths=(1, 4, 16))
+
+
+def test_bench_quick_runs_every_section(tmp_path):
+    """``cgrt bench --model hf:llama --quick``: the CPU smoke run of the HF bench writes every
+    section (children and capture skipped on a CPU, with the reason) and its goals."""
+    import json
+
+    from cudagraph_rt import cli
+
+    out = tmp_path / "b.json"
+    assert cli.main(["bench", "--model", "hf:llama", "--quick", "--json", str(out)]) in (0, 1)
+    r = json.loads(out.read_text())
+    assert r["greedy"]["status"] == "ok" and r["spec"]["status"] == "ok" and r["compiled"]["status"] == "ok"
+    assert r["spec"]["spec"]["check_ok"] and r["spec"]["greedy"]["check_ok"]
+    assert r["greedy"]["rows"][0]["agree_with_eager"] == r["meta"]["new"]  # fp32: the same tokens as generate
+    assert {g["goal"] for g in r["goals"]} and all(g["status"] in ("met", "missed", "n/a") for g in r["goals"])
+    assert cli.main(["bench", "--model", "hf:gpt2"]) == 2

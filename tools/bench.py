@@ -107,6 +107,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cgrt-compile-mode", choices=bench_compile.CGRT_MODES, default="default",
                    help="torch.compile mode of the step cudagraph_rt captures in the cgrt setup (default: default)")
     p.add_argument("--strict", action="store_true", help="exit 1 when a goal is missed")
+    p.add_argument("--model", default="toy", metavar="M",
+                   help="toy (default) | hf:llama | hf:qwen2 | hf:qwen3 | hf:mistral: a transformers model against "
+                        "generate() (its own sections, tools/bench_hf.py; --sections does not apply)")
+    p.add_argument("--size", default="1b", help="hf models: 1b (default: Llama-3.2-1B shape, bf16) | tiny")
+    p.add_argument("--hf-prompt", type=_count(1), default=32, metavar="N", help="hf models: prompt tokens (default 32)")
+    p.add_argument("--hf-new", type=_count(2), default=128, metavar="N", help="hf models: new tokens (default 128)")
 
 
 def _meta(ctx: Context, args: argparse.Namespace) -> dict:
@@ -134,6 +140,23 @@ def run(args: argparse.Namespace) -> int:
     """Run the chosen sections, print a table each and the goals last; write --json and
     --plot. Returns the exit code (1: a section failed, or --strict and a goal missed)."""
     threads = torch.get_num_threads()
+    if getattr(args, "model", "toy") != "toy":
+        from cudagraph_rt.errors import InputError, expected
+        from cudagraph_rt.models.hf import SIZES, parse_model
+
+        try:
+            parse_model(args.model)
+            if args.size not in SIZES:
+                raise InputError(expected("--size", " | ".join(SIZES), repr(args.size)))
+        except InputError as e:
+            print(f"cgrt bench: {e}", file=sys.stderr)
+            return 2
+        from . import bench_hf
+
+        try:
+            return bench_hf.run(args)
+        finally:
+            torch.set_num_threads(threads)
     try:
         return _run(args)
     finally:

@@ -236,6 +236,7 @@ class HFDecoder:
             raise InputError(expected("max_len", f"<= max_position_embeddings {cfg.max_position_embeddings}", max_len))
         self.model = model.eval()
         self.decoder, self.head = model.get_decoder(), model.get_output_embeddings()
+        self._decoder = self.decoder  # what step() calls: see compile_decoder
         p = next(model.parameters())
         self.device, dtype = _device(p.device), p.dtype
         attn = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "head_dim")]
@@ -305,9 +306,17 @@ class HFDecoder:
         visible = (self.cell_owner[None, :] == seq_ids[:, None]) & (self.cell_pos[None, :] <= positions[:, None])
         state = _CellStep(self, cells, positions, visible)
         with self._cell_attention():
-            out = self.decoder(input_ids=tokens[None], position_ids=positions[None],
-                               attention_mask=visible[None, None], use_cache=False, cgrt_cells=state)
+            out = self._decoder(input_ids=tokens[None], position_ids=positions[None],
+                                attention_mask=visible[None, None], use_cache=False, cgrt_cells=state)
         return out.last_hidden_state[0]
+
+    def compile_decoder(self, mode: str | None = "default", **kwargs) -> None:
+        """Run the decoder of :meth:`step` through ``torch.compile(mode=mode, **kwargs)`` from
+        now on (``mode=None``: back to eager). Inductor fuses the kernels; the runtime still
+        owns the graphs, so use a mode without CUDA graphs ("default" or
+        "max-autotune-no-cudagraphs"). Compilation happens at the first step of each new
+        width (the runtime's warm-up), not here. :meth:`reference` stays eager."""
+        self._decoder = self.decoder if mode is None else torch.compile(self.decoder, mode=mode, **kwargs)
 
     def verify_step(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
         """:meth:`step` plus greedy speculative acceptance on the device (no host sync), by
