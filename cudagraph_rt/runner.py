@@ -184,6 +184,8 @@ class ReferenceDrafter:
     def propose(self, seq: Sequence, k: int) -> list[int]:
         if self._seen.get(seq.uid) != len(seq.tokens):
             raise RuntimeError(f"sequence {seq.uid}: drafting before its committed rows were observed")
+        if k == 0:
+            return []
         rng = self._rng.setdefault(seq.uid, np.random.default_rng([self.seed, seq.uid]))
         toks = seq.tokens
         plan = self._cur.get(seq.uid) or self._plan(list(seq.prompt), seq.max_new)

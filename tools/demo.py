@@ -124,7 +124,7 @@ def serve(model, requests: list[Request], graphs: bool, args) -> dict:
     """Capture, warm up on two short requests, then serve ``requests`` timed."""
     model.reset_cache()
     warm = [Request(r.prompt, min(4, r.max_new)) for r in requests[:2]]
-    drafter = make_drafter(model, args.accept_prob, args.seed, requests + warm)
+    drafter = make_drafter(model, args.accept_prob, args.seed, requests + warm if args.k else [])
     runner = SpecRunner(model, drafter, k=args.k, slots=args.slots,
                         lanes=args.lanes, chunk=args.chunk, graphs=graphs, record_rows=True)
     cap = runner.rt.capture()
