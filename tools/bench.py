@@ -107,6 +107,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cgrt-compile-mode", choices=bench_compile.CGRT_MODES, default="default",
                    help="torch.compile mode of the step cudagraph_rt captures in the cgrt setup (default: default)")
     p.add_argument("--strict", action="store_true", help="exit 1 when a goal is missed")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks: launch with torchrun --nproc-per-node N; its own table "
+                        "(tools/bench_tp.py; --sections does not apply; default 1)")
     p.add_argument("--model", default="toy", metavar="M",
                    help="toy (default) | hf:llama | hf:qwen2 | hf:qwen3 | hf:mistral: a transformers model against "
                         "generate() (its own sections, tools/bench_hf.py; --sections does not apply)")
@@ -140,6 +143,10 @@ def run(args: argparse.Namespace) -> int:
     """Run the chosen sections, print a table each and the goals last; write --json and
     --plot. Returns the exit code (1: a section failed, or --strict and a goal missed)."""
     threads = torch.get_num_threads()
+    if getattr(args, "tp", 1) > 1:  # one process per rank, under torchrun
+        from . import bench_tp
+
+        return bench_tp.run_tp(args)
     if getattr(args, "model", "toy") != "toy":
         from cudagraph_rt.errors import InputError, expected
         from cudagraph_rt.models.hf import SIZES, parse_model
