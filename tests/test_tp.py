@@ -389,6 +389,18 @@ def test_tp_without_torchrun_is_refused(capsys):
     assert "--tp: expected 2 processes started by torchrun" in err and "got WORLD_SIZE=None" in err
 
 
+def test_torchrun_bench_tp2_quick(tmp_path):
+    out = tmp_path / "tp.json"
+    p = _torchrun("bench", "--tp", "2", "--quick", "--repeats", "1", "--warmup", "0", "--json", str(out))
+    assert p.returncode == 0, p.stdout + p.stderr
+    import json
+
+    res = json.loads(out.read_text())
+    assert [r["T"] for r in res["rows"]] == [1, 2, 4, 8, 16, 32, 64]
+    assert all(r["tp_eager"] > 0 and r["tp1_eager"] > 0 and r["allreduce_eager"] > 0 for r in res["rows"])
+    assert len(res["capture_s"]["off"]) == 2 and "step time per width" in p.stdout
+
+
 # ----------------------------------------------------------------------------- two GPUs
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
