@@ -26,7 +26,8 @@ COMMIT = st.tuples(st.just("commit"), st.just(0), st.integers(0, 5), st.booleans
 OP = st.one_of(  # steps and commits drawn more often than the rest
     STEP, STEP, STEP, COMMIT, COMMIT,
     st.tuples(st.sampled_from(["rows_oob", "rows_neg", "rows_dup", "rows_cap", "float_tokens", "nan_slot",
-                               "missing", "extra", "row_mismatch", "zero_rows", "bad_shape", "half_slot"]),
+                               "missing", "extra", "row_mismatch", "zero_rows", "bad_shape", "half_slot",
+                               "cut_view", "replaced_view"]),
               T_, st.just(None), st.just(False)),
     st.tuples(st.just("release"), st.just(0), st.integers(0, 5), st.just(False)),
 )
@@ -100,6 +101,17 @@ def invalid_call(rig: Rig, kind: str, T: int):
     if kind == "bad_shape":
         x["scale"] = x["scale"].reshape(T)
         return (lambda: rig.rt.step(**x)), InputError, rf"scale: expected shape \(T, 1\), got \({T},\)"
+    if kind in ("cut_view", "replaced_view"):  # host_inputs() views: only the unchanged, latest ones
+        n = min(max(T, 2), 96)
+        v = rig.rt.host_inputs(n)
+        for k, t in rig.inputs(n).items():
+            v[k].copy_(t)
+        if kind == "cut_view":
+            v = {k: t[:n - 1] for k, t in v.items()}
+        else:
+            rig.rt.host_inputs(n - 1)  # hands out newer views: the first ones are stale now
+        host = {"rows": [0]} if rig.mode == "host" else {}
+        return (lambda: rig.rt.step(**host, **v)), InputError, r"expected memory apart from the runtime's static buffers"
     if kind == "half_slot":
         x["slot"] = x["slot"].to(torch.float16)
         return (lambda: rig.rt.step(**x)), InputError, r"slot: expected dtype torch.int64"
