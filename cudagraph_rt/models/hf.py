@@ -44,7 +44,10 @@ SIZES = ("tiny", "1b")
 _INPUTS = ("tokens", "positions", "seq_ids", "cells", "want")
 # A greedy token is "clear" when the reference's top-1 logit beats its top-2 by more than
 # MARGIN_ULPS * eps(dtype) * max|logit| of that row (see HFDecoder.clear_positions).
-MARGIN_ULPS = {torch.float32: 256.0, torch.float16: 4.0, torch.bfloat16: 4.0}
+# Measured on the CPU (packed, padded steps against the one-sequence forward): bf16 logits
+# differ by up to ~1 ulp of max|logit| on the tiny configs and ~3.3 on the 1b shape (16
+# layers), so two logits' errors stay below 8; fp32 by far less than 256.
+MARGIN_ULPS = {torch.float32: 256.0, torch.float16: 8.0, torch.bfloat16: 8.0}
 
 
 def _transformers():
@@ -355,8 +358,9 @@ class HFDecoder:
         of that row. Random weights leave many near-ties; a packed, padded step may round
         differently from the one-sequence reference, so a token that differs where the
         margin is not clear is no evidence of a bug (the tools count such rows apart).
-        256 ulps for fp32; 4 for bf16/fp16, whose logits are rounded to the model dtype
-        (an ulp of the largest logit) in both computations."""
+        256 ulps for fp32; 8 for bf16/fp16, whose logits are rounded to the model dtype
+        (an ulp of the largest logit) in both computations, and whose 16-layer error reaches
+        about 3 such ulps per logit (see MARGIN_ULPS)."""
         eps = torch.finfo(self.config.dtype).eps
         top2 = logits.float().topk(2, -1).values
         bound = MARGIN_ULPS.get(self.config.dtype, 4.0) * eps * logits.float().abs().amax(-1)
