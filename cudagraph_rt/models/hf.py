@@ -363,7 +363,7 @@ class HFDecoder:
         about 3 such ulps per logit (see MARGIN_ULPS)."""
         eps = torch.finfo(self.config.dtype).eps
         top2 = logits.float().topk(2, -1).values
-        bound = MARGIN_ULPS.get(self.config.dtype, 4.0) * eps * logits.float().abs().amax(-1)
+        bound = MARGIN_ULPS.get(self.config.dtype, 8.0) * eps * logits.float().abs().amax(-1)
         return (top2[:, 0] - top2[:, 1]) > bound
 
     @torch.no_grad()

@@ -289,13 +289,12 @@ class HFAdapter(BaseAdapter):
 
     def continuation(self, prompt: list[int], n: int) -> list[int]:
         """Greedy continuation that the one-call reference of the whole sequence agrees with:
-        grown one reference call per token, then checked with one call over all of it (the
-        length changes the rounding, which can flip a near-tie) and repaired from the first
-        disagreement. Terminates: each repair fixes one more position for good (the logits
-        at p do not depend on later tokens)."""
-        toks = list(prompt)
-        for _ in range(n):
-            toks.append(int(self.reference(toks)[0][-1]))
+        ``model.greedy_generate`` (transformers' generate with its own cache), then checked
+        with one reference call over all of it (another computation rounds differently and
+        may flip a near-tie) and repaired from the first disagreement. Terminates: each
+        repair fixes one more position for good (the logits at p do not depend on later
+        tokens)."""
+        toks = list(prompt) + (self.model.greedy_generate(list(prompt), n) if n else [])
         for _ in range(n + 1):
             greedy = self.reference(toks)[0].tolist()
             bad = next((p for p in range(len(prompt) - 1, len(toks) - 1) if greedy[p] != toks[p + 1]), None)
