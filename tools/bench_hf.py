@@ -382,8 +382,11 @@ def _print(r: dict) -> None:
 def run(args: argparse.Namespace) -> int:
     """Every section; ``--json FILE`` writes the figures. Exit 1 when a section failed (or
     with ``--strict`` a goal was missed)."""
-    import transformers
-
+    try:
+        import transformers
+    except ImportError:
+        print('cgrt bench: --model hf:... needs transformers: pip install -e ".[hf]"', file=sys.stderr)
+        return 2
     ctx = _Ctx(args)
     c = ctx.model.config
     r = {"meta": {"family": ctx.family, "size": ctx.size, "dtype": str(c.dtype).replace("torch.", ""),

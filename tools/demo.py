@@ -214,7 +214,7 @@ def run(args) -> int:
             if args.size not in SIZES:
                 raise InputError(expected("--size", " | ".join(SIZES), repr(args.size)))
             model = build(family, args.size, device=device, seed=args.seed)
-    except ValueError as e:
+    except (ValueError, ImportError) as e:  # ImportError: hf models without the hf extra
         print(f"cgrt demo: {e}", file=sys.stderr)
         return 2
     try:

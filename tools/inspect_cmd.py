@@ -144,6 +144,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"cgrt inspect: --target {args.target}: {exc}", file=sys.stderr)
         return 2
     cuda = torch.cuda.is_available()
+    if family is not None:
+        try:
+            _hf_model(family, args.size)
+        except ImportError as exc:  # the hf extra is not installed
+            print(f"cgrt inspect: {exc}", file=sys.stderr)
+            return 2
     try:
         rt, inputs = _build(factory, graphs=cuda)
         ref = _build(factory, graphs=False)[0] if cuda and inputs and not args.no_compare else None

@@ -158,7 +158,7 @@ def run(args) -> int:
             report = run_sweep(adapter, graphs=args.graphs, seed=seed, repeats=repeats, extras=extras,
                                only_step=only, check_pad_rows=not args.no_pad_check, progress=progress,
                                log=lambda m: console.print(m, markup=False, soft_wrap=True))
-    except InputError as e:
+    except (InputError, ImportError) as e:  # ImportError: --model hf:... without the hf extra
         err.print(f"cgrt sweep: {e}", markup=False, soft_wrap=True)
         return 2
     except CgrtError as e:  # a capture failure, a busy runtime: the sweep could not run
