@@ -131,7 +131,9 @@ class DistributedRuntime(GraphRuntime):
     and the first slice's width over the ranks (RankMismatchError naming them).
     ``agree_width``: one all-reduce (max) per step; a rank with fewer rows pads its inputs
     with each input's pad value up to the widest rank's T, so every rank runs the same
-    plan; its outputs are cut back to its own T. ``inputs_from``: see :meth:`follow`.
+    plan; its outputs are cut back to its own T (its inputs take the packing path then, not
+    zero-copy). ``inputs_from``: that rank drives, the others :meth:`follow`; its host rows
+    are the ones shipped (``rows_rank`` must equal it).
     ``meta_group``: the group for these small host-side agreements; ``"auto"`` uses
     ``group`` when it is gloo, else creates a gloo group over its ranks (a collective call
     every process of the world must make).
@@ -187,6 +189,9 @@ class DistributedRuntime(GraphRuntime):
         for name, v in (("rows_rank", rows_rank), ("inputs_from", inputs_from)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < self.world):
                 raise InputError(expected(name, f"None or a rank in [0, {self.world})", repr(v)))
+        if inputs_from is not None and rows_rank != inputs_from:
+            raise InputError(expected("rows_rank", f"inputs_from ({inputs_from}) when inputs_from is set (the driver "
+                                      "reads the rows; followers ship none)", repr(rows_rank)))
         if on_capture_error not in ("raise", "eager"):
             raise InputError(expected("on_capture_error", "'raise' or 'eager'", repr(on_capture_error)))
         if host_rows is not None and not isinstance(host_rows, HostRows):
@@ -315,7 +320,9 @@ class DistributedRuntime(GraphRuntime):
                 if body:
                     raise CgrtError(f"DistributedRuntime.follow: rank {self.inputs_from} stopped with an error: {body}")
                 return n
-            self._step_all(None, body)
+            res = self._step_all(None, body)
+            if res.host_rows is not None:  # never read here: free the ring slot
+                res.host_rows.release()
             n += 1
 
     def stop_followers(self, error: str | None = None) -> None:

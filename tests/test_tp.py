@@ -263,11 +263,15 @@ def _w_config_mismatch(rank, world):
     mismatch = _catch(lambda: DistributedRuntime(model.step, model.inputs(), graphs=False, widths=widths))
     broken = _catch(lambda: DistributedRuntime(model.step, model.inputs(), graphs=False,
                                                host_rows="hidden" if rank == 1 else None))
-    return mismatch, broken
+    driver = _catch(lambda: DistributedRuntime(model.step, model.inputs(), graphs=False, inputs_from=0,
+                                               rows_rank=1))
+    return mismatch, broken, driver
 
 
 def test_construction_is_agreed():
-    (m0, b0), (m1, b1) = run_ranks(_w_config_mismatch)
+    (m0, b0, d0), (m1, b1, d1) = run_ranks(_w_config_mismatch)
+    for d in (d0, d1):
+        assert d[0] == "InputError" and "rows_rank: expected inputs_from (0)" in d[1], d
     for m in (m0, m1):
         assert m[0] == "RankMismatchError" and "widths" in m[1], m
         assert "rank 0 (1, 2, 4, 8)" in m[1] and "rank 1 (1, 2, 4, 16)" in m[1], m

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import traceback
 from typing import Callable
 
 import torch
@@ -71,7 +72,12 @@ def run_ranks(tp: int, device: str | None, command: str, body: Callable[[torch.d
         return 2
     try:
         with open(os.devnull, "w") as null, (contextlib.redirect_stdout(null) if rank() else contextlib.nullcontext()):
-            rc = int(body(dev) or 0)
+            try:
+                rc = int(body(dev) or 0)
+            except Exception:  # noqa: BLE001 - this rank's failure is its exit code; the others still agree
+                traceback.print_exc()
+                print(f"cgrt {command}: rank {rank()} failed (traceback above)", file=sys.stderr)
+                rc = 1
         return max(gather(rc))
     finally:
         dist.destroy_process_group()
