@@ -1,0 +1,167 @@
+"""Every code block of README.md, as a reader would use it.
+
+* Each ```python block runs as written in a fresh interpreter (this machine's device: on a
+  CPU the blocks run graphs off), then any ``test_*`` function it defines is called, so
+  the "from pytest" example really sweeps. Blocks that import an optional extra
+  (transformers) are skipped only when that extra is not installed.
+* Each ``cgrt ...`` / ``python3 -m cudagraph_rt ...`` command in a ```bash block is parsed
+  by the real ``cgrt`` parser: a renamed flag or a deleted tool fails here. Running them is
+  the job of the tool tests (test_sweep, test_demo, test_tp, ...) and of CI.
+* The Quick start's commands are the ones ``.ci/run`` runs, so CI tries what a new user
+  types.
+
+A block's failure names its first line in README.md and shows its output.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from cudagraph_rt.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+CI = ROOT / ".ci" / "run"
+OPTIONAL = {"transformers": "hf"}  # module a block may import -> the setup.py extra that brings it
+
+# Runs one block: compiled under its README line so a traceback points there, then every
+# test_* function it defined, in order.
+RUNNER = """
+import sys
+label, path = sys.argv[1], sys.argv[2]
+ns = {"__name__": "__main__"}
+exec(compile(open(path).read(), label, "exec"), ns)
+for name, fn in list(ns.items()):
+    if name.startswith("test_") and callable(fn):
+        print(f"calling {name}()", flush=True)
+        fn()
+"""
+
+
+@dataclass(frozen=True)
+class Block:
+    lang: str
+    line: int  # first line of the code, 1-based
+    section: str  # the "## ..." heading it sits under
+    code: str
+
+    @property
+    def label(self) -> str:
+        return f"README.md, line {self.line}"
+
+
+def blocks(text: str) -> list[Block]:
+    """The fenced blocks of ``text`` in order (an unclosed fence is an error, not a skip)."""
+    out, section, fence = [], "", None
+    for i, line in enumerate(text.splitlines(), 1):
+        if fence is None:
+            if line.startswith("## "):
+                section = line[3:].strip()
+            m = re.match(r"^```(\w*)\s*$", line)
+            if m:
+                fence, lang, start, body = True, m.group(1), i + 1, []
+        elif line.rstrip() == "```":
+            out.append(Block(lang, start, section, "\n".join(body) + "\n"))
+            fence = None
+        else:
+            body.append(line)
+    assert fence is None, f"README.md: the block opened at line {start - 1} is never closed"
+    return out
+
+
+ALL = blocks(README.read_text())
+PYTHON = [b for b in ALL if b.lang == "python"]
+BASH = [b for b in ALL if b.lang == "bash"]
+
+
+def commands(block: Block) -> list[list[str]]:
+    """Each command of a bash block as argv: comments dropped, ``&&`` / ``;`` split."""
+    out = []
+    for line in block.code.splitlines():
+        words = shlex.split(line, comments=True)
+        cmd: list[str] = []
+        for w in words + ["&&"]:
+            if w in ("&&", ";", "||"):
+                if cmd:
+                    out.append(cmd)
+                cmd = []
+            else:
+                cmd.append(w)
+    return out
+
+
+def cgrt_argv(cmd: list[str]) -> list[str] | None:
+    """The arguments after ``cgrt`` or ``-m cudagraph_rt`` (under torchrun too), else None."""
+    if cmd[0] == "cgrt":
+        return cmd[1:]
+    for i in range(len(cmd) - 1):
+        if cmd[i] == "-m" and cmd[i + 1] == "cudagraph_rt":
+            return cmd[i + 2:]
+    return None
+
+
+def test_the_readme_has_the_blocks_these_tests_run():
+    """The parser below found what the README holds (a changed fence style would otherwise
+    make every other test here vacuous)."""
+    sections = {b.section for b in PYTHON}
+    assert {"The API in one screen", "Sweeping your own model from pytest", "Embedding in a host runner"} <= sections
+    assert any(cgrt_argv(c) for b in BASH for c in commands(b))
+
+
+@pytest.mark.parametrize("block", PYTHON, ids=[f"line{b.line}" for b in PYTHON])
+def test_python_block_runs_as_written(block: Block, tmp_path):
+    for mod, extra in OPTIONAL.items():
+        if re.search(rf"^\s*(from|import) {mod}\b", block.code, re.M) and importlib.util.find_spec(mod) is None:
+            pytest.skip(f"{block.label} needs the [{extra}] extra ({mod} is not installed)")
+    src = tmp_path / "block.py"
+    src.write_text(block.code)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    # A fresh interpreter in an empty folder: no state from this test session, no file of
+    # the checkout found by accident; the package comes from this checkout.
+    proc = subprocess.run([sys.executable, "-c", RUNNER, block.label, str(src)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (f"{block.label} ({block.section}) failed, exit {proc.returncode}:\n"
+                                  f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+
+
+@pytest.mark.parametrize("block", BASH, ids=[f"line{b.line}" for b in BASH])
+def test_cgrt_commands_parse(block: Block):
+    parser = build_parser()
+    for cmd in commands(block):
+        argv = cgrt_argv(cmd)
+        if argv is None:
+            continue
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as e:  # argparse prints why on stderr
+            pytest.fail(f"{block.label}: `{shlex.join(cmd)}` does not parse (exit {e.code})")
+        assert getattr(args, "_module", None), f"{block.label}: `{shlex.join(cmd)}`: no such tool " \
+                                               f"({getattr(args, '_unavailable', 'no subcommand')})"
+
+
+def _normalised(cmd: list[str]) -> list[str]:
+    """``python3 -m pip install -q X`` and ``pip install X`` are the same command."""
+    if cmd[:2] in (["python3", "-m"], ["python", "-m"]) and cmd[2:3] == ["pip"]:
+        cmd = cmd[2:]
+    return [w for w in cmd if not (cmd[0] == "pip" and w == "-q")]
+
+
+def test_quick_start_is_what_ci_runs():
+    """CI installs and runs what the Quick start tells a new user to (the CPU torch line
+    aside: CI keeps a CPU torch on disk)."""
+    quick = [c for b in BASH if b.section == "Quick start" for c in commands(b)]
+    ci = [_normalised(shlex.split(ln, comments=True)) for ln in CI.read_text().splitlines()]
+    ci = [c for c in ci if c]
+    assert quick, "the Quick start has no bash block"
+    for cmd in quick:
+        if "torch" in cmd and "--index-url" in cmd:
+            continue  # the CPU-only machine's first step
+        assert _normalised(cmd) in ci, f"Quick start runs `{shlex.join(cmd)}`, .ci/run does not"
