@@ -123,7 +123,10 @@ def test_python_block_runs_as_written(block: Block, tmp_path):
             pytest.skip(f"{block.label} needs the [{extra}] extra ({mod} is not installed)")
     src = tmp_path / "block.py"
     src.write_text(block.code)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    # One intra-op thread: the blocks' tiny CPU ops only lose time to torch's threads on a
+    # small shared box (the adapter block's sweep: 3 s instead of 30; see conftest.one_thread).
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
     # A fresh interpreter in an empty folder: no state from this test session, no file of
     # the checkout found by accident; the package comes from this checkout.
     proc = subprocess.run([sys.executable, "-c", RUNNER, block.label, str(src)], cwd=tmp_path, env=env,
