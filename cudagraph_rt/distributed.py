@@ -30,6 +30,7 @@ the other ranks inside a collective until the process group's timeout
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from datetime import timedelta
@@ -269,6 +270,14 @@ class DistributedRuntime(GraphRuntime):
         self._dist_ready = False
         return super().recapture()
 
+    def _explain(self, width: int) -> tuple:
+        """GraphRuntime explains a failed capture by running the step eagerly under the
+        hazard finder, on this rank alone: its collectives would pair with another width's
+        warm-up on the other ranks (a hang, or a mismatched NCCL call). Run it with the
+        torch.distributed collectives stubbed out (the explanation needs no sums)."""
+        with _no_collectives():
+            return super()._explain(width)
+
     def _warm(self) -> None:
         """One eager all-reduce on the runtime's device: creates the NCCL communicator and
         its stream outside any capture, and proves every rank is here."""
@@ -392,6 +401,25 @@ class DistributedRuntime(GraphRuntime):
             handle.release()
             handle = None
         return dataclasses.replace(res, outputs=out, T=T, host_rows=handle)
+
+
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+                "broadcast", "reduce", "all_to_all", "all_to_all_single", "barrier")
+
+
+@contextlib.contextmanager
+def _no_collectives():
+    """torch.distributed's collectives as no-ops for the block (this process, this thread's
+    doing: the block runs a step function alone on one rank). Functional collectives and
+    raw NCCL calls are not covered."""
+    saved = {n: getattr(dist, n) for n in _COLLECTIVES if hasattr(dist, n)}
+    try:
+        for n in saved:
+            setattr(dist, n, lambda *a, **k: None)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(dist, n, f)
 
 
 def _rows_of(inputs: Mapping[str, Any], specs: Mapping[str, InputSpec]) -> int:

@@ -303,6 +303,36 @@ def test_capture_failure_on_one_rank_fails_every_rank():
         assert after[0] == "CgrtError" and "recapture()" in after[1], after
 
 
+def _w_explain(rank, world):
+    """What a failed capture's explanation does on one rank alone: its collectives must not
+    run (the other ranks are warming up another width meanwhile)."""
+    import torch.distributed as dist
+
+    from cudagraph_rt.distributed import DistributedRuntime
+    from cudagraph_rt.models import ToyDecoder
+
+    model = ToyDecoder(device="cpu")
+
+    def step(x):
+        out = model.step(x)
+        total = out["hidden"].sum()
+        dist.all_reduce(total)
+        if torch.cuda.is_current_stream_capturing():
+            total.item()  # what made the capture fail
+        return out
+
+    rt = DistributedRuntime(step, model.inputs(), graphs=False)
+    found = [(h.kind, h.op) for h in rt._explain(4)] if rank == 1 else []
+    dist.barrier()  # rank 0 went straight here: a real all-reduce on rank 1 would have met it
+    return found, dist.all_reduce is not None
+
+
+def test_capture_explanation_runs_no_collective():
+    assert callable(getattr(GraphRuntime, "_explain", None)), "DistributedRuntime overrides GraphRuntime._explain"
+    _, (found, _) = run_ranks(_w_explain, timeout=60)
+    assert any(kind == "host_sync" and "item" in op for kind, op in found), found
+
+
 def test_check_rank_device_refuses_nccl_before_set_device(monkeypatch):
     """The order that hung on the H200 pair: init_process_group("nccl") before
     torch.cuda.set_device(local rank) leaves cuda:0 current on rank 1."""
