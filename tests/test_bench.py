@@ -125,7 +125,7 @@ def test_child_that_cannot_start(tmp_path):
 
 
 def test_child_protocol_end_to_end_on_cpu(tmp_path):
-    """The real child (python -m cudagraph_rt.tools.bench_compile) with the eager control
+    """The real child (python -m cudagraph_rt.tools.bench_compile_child) with the eager control
     setup on the CPU: payload in, every stage's figures out, the bench's timing."""
     cfg = ToyConfig.tiny()
     rows = ToyRows(ToyDecoder(cfg, "cpu"), 0)
