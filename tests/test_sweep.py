@@ -16,7 +16,7 @@ from collections import Counter
 import pytest
 import torch
 
-import cudagraph_rt.runtime as runtime_mod
+import cudagraph_rt.widths as widths_mod
 from cudagraph_rt import GraphRuntime, InputError, InputSpec, Slice
 from cudagraph_rt.buffers import StaticInputs
 from cudagraph_rt.cli import main
@@ -29,7 +29,9 @@ from cudagraph_rt.testing import (
     make_plan,
     run_sweep,
 )
-from cudagraph_rt.widths import plan_step
+from cudagraph_rt.testing.checks import rule_slices
+from cudagraph_rt.widths import default_widths, plan_step
+from planting import plant
 
 QUICK = dict(repeats=1)  # every width once: ~70 steps
 
@@ -82,14 +84,16 @@ def skip_pad_fill(monkeypatch):
 
 
 def wider_plan(monkeypatch):
-    """(c) The runtime pads to the next wider width than the narrowest that holds T."""
+    """(c) ``widths.plan_step`` itself pads to the next wider width than the narrowest that
+    holds T (planted where it is defined and wherever it was imported: the bug in the
+    function under test, which the sweep must not take its expectations from)."""
     def plan(T, widths, limit, slicing=True):
         out = plan_step(T, widths, limit, slicing)
         s = out[-1]
         if s.path == "graph" and s.width != widths[-1]:
             out = out[:-1] + (Slice("graph", widths[widths.index(s.width) + 1], s.start, s.length),)
         return out
-    monkeypatch.setattr(runtime_mod, "plan_step", plan)
+    plant(monkeypatch, widths_mod, "plan_step", plan)
 
 
 def test_live_pad_cell_is_caught():
@@ -145,6 +149,52 @@ def test_only_step_replays_the_history_and_checks_one_step(monkeypatch, toy):
     assert (m.steps_run, m.steps_checked, m.failed) == (bad.step + 1, 1, 1)
     assert again.failures[0].messages == bad.messages
     assert "unchecked history steps" in again.summary() or bad.step == 0
+
+
+class Perturbed(ToyAdapter):
+    """Row 0 of every step returns a hidden state off by ``rel`` of its norm (in a fixed
+    direction): a small error the sweep's tolerance must see (a stale or stolen KV cell is
+    several %, fp32 rounding between the batched and the eager run about 1e-6)."""
+
+    def __init__(self, rel: float):
+        super().__init__(device="cpu")
+        self.rel = rel
+
+    def build(self, graphs):
+        self.model.reset_cache()
+        step, rel = self.model.step, self.rel
+
+        def perturbed(x):
+            out = step(x)
+            h = out["hidden"].clone()
+            d = torch.ones_like(h[0]) / h.shape[1] ** 0.5
+            h[0] += rel * h[0].norm() * d
+            return {**out, "hidden": h}
+
+        return GraphRuntime(perturbed, self.input_specs(), widths=self.widths, graphs=graphs, device=self.device)
+
+
+def test_sweep_tolerance_sees_a_1e3_relative_error():
+    """Pins the hidden-row tolerance from both sides: 1e-3 relative in one row fails every
+    step (a tolerance widened a thousandfold would pass it), 1e-6 passes (rounding noise)."""
+    bad = run_sweep(Perturbed(1e-3), **QUICK)
+    print(f"sweep seed {bad.seed}")
+    assert not bad.ok and kinds(bad) == {"hidden"}, bad.summary()
+    assert bad.modes[0].failed == bad.modes[0].steps_checked
+    assert "hidden: 1 of" in messages(bad) and "row 0 " in messages(bad)
+    fine = run_sweep(Perturbed(1e-6), **QUICK)
+    print(f"sweep seed {fine.seed}")
+    assert fine.ok, fine.summary()
+
+
+def test_the_harness_plan_rule_is_plan_steps_rule():
+    """The sweep states the plan rule itself (checks.rule_slices) so that a bug in
+    plan_step cannot set its own expectations; on correct code the two agree everywhere."""
+    sets = [default_widths(64), default_widths(48), (1, 2, 4, 8, 16), (3, 5, 8), (1,), (2, 7, 16), (16,)]
+    for ws in sets:
+        for limit in sorted({ws[-1], ws[-1] + 1, ws[-1] * 3 // 2, ws[-1] * 2, ws[-1] * 4}):
+            for T in range(1, 4 * limit + 2):
+                assert rule_slices(T, ws, limit) == plan_step(T, ws, limit), (T, ws, limit)
 
 
 # --------------------------------------------------------------------------- clean runs

@@ -1,6 +1,6 @@
 """The checks one sweep step must pass, each returning messages that name the problem.
 
-* ``check_slices``: the step ran exactly the slices ``plan_step`` gives (``StepResult.slices``).
+* ``check_slices``: the step ran exactly the slices the plan rule gives (``StepResult.slices``).
 * ``check_counters``: the runtime's counters moved by exactly those slices (replays on the
   graph path with graphs on, eager calls with graphs off, dynamic calls, padding rows).
 * ``check_rows`` / ``check_tokens`` / ``check_hidden``: the outputs have T rows; tokens equal
@@ -9,8 +9,9 @@
 * ``check_pad_rows``: the static input rows the last graph read past T hold the pad values.
 
 Each returns ``None`` (passed) or a one-paragraph message. Expected slices come from
-``cudagraph_rt.widths.plan_step`` imported here, never from the runtime under test (whose
-``plan`` a bug may change).
+:func:`rule_slices`, the plan rule stated here on its own: never from the runtime under
+test nor from ``cudagraph_rt.widths.plan_step`` (the function under test: a plan that
+picks a wider width than the rule must fail the sweep, not agree with it).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import torch
 
 from ..errors import InputError, expected
 from ..runtime import GraphRuntime, RuntimeStats
-from ..widths import Slice, plan_step
+from ..widths import Slice
 from .plans import StepPlan
 
 _SHOW = 3  # examples per message
@@ -98,8 +99,36 @@ def describe(slices: tuple[Slice, ...], rows: bool = True) -> str:
                       for s in slices)
 
 
+def rule_slices(T: int, widths: tuple[int, ...], dynamic_limit: int) -> tuple[Slice, ...]:
+    """The slices a step of ``T`` rows must run, by the documented rule (README, "The API
+    in one screen"), written apart from ``plan_step`` on purpose:
+
+    * ``T`` rows that fit the widest graph: one graph slice at the NARROWEST captured
+      width that holds them (the rows past ``T`` are padding);
+    * up to ``dynamic_limit`` rows (when it is wider than the widest graph): one dynamic
+      slice of exactly ``T`` rows, unpadded;
+    * more: cut into consecutive pieces of ``max(dynamic_limit, widest)`` rows, each run
+      by the rules above (a full piece is a dynamic slice, or an unpadded widest graph
+      when the limit is the widest graph), then the rest by the same rules.
+    """
+    piece = max(dynamic_limit, widths[-1])
+    heads, rest = divmod(T, piece)
+    if rest == 0:
+        heads, rest = heads - 1, piece
+    out = [_one(piece, i * piece, widths) for i in range(heads)]
+    return tuple(out + [_one(rest, heads * piece, widths)])
+
+
+def _one(n: int, start: int, widths: tuple[int, ...]) -> Slice:
+    """One slice of ``n`` rows: the narrowest graph that holds them, else dynamic."""
+    fits = [w for w in widths if w >= n]
+    return Slice("graph", min(fits), start, n) if fits else Slice("dynamic", n, start, n)
+
+
 def expected_slices(rt: GraphRuntime, T: int) -> tuple[Slice, ...]:
-    return plan_step(T, rt.widths, rt.dynamic_limit, rt.slicing)
+    """What ``rt`` must run for ``T`` rows (see :func:`rule_slices`). With ``rt.slicing``
+    off, a step over every limit raises in ``rt.step``: the sweep records that step's error."""
+    return rule_slices(T, rt.widths, rt.dynamic_limit)
 
 
 def check_slices(T: int, got: tuple[Slice, ...], want: tuple[Slice, ...]) -> str | None:
@@ -110,7 +139,7 @@ def check_slices(T: int, got: tuple[Slice, ...], want: tuple[Slice, ...]) -> str
         hint = (" (a wider graph than the narrowest that holds the rows: outputs may still be right, "
                 "the padding is waste)")
     return (f"slices: step of T={T} ran [{describe(got)}], expected [{describe(want)}] "
-            f"from plan_step (the narrowest captured width that holds T){hint}")
+            f"by the plan rule (the narrowest captured width that holds T){hint}")
 
 
 def _delta(after: RuntimeStats, before: RuntimeStats) -> dict:

@@ -39,9 +39,9 @@ class Failure:
 
 @dataclass(frozen=True)
 class WidthSummary:
-    """Checked steps of one step width ``T``: ``plan`` says what they run (from plan_step);
-    ``mismatches`` counts the steps that failed any check; ``seconds`` is the summed wall
-    time of their ``rt.step`` calls (synchronized on CUDA)."""
+    """Checked steps of one step width ``T``: ``plan`` says what they run (by the plan
+    rule, ``checks.rule_slices``); ``mismatches`` counts the steps that failed any check;
+    ``seconds`` is the summed wall time of their ``rt.step`` calls (synchronized on CUDA)."""
 
     T: int
     plan: str

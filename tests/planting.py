@@ -1,0 +1,34 @@
+"""Planting a bug in the library for a test: replace one function the way an edit of its
+source would, so that every caller sees the mutant.
+
+A plain ``monkeypatch.setattr(module, name, f)`` misses the modules that imported the
+function by name (``from .widths import plan_step``): they keep the original, the bug is
+not planted, and the test that should catch it proves nothing. ``plant`` patches the
+defining module and every loaded ``cudagraph_rt`` module that holds the same object,
+and says how many it patched (a test asserts it patched something that runs).
+Lifetime: the patches are undone by ``monkeypatch`` at the end of the test.
+"""
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+
+def plant(monkeypatch: pytest.MonkeyPatch, module: ModuleType, name: str, mutant: Any) -> list[str]:
+    """Replace ``module.name`` by ``mutant`` in ``module`` and wherever it was imported
+    under ``cudagraph_rt``; returns the names of the modules patched. AttributeError when
+    ``module`` has no ``name`` (a renamed function fails the test, never skips it)."""
+    original = getattr(module, name)
+    patched = []
+    for mod_name, mod in list(sys.modules.items()):
+        if not (mod_name == "cudagraph_rt" or mod_name.startswith("cudagraph_rt.")) or mod is None:
+            continue
+        for attr, value in list(vars(mod).items()):
+            if value is original:
+                monkeypatch.setattr(mod, attr, mutant)
+                patched.append(f"{mod_name}.{attr}")
+    assert f"{module.__name__}.{name}" in patched, f"{module.__name__}.{name} was not patched"
+    return patched
