@@ -311,6 +311,13 @@ def goals(r: dict) -> list[dict]:
     v = many.get("runtime_over_static")
     add(f"{many.get('sequences')} seqs: runtime / generate static+compile", v, ">= 1x", v is not None and v >= 1)
     c = r.get("compiled", {})
+    comp = (c.get("compiled") or {}).get("greedy_1seq_tok_s")
+    for key, name, target in (("eager_tok_s", "generate eager", EAGER_GOAL),
+                              ("static_compile_tok_s", "generate static+compile", STATIC_GOAL)):
+        base = one.get(key)
+        v = comp / base if comp and base else None
+        add(f"1 seq: runtime over a compiled step / {name}", v, f">= {target}x", v is not None and v >= target,
+            "same prompt; the compiled child's greedy run")
     v = c.get("compiled_over_floor")
     add("compiled step, 1 seq: per-token / weight-read floor", v, f"<= {FLOOR_GOAL}x", v is not None and v <= FLOOR_GOAL)
     s = r.get("spec", {})
@@ -357,7 +364,9 @@ def _print(r: dict) -> None:
             line = (f"per-token at 1 seq: uncompiled {sec['uncompiled_width1_us']:.0f} us "
                     f"({sec['uncompiled_over_floor']:.1f}x floor)")
             if "compiled_width1_us" in sec:
-                line += f", compiled {sec['compiled_width1_us']:.0f} us ({sec['compiled_over_floor']:.1f}x floor)"
+                line += (f", compiled {sec['compiled_width1_us']:.0f} us ({sec['compiled_over_floor']:.1f}x floor; "
+                         f"greedy {sec['compiled']['greedy_1seq_tok_s']:.0f} tok/s at 1 seq, capture with compile "
+                         f"{sec['compiled']['capture_s_incl_compile']:.0f} s)")
             else:
                 ch = sec["compiled"]
                 line += f", compiled: {ch.get('status')}: {ch.get('reason') or ch.get('error')}"
