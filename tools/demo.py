@@ -213,6 +213,8 @@ def run(args) -> int:
         else:
             if args.size not in SIZES:
                 raise InputError(expected("--size", " | ".join(SIZES), repr(args.size)))
+            if args.bench_size != "tiny":
+                raise InputError(expected("--bench-size", "the toy only (hf models take --size)", args.model))
             model = build(family, args.size, device=device, seed=args.seed)
     except (ValueError, ImportError) as e:  # ImportError: hf models without the hf extra
         print(f"cgrt demo: {e}", file=sys.stderr)

@@ -244,6 +244,7 @@ class HFAdapter(BaseAdapter):
                  model=None, seed: int = 0, path: str | None = None):
         from ..models import hf
 
+        self._rebuildable = model is None  # a model passed in: the CLI cannot rebuild it
         if model is None:
             if device is not None:
                 try:
@@ -313,7 +314,7 @@ class HFAdapter(BaseAdapter):
                 f"scratch cell {m.scratch_cell}; the pad of 'cells' must be the scratch cell"]
 
     def cli_args(self) -> list[str] | None:
-        if self.size not in ("tiny", "1b") or self.path is not None:
+        if not self._rebuildable or self.size not in ("tiny", "1b") or self.path is not None:
             return None
         args = ["--model", f"hf:{self.family}"] + (["--size", self.size] if self.size != "tiny" else [])
         default = torch.float32 if self.size == "tiny" else torch.bfloat16
