@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
-from .errors import CaptureError, CgrtError
+from .errors import CaptureError, CgrtError, StaleCaptureError
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,85 @@ def release_blas_workspaces() -> None:
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None:
         clear()
+
+
+class WatchedTensors:
+    """The addresses and shapes of the tensors ``watch()`` lists, remembered at capture:
+    ``check`` raises StaleCaptureError (before anything is written) once one moved."""
+
+    def __init__(self, watch: Callable[[], Iterable[torch.Tensor]] | None):
+        self._watch, self._seen = watch, None
+
+    def _now(self):
+        return None if self._watch is None else [(t.data_ptr(), tuple(t.shape)) for t in self._watch()]
+
+    def remember(self) -> None:
+        self._seen = self._now()
+
+    def forget(self) -> None:
+        self._seen = None
+
+    def check(self) -> None:
+        if self._seen is not None and self._now() != self._seen:
+            raise StaleCaptureError(
+                "a tensor listed by watch() moved or changed shape since capture; replaying would "
+                "use the old memory: call recapture()"
+            )
+
+
+@dataclass(frozen=True)
+class CaptureSettings:
+    """How widths are captured: on which device, how many eager warm-up runs first,
+    whether each graph stays readable (``keep_graph``), and what a failed width does
+    (``"raise"`` CaptureError, or ``"eager"``: report it and let it run eagerly)."""
+
+    device: torch.device
+    warmup: int
+    keep_graph: bool
+    on_error: str
+
+
+class WidthCapturer:
+    """Captures widths one by one into one shared pool on one side stream (cuBLAS keeps a
+    workspace per stream, so one stream keeps one workspace in the pool). After a failed
+    width the stream and pool may be spoiled: later widths get fresh ones (and no longer
+    share memory with the widths before). Lifetime: the pool lives while its graphs do."""
+
+    def __init__(self, settings: CaptureSettings):
+        self.settings = settings
+        self.stream: torch.cuda.Stream | None = None
+        self.pool = None
+        self._base = 0
+
+    def begin(self) -> None:
+        """A fresh pool (the previous one's graphs were dropped or are kept alive by their
+        own references); memory reserved from here on is the pool's."""
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        self._base = torch.cuda.memory_reserved(self.settings.device)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = self.stream or torch.cuda.Stream(self.settings.device)
+
+    def pool_bytes(self) -> int:
+        return torch.cuda.memory_reserved(self.settings.device) - self._base
+
+    def width(self, w: int, run: Callable[[], Any], explain: Callable[[], tuple]):
+        """``(graph, outputs, WidthCapture)``; ``(None, None, WidthCapture with error)`` for a
+        failed width when ``on_error == "eager"``; CaptureError when ``"raise"``."""
+        st = self.settings
+        try:
+            g, out, tw, tc = capture_width(w, run, pool=self.pool, stream=self.stream, warmup=st.warmup,
+                                           keep_graph=st.keep_graph, explain=explain)
+        except CaptureError as e:
+            self.stream, self.pool = torch.cuda.Stream(st.device), torch.cuda.graph_pool_handle()
+            if st.on_error == "raise":
+                raise
+            return None, None, WidthCapture(w, 0.0, 0.0, 0, error=str(e))
+        torch.cuda.empty_cache()
+        return g, out, WidthCapture(w, tw, tc, self.pool_bytes())
+
+    def drop(self) -> None:
+        self.pool = None
 
 
 def _end_open_capture(stream: torch.cuda.Stream) -> None:

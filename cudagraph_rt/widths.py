@@ -101,3 +101,21 @@ def plan_step(
             out.append(Slice("dynamic", n, start, n))
         start += n
     return tuple(out)
+
+
+class Planner:
+    """``plan_step`` for one runtime's widths and limits, with a bounded cache (a step's
+    plan is looked up, not recomputed, on the hot path)."""
+
+    def __init__(self, widths: tuple[int, ...], dynamic_limit: int, slicing: bool):
+        self.widths, self.dynamic_limit, self.slicing = widths, dynamic_limit, slicing
+        self._cache: dict[int, tuple[Slice, ...]] = {}
+        self._bound = 4 * max(widths[-1], dynamic_limit)  # never more than a few hundred entries
+
+    def __call__(self, T: int) -> tuple[Slice, ...]:
+        plan = self._cache.get(T) if type(T) is int else None
+        if plan is None:
+            plan = plan_step(T, self.widths, self.dynamic_limit, self.slicing)
+            if T <= self._bound:
+                self._cache[T] = plan
+        return plan

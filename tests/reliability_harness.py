@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from cudagraph_rt import GraphRuntime, HostRows, InputSpec
+from cudagraph_rt.testing.internals import host_ring, poison_next_slot
 from models_for_tests import SlotModel
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -84,7 +85,7 @@ class Rig:
         return x
 
     def random_rows(self, T: int, cap: int | None = None) -> list[int]:
-        cap = min(T, cap if cap is not None else self.rt._capacity)
+        cap = min(T, cap if cap is not None else (self.rt.host_rows_config.capacity or self.rt.config.rows))
         k = int(torch.randint(0, cap + 1, (1,), generator=self.gen))
         return torch.randperm(T, generator=self.gen)[:k].tolist()
 
@@ -101,7 +102,7 @@ class Rig:
         return self.ref(out)
 
     def max_T(self) -> int:
-        return 139 if self.rt.slicing else self.rt._rows
+        return 139 if self.rt.slicing else self.rt.config.rows
 
     # -- snapshots ---------------------------------------------------------------------
     def snapshot(self) -> dict:
@@ -121,14 +122,7 @@ class Rig:
     def poison_next_slot(self) -> None:
         """NaN into the ring slot the next shipping step will use (it is free), so a row the
         gather should have written but did not shows up."""
-        ring = self.rt._ring
-        if ring is None:
-            return
-        ref = ring._held[ring._next]
-        h = ref() if ref is not None else None
-        if h is None or h.released:
-            ring.dst[ring._next].fill_(float("nan"))
-            ring.meta[ring._next].fill_(-7)
+        poison_next_slot(self.rt)
 
     def step(self, T: int | None = None, *, rows="random", hold: bool = False, x=None):
         """One valid step, checked against the reference: outputs, host rows (if any),
@@ -160,7 +154,7 @@ class Rig:
                 h = res.host_rows
                 assert h is not None
                 exp = want["hidden"][want_rows].cpu()
-                if len(want_rows) <= self.rt._ring.capacity:
+                if len(want_rows) <= host_ring(self.rt).capacity:
                     assert h.count == len(want_rows)
                     assert h.indices().tolist() == want_rows
                     torch.testing.assert_close(h.rows(), exp, **TOL)

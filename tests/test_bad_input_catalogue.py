@@ -32,6 +32,7 @@ from cudagraph_rt import (
     InputSpec, StaleRowsError, StepFunctionError,
 )
 from models_for_tests import SlotModel
+from cudagraph_rt.testing.internals import host_ring
 from reliability_harness import Rig, ScaleChooser, TOL
 
 MODES = [None, "host", "device", "commit"]
@@ -289,7 +290,7 @@ def test_reentrant_step_from_inside_the_step_function_is_busy():
     rig.m.rig, rig.m.errors = rig, []
     rig.step(3)  # the inner call is refused, the outer one completes and matches
     assert len(rig.m.errors) == 1
-    assert re.search(r"GraphRuntime.step: another thread is inside step\(\) of this runtime", str(rig.m.errors[0]))
+    assert re.search(r"GraphRuntime.step: another thread is inside step\(\) or commit\(\) of this runtime", str(rig.m.errors[0]))
     rig.m.rig = None
     warm(rig, 2)
 
@@ -432,7 +433,7 @@ def test_input_overlapping_another_inputs_static_rows_is_refused():
             lambda: rig.rt.step(rows=[0], tokens=torch.zeros(4, dtype=torch.long), slot=torch.arange(4),
                                 read=v["slot"], scale=torch.zeros(4, 1)))
     # a view of the whole arena reinterpreted
-    arena = rig.rt._inputs.arena
+    arena = rig.rt.static_inputs(96)["tokens"].view(-1).view(torch.uint8)  # a view of the whole arena
     refused(rig, InputError, r"scale: expected memory apart",
             lambda: rig.rt.step(tokens=[1], slot=[2], read=[3], scale=arena[:4].view(torch.float32).view(1, 1)))
 
@@ -626,10 +627,10 @@ def test_device_rows_over_capacity_flagged_not_written_past_the_slot():
 
 
 def bits_other_slots(rig, skip=None):
-    ring = rig.rt._ring
+    ring = host_ring(rig.rt)
     if ring is None:  # before the first step: the probe has not built it yet
         rig.rt.capture()
-        ring = rig.rt._ring
+        ring = host_ring(rig.rt)
     skip = ring._next if skip is None else skip
     # as bytes: the ring starts uninitialised, and a NaN pattern there is never equal to itself
     return [ring.dst[s].clone().view(torch.uint8) for s in range(ring.depth + 1) if s != skip]
@@ -826,7 +827,7 @@ def test_commit_from_a_second_thread_is_busy():
     t.start()
     try:
         assert gate.wait(10)
-        with pytest.raises(BusyError, match=r"GraphRuntime.commit: another thread is inside this runtime"):
+        with pytest.raises(BusyError, match=r"GraphRuntime.commit: another thread is inside step\(\) or commit\(\) of this runtime"):
             rig.rt.commit(res, [0])
     finally:
         release.set()

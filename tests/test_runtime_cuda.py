@@ -139,7 +139,7 @@ def test_every_host_tensor_form_reaches_the_graph_exactly():
             assert torch.equal(out["h"].cpu(), h), (T, form)
             if T <= 64:  # one graph: its padding rows are visible past T in the static outputs
                 w = rt.plan(T)[0].width
-                full = rt._static_out[w]
+                full = rt.static_outputs(w)
                 assert (full["a"][T:w] == -5).all() and (full["b"][T:w] == 0.25).all()
                 assert (full["h"][T:w] == -1.5).all(), (T, form)
 
@@ -159,7 +159,7 @@ def test_handed_host_views_zero_copy_and_stale_ones_refused():
         for k in want:
             assert torch.equal(out[k].cpu(), want[k]), (T, k)
         w = rt.plan(T)[0].width
-        assert (rt._static_out[w]["a"][T:w] == -5).all()
+        assert (rt.static_outputs(w)["a"][T:w] == -5).all()
         stale = hv
     # handed views are good for the one step after host_inputs(): later, or cut, refused
     for _ in range(2):  # the stale views' staging arena is next again after the second
@@ -186,7 +186,7 @@ def test_fed_graphs_queued_ahead_each_read_their_own_rows():
 
     rt = GraphRuntime(slow_echo, ECHO)
     rt.capture()
-    assert rt._inputs.fed  # this torch supports fed graphs: the path under test
+    assert rt.fed_graphs  # this torch supports fed graphs: the path under test
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     wants, gots = [], []
     torch.cuda.synchronize()
@@ -227,5 +227,5 @@ def test_rows_filled_through_host_inputs_but_not_stepped_become_padding():
         for k in x:
             assert torch.equal(out[k].cpu(), x[k]), (T, k)
         w = rt.plan(T)[0].width
-        full = rt._static_out[w]
+        full = rt.static_outputs(w)
         assert (full["a"][T:w] == -5).all() and (full["b"][T:w] == 0.25).all() and (full["h"][T:w] == -1.5).all()

@@ -1,0 +1,160 @@
+"""How one slice of a step runs, and what is done with its outputs.
+
+One executor per slice kind, chosen at capture: a captured graph (``GraphSlice``), the
+step function run eagerly at a padded width (graphs off, or a width whose capture fell
+back: ``EagerSlice``), and the dynamic path run unpadded (``DynamicSlice``). Each writes
+its rows into the static inputs, runs, and returns the static outputs of its width.
+`OutputLayout` checks the output structure and cuts and joins outputs.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .errors import StepFunctionError, expected
+from .widths import Slice
+
+
+@dataclass
+class Counters:
+    """What ran since construction or ``reset_stats`` (mutable; RuntimeStats is the
+    frozen view a caller gets)."""
+
+    steps: int = 0
+    slices: int = 0
+    padding: int = 0
+    commits: int = 0
+    replays: Counter = field(default_factory=Counter)
+    eager: Counter = field(default_factory=Counter)
+    dynamic: Counter = field(default_factory=Counter)
+
+    def reset(self) -> None:
+        self.steps = self.slices = self.padding = self.commits = 0
+        self.replays, self.eager, self.dynamic = Counter(), Counter(), Counter()
+
+
+class OutputLayout:
+    """The structure of the step function's outputs, fixed by its first call: every leaf a
+    tensor with the width as leading dimension (except a device-mode count leaf), the
+    same structure at every width. Cuts a width's outputs to T rows; joins slices."""
+
+    def __init__(self, count_leaf: Callable[[Any, list], int]):
+        self._count_leaf = count_leaf
+        self.spec = None
+        self.count_index = -1
+        self.flat_dict = False
+
+    def check(self, n: int, out: Any) -> None:
+        leaves, spec = tree_flatten(out)
+        if not leaves:
+            raise StepFunctionError(expected("step_fn output", "at least one tensor", repr(out)))
+        cnt = self._count_leaf(out, leaves)
+        for i, t in enumerate(leaves):
+            if not isinstance(t, torch.Tensor):
+                raise StepFunctionError(expected(f"step_fn output leaf {i}", "a tensor", type(t).__name__))
+            if i != cnt and (t.dim() == 0 or t.shape[0] != n):
+                raise StepFunctionError(expected(f"step_fn output leaf {i}", f"leading dimension {n} (the step "
+                                                 f"width)", f"shape {tuple(t.shape)}"))
+        if self.spec is None:
+            self.spec, self.count_index = spec, cnt
+            self.flat_dict = cnt < 0 and type(out) is dict and all(type(v) is torch.Tensor for v in out.values())
+        elif spec != self.spec:
+            raise StepFunctionError(expected("step_fn output", f"the same structure at every width ({self.spec})",
+                                             f"{spec} at width {n}"))
+
+    def cut(self, out: Any, T: int) -> Any:
+        if self.flat_dict:  # the common case (a dict of tensors), fast
+            return {k: v[:T] for k, v in out.items()}
+        if type(out) is torch.Tensor:
+            return out[:T]
+        leaves, spec = tree_flatten(out)
+        cnt = self.count_index
+        return tree_unflatten([t if i == cnt else t[:T] for i, t in enumerate(leaves)], spec)
+
+    def join_into(self, bufs: list | None, out: Any, s: Slice, T: int) -> list:
+        """Copy a slice's rows out of graph memory into ``bufs`` (made on the first slice:
+        the next slice overwrites graph memory)."""
+        leaves, _ = tree_flatten(out)
+        if bufs is None:
+            bufs = [t.clone() if i == self.count_index else
+                    torch.empty((T, *t.shape[1:]), dtype=t.dtype, device=t.device) for i, t in enumerate(leaves)]
+        for i, t in enumerate(leaves):
+            if i != self.count_index:
+                bufs[i][s.start:s.start + s.length].copy_(t[:s.length])
+        return bufs
+
+    def joined(self, bufs: list) -> Any:
+        return tree_unflatten(bufs, self.spec)
+
+
+class EagerSlice:
+    """The step function run eagerly at a padded width, over the same static buffers (the
+    graphs-off path, and a width whose capture fell back). Synchronous on a CPU."""
+
+    def __init__(self, width: int, body: Callable, inputs, counters: Counters):
+        self.width, self._body, self._inputs, self._counters = width, body, inputs, counters
+
+    def run(self, prep, s: Slice, control) -> Any:
+        self._inputs.write(prep, s.start, s.length, self.width, control)
+        self._counters.eager[self.width] += 1
+        with torch.inference_mode():
+            return self._body(self.width, self._inputs.views(self.width))
+
+    def outputs(self, prep, s: Slice, control, layout: OutputLayout) -> Any:
+        """One-slice step: run and cut to its T rows (views until the next step)."""
+        return layout.cut(self.run(prep, s, control), s.length)
+
+
+class DynamicSlice(EagerSlice):
+    """A step wider than the widest graph, run eagerly on exactly its rows (no padding)."""
+
+    def __init__(self, body: Callable, inputs, counters: Counters):
+        super().__init__(0, body, inputs, counters)
+
+    def run(self, prep, s: Slice, control) -> Any:
+        n = s.length
+        self._inputs.write(prep, s.start, n, n, control)
+        self._counters.dynamic[n] += 1
+        with torch.inference_mode():
+            return self._body(n, self._inputs.views(n))
+
+
+class GraphSlice:
+    """A captured graph of one width. Fed graphs copy their own host rows in (one node at
+    the start of the graph), so a replay costs the host no copy call. Outputs are the
+    graph's static tensors: the same objects every replay, cut once per T."""
+
+    def __init__(self, width: int, graph, static_out: Any, inputs, counters: Counters,
+                 replaying: Callable[[], None]):
+        self.width, self.graph, self.static_out = width, graph, static_out
+        self._inputs, self._counters, self._replaying = inputs, counters, replaying
+        self._fed = inputs.fed
+        self._cuts: dict[int, Any] = {}
+
+    def run(self, prep, s: Slice, control) -> Any:
+        if self._fed:
+            self._inputs.write_fed(prep, s.start, s.length, self.width, control)
+        else:
+            self._inputs.write(prep, s.start, s.length, self.width, control)
+        self._counters.replays[self.width] += 1
+        self._replaying()
+        self.graph.replay()
+        return self.static_out
+
+    def outputs(self, prep, s: Slice, control, layout: OutputLayout) -> Any:
+        self.run(prep, s, control)
+        cut = self._cuts.get(s.length)
+        if cut is None:
+            cut = self._cuts[s.length] = layout.cut(self.static_out, s.length)
+        return cut.copy() if type(cut) is dict else cut
+
+
+def eager_executors(widths, body: Callable, dynamic_fn, inputs, counters: Counters) -> tuple[dict, DynamicSlice]:
+    """Every width run eagerly (graphs off, or before capture), and the dynamic path
+    (``dynamic_fn`` or the step function)."""
+    by_width = {w: EagerSlice(w, body, inputs, counters) for w in widths}
+    return by_width, DynamicSlice(lambda n, v: body(n, v, dynamic_fn), inputs, counters)

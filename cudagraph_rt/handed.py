@@ -1,0 +1,77 @@
+"""The GraphRuntime methods that hand out its own buffers: rows to fill in place for the
+next step (zero copy), and a captured graph's static inputs and outputs for a caller that
+replays it by hand. What each hands out, and for how long it is good, is in its docstring."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .errors import InputError, expected
+from .executor import GraphSlice
+
+
+class HandedBuffers:
+    """Mixed into GraphRuntime (which owns ``_inputs``, ``_by_width``, the lock helpers)."""
+
+    def static_outputs(self, width: int) -> Any:
+        """The outputs the graph of ``width`` writes at each replay (the step function's
+        structure, ``width`` rows): for a caller replaying ``graphs_captured[width]`` by
+        hand. Valid while that graph lives (until ``recapture()`` or ``close()``)."""
+        e = self._by_width.get(width)
+        if not isinstance(e, GraphSlice):
+            raise InputError(expected("width", f"a captured width ({sorted(self.graphs_captured)})", width))
+        return e.static_out
+
+    @property
+    def fed_graphs(self) -> bool:
+        """Whether captured graphs copy their own host rows in (see StaticInputs)."""
+        return self._inputs is not None and self._inputs.fed
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Pinned host memory this runtime holds: staging arenas, feed, host-row ring."""
+        if self._inputs is None:
+            return 0
+        ring = self._rows_mode.ring if self._rows_mode is not None else None
+        return sum(b.nbytes for b in self._inputs.staging) + (ring.nbytes if ring is not None else 0)
+
+    def static_inputs(self, width: int) -> dict[str, torch.Tensor]:
+        """The device views a graph of ``width`` reads: rows ``[:width]`` of the arena.
+
+        For writing them by hand and replaying ``graphs_captured[width]`` directly: a
+        graph normally copies the last step's host rows in first (fed graphs, see
+        StaticInputs); after this call it keeps the arena's rows as they are, until the
+        next ``step``."""
+        with self._exclusive("static_inputs"):
+            is_int = isinstance(width, int) and not isinstance(width, bool)
+            if not is_int or not (width in self.widths or self.widths[-1] < width <= self.config.rows):
+                raise InputError(expected("width", f"one of {self.widths} or a dynamic width", width))
+            self._inputs.unfeed()
+            return self._inputs.views(width)
+
+    def host_inputs(self, T: int) -> dict[str, torch.Tensor]:
+        """Zero-copy host path, the fastest way in: pinned rows ``[:T]`` of the staging
+        arena the next step will use. Fill them in place (numpy on ``.numpy()`` is cheapest)
+        and pass the same view objects, unchanged, to the next ``step``: it recognises them
+        by identity, skips every check and the packing, and one host-to-device copy remains.
+
+        Lifetime: good for the next step only, from this thread. Views kept past it, or
+        cut, are refused with InputError (their arena may hold an older step's rows by
+        then). Captures first if ``capture()`` was not called (a capture would reset the
+        rows handed out). Refused with BusyError while another thread is inside ``step``."""
+        with self._exclusive("host_inputs"):
+            s = self._single_slice(T, "host_inputs")
+            if not self._ready:
+                self.capture()
+            return self._inputs.host_views(T, fed=isinstance(self._executor(s), GraphSlice))
+
+    def device_inputs(self, T: int) -> dict[str, torch.Tensor]:
+        """Zero-copy device path: rows ``[:T]`` of the static device arena. Write them with
+        your own device ops on the current stream and pass the views to ``step``: no
+        copy is made, only the padding rows are filled. Rows written here before the first
+        step survive the capture that step runs (capture works on padding rows and puts
+        the arena back). Refused with BusyError while another thread is inside ``step``."""
+        with self._exclusive("device_inputs"):
+            self._single_slice(T, "device_inputs")
+            return self._inputs.device_views(T)

@@ -1,0 +1,63 @@
+"""What a step hands back (`StepResult`), the counters (`RuntimeStats`), and one planned
+step before anything is written (`PlannedStep`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, NamedTuple
+
+import torch
+
+from .buffers import Prepared
+from .host_rows import HostRowsHandle
+from .widths import Slice
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one ``step`` returns.
+
+    ``outputs`` has the structure the step function returns, cut to the step's ``T`` real
+    rows. For a one-slice step they are views of graph-owned memory, valid until the next
+    ``step`` (or ``commit``) of the same runtime: clone what you keep. ``slices`` says
+    which paths and widths ran; ``host_rows`` is the handle to the rows shipped to the
+    host (None when the step shipped none).
+    """
+
+    outputs: Any
+    T: int
+    slices: tuple[Slice, ...]
+    host_rows: HostRowsHandle | None = None
+    snapshot: tuple[int, int] | None = field(default=None, repr=False)  # (slot, generation)
+    owner: object = field(default=None, repr=False, compare=False)  # the runtime's token
+
+
+@dataclass(frozen=True)
+class RuntimeStats:
+    """Counters since construction (or ``reset_stats``): graph replays and eager calls per
+    width (eager: graphs off, or a width that fell back), dynamic calls per row count."""
+
+    steps: int
+    slices: int
+    padding_rows: int
+    graph_replays: Mapping[int, int]
+    eager_calls: Mapping[int, int]
+    dynamic_calls: Mapping[int, int]
+    commits: int
+
+
+class PlannedStep(NamedTuple):
+    """One validated step, before anything is written: its inputs, slices and host rows.
+    (A NamedTuple, not a frozen dataclass: one is built on every step's path.)"""
+
+    prep: Prepared
+    slices: tuple[Slice, ...]
+    idx: torch.Tensor | None  # host-chosen rows, validated
+    ships: bool  # takes a ring slot
+
+    @property
+    def T(self) -> int:
+        return self.prep.T
+
+    @property
+    def sliced(self) -> bool:
+        return len(self.slices) > 1
