@@ -1,0 +1,203 @@
+"""The bench's statistics and what falls inside its timed regions, on a fake clock.
+
+The real clock cannot show that a figure is right (CPU timings are noise), so the clock is
+replaced: ``time.perf_counter(_ns)`` read a counter that only the test's own work
+advances, and ``time.sleep`` advances it too. Every kind of work costs a distinct amount
+(a timed call 1-2 µs, a synchronize 7 ns, untimed input placement 1 s, warm-up calls
+1000 s), so a figure equal to the expected sum proves which work was timed and which was
+not, and a statistic computed here independently pins median and percentiles: a "median"
+that returns the max, a warm-up call or an input placement inside the clock, or a sleep
+added to the eager baseline changes a figure and fails.
+
+Random call costs are fresh each run; the seed is printed.
+"""
+from __future__ import annotations
+
+import gc
+import random
+import time
+
+import pytest
+
+from cudagraph_rt.cli import build_parser
+from cudagraph_rt.tools import bench_common, bench_steps
+from cudagraph_rt.tools.bench_context import Context
+from cudagraph_rt.widths import default_widths
+
+WARM = 10**12  # ns of a warm-up call: if one is timed, every figure shows it
+PREP = 10**9  # ns of an untimed prepare
+SYNC = 7  # ns of a synchronize
+
+
+class FakeClock:
+    """A clock that moves only when told (``advance``) or slept on."""
+
+    def __init__(self):
+        self.ns = 0
+
+    def advance(self, ns: int) -> None:
+        self.ns += int(ns)
+
+    def install(self, monkeypatch) -> "FakeClock":
+        monkeypatch.setattr(time, "perf_counter_ns", lambda: self.ns)
+        monkeypatch.setattr(time, "perf_counter", lambda: self.ns / 1e9)
+        monkeypatch.setattr(time, "sleep", lambda s: self.advance(s * 1e9))
+        return self
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    return FakeClock().install(monkeypatch)
+
+
+@pytest.fixture
+def rng():
+    seed = random.SystemRandom().randrange(2**31)
+    print(f"bench timing seed {seed}")
+    return random.Random(seed)
+
+
+def stats(ns: list[int]) -> dict:
+    """The summary the bench promises, computed here: the median (mean of the middle two
+    for an even count), 10th / 90th percentiles by nearest rank on ``round(p * (n - 1))``,
+    in µs."""
+    xs, n = sorted(ns), len(ns)
+    mid = xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+    return {"median_us": mid / 1e3, "p10_us": xs[round(0.1 * (n - 1))] / 1e3,
+            "p90_us": xs[round(0.9 * (n - 1))] / 1e3, "n": n}
+
+
+class Work:
+    """A call whose i-th invocation costs ``costs[k]`` (k counts invocations; the first
+    ``warm`` are warm-up calls and cost WARM), a prepare costing PREP, a sync costing
+    SYNC; ``gc_on`` records whether GC was enabled inside each timed call."""
+
+    def __init__(self, clock: FakeClock, costs: list[int], warm: int):
+        self.clock, self.costs, self.warm, self.k, self.gc_on = clock, costs, warm, 0, []
+
+    def call(self, i: int) -> None:
+        self.clock.advance(WARM if self.k < self.warm else self.costs[self.k - self.warm])
+        if self.k >= self.warm:
+            self.gc_on.append(gc.isenabled())
+        self.k += 1
+
+    def prepare(self, i: int) -> None:
+        self.clock.advance(PREP)
+
+    def sync(self) -> None:
+        self.clock.advance(SYNC)
+
+
+@pytest.mark.parametrize("n", [1, 2, 9, 40])
+def test_summarize_is_median_and_nearest_rank_percentiles(n, rng):
+    ns = [rng.randrange(1, 10**6) for _ in range(n)]
+    assert bench_common.summarize(ns) == pytest.approx(stats(ns))
+
+
+@pytest.mark.parametrize("include_sync", [True, False])
+def test_time_calls_times_the_call_and_nothing_else(include_sync, clock, rng):
+    repeats, warmup = 25, 3
+    costs = [rng.randrange(1000, 2000) for _ in range(repeats)]
+    w = Work(clock, costs, warmup)
+    got = bench_common.time_calls(w.call, repeats=repeats, warmup=warmup, sync=w.sync, prepare=w.prepare,
+                                  include_sync=include_sync)
+    # latency: the call and the synchronize after it; host time: the call alone. Never the
+    # prepare, the synchronize before the call, or a warm-up call.
+    assert got == pytest.approx(stats([c + SYNC * include_sync for c in costs]))
+    assert w.gc_on == [False] * repeats and gc.isenabled()
+
+
+def test_time_interleaved_times_each_variant_alone_and_pairs_the_rounds(clock, rng):
+    repeats, warmup = 12, 2
+    a = Work(clock, [rng.randrange(1000, 2000) for _ in range(repeats)], warmup)
+    b = Work(clock, [rng.randrange(3000, 4000) for _ in range(repeats)], warmup)
+    got = bench_common.time_interleaved({"a": (a.call, a.prepare), "b": (b.call, None)}, repeats=repeats,
+                                        warmup=warmup, sync=a.sync)
+    assert got["a"] == pytest.approx(stats([c + SYNC for c in a.costs]))
+    assert got["b"] == pytest.approx(stats([c + SYNC for c in b.costs]))
+    deltas = sorted(y - x for x, y in zip(a.costs, b.costs))  # round i: b's call i against a's call i
+    assert got["_deltas"]["b"] == pytest.approx(stats(deltas)["median_us"])
+
+
+def test_time_pipelined_and_time_total(clock, rng):
+    repeats, warmup = 30, 4
+    w = Work(clock, [rng.randrange(1000, 2000) for _ in range(repeats)], warmup)
+    us = bench_common.time_pipelined(w.call, repeats=repeats, warmup=warmup, sync=w.sync)
+    assert us == pytest.approx((sum(w.costs) + SYNC) / repeats / 1e3)  # one sync at the end, warm-up outside
+    assert bench_common.time_total(lambda: clock.advance(5000), w.sync) == pytest.approx((5000 + SYNC) / 1e9)
+
+
+def test_measure_trace_is_the_median_pass_after_an_untimed_warm_up(clock, rng):
+    Ts = [rng.randrange(1, 65) for _ in range(40)]
+    trace = bench_common.Trace(Ts, [], [], [])
+    passes, per_pass, calls = 5, [rng.randrange(10**4, 10**5) for _ in range(5)], []
+
+    def run(idx):
+        idx = list(idx)
+        calls.append(idx)
+        if len(calls) == 1:  # the warm-up: one step per distinct T, untimed
+            clock.advance(WARM)
+        else:
+            clock.advance(per_pass[len(calls) - 2])
+
+    got = bench_common.measure_trace(run, trace, passes, lambda: clock.advance(SYNC))
+    assert calls[0] == trace.first_of_each_width() and all(c == list(range(len(Ts))) for c in calls[1:])
+    totals = sorted(p + SYNC for p in per_pass)
+    assert got["total_ms"] == pytest.approx(totals[2] / 1e6)
+    assert got["mean_step_us"] == pytest.approx(totals[2] / len(Ts) / 1e3)
+    assert got["passes_ms"] == pytest.approx([(p + SYNC) / 1e6 for p in per_pass])
+
+
+# ----------------------------------------------------------------------------- whole sections
+COST = 1000  # ns per row of the fake step function
+
+
+def _context(clock, argv):
+    """A `cgrt bench --quick` context on the CPU whose model step costs COST ns per row it
+    runs on the fake clock (and really runs, so outputs and the runtime stay real)."""
+    args = build_parser().parse_args(["bench", "--quick", "--device", "cpu", *argv])
+    ctx = Context(args)
+    m = ctx.model
+    real = m.step
+
+    def step(x):
+        clock.advance(COST * x["tokens"].shape[0])
+        return real(x)
+
+    m.step = step  # the eager baseline and the runtime both call this
+    return ctx
+
+
+def test_step_time_section_times_eager_at_T_and_cgrt_at_the_padded_width(clock):
+    """Section 1 on the fake clock: eager runs exactly T rows, the runtime (graphs off on
+    a CPU) the padded width N, and nothing else the bench does costs clock time. A sleep
+    or any other work added to a timed baseline shows here."""
+    ctx = _context(clock, ["--sections", "1", "--repeats", "5"])
+    try:
+        res = bench_steps.step_time(ctx)
+    finally:
+        ctx.close()
+    ws = default_widths(64)
+    assert [r["width"] for r in res["rows"]] == list(ws)
+    for r in res["rows"]:
+        T = r["width"]
+        N = min(w for w in ws if w >= T)
+        assert r["eager"] == pytest.approx({"median_us": COST * T / 1e3, "p10_us": COST * T / 1e3,
+                                            "p90_us": COST * T / 1e3, "n": 5}), T
+        assert r["cgrt"]["median_us"] == pytest.approx(COST * N / 1e3), T
+        assert r["pipelined_us"]["eager"] == pytest.approx(COST * T / 1e3), T
+        assert r["eager_over_cgrt"] == pytest.approx(T / N), T
+
+
+def test_mixed_trace_section_times_whole_passes(clock):
+    ctx = _context(clock, ["--sections", "2", "--trace-steps", "30"])
+    try:
+        res = bench_steps.mixed_trace(ctx)
+        Ts = ctx.trace.Ts
+    finally:
+        ctx.close()
+    ws = default_widths(64)
+    assert res["steps"] == 30 and res["real_rows"] == sum(Ts)
+    assert res["variants"]["eager"]["total_ms"] == pytest.approx(COST * sum(Ts) / 1e6)
+    padded = sum(min(w for w in ws if w >= T) for T in Ts)
+    assert res["variants"]["cgrt"]["total_ms"] == pytest.approx(COST * padded / 1e6)
