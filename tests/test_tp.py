@@ -185,16 +185,24 @@ def _w_rows(rank, world, seed, mode, rows_rank):
     return got
 
 
-@pytest.mark.parametrize("mode", ["host", "device", "commit"])
-@pytest.mark.parametrize("rows_rank", [0, 1, None])
-def test_host_rows_from_one_rank(seed, mode, rows_rank):
-    res = run_ranks(_w_rows, seed, mode, rows_rank)
-    for rank, r in enumerate(res):
-        assert r["keys"] == r["want_keys"], r  # the stand-in output never shows
-        ships = rows_rank is None or rank == rows_rank
-        assert r["handle"] == ships, (rank, r)
-        if ships:
-            assert r["indices_equal"] and r["n"] >= 1 and r["err"] < 1e-4, (rank, r)
+ROWS_CASES = [(mode, rows_rank) for mode in ("host", "device", "commit") for rows_rank in (0, 1, None)]
+
+
+def _w_rows_all(rank, world, seed):
+    return [_w_rows(rank, world, seed + i, mode, rows_rank) for i, (mode, rows_rank) in enumerate(ROWS_CASES)]
+
+
+def test_host_rows_from_one_rank(seed):
+    """Every host-row mode with rows from rank 0, rank 1 or every rank (one launch)."""
+    per_rank = run_ranks(_w_rows_all, seed)
+    for i, (mode, rows_rank) in enumerate(ROWS_CASES):
+        for rank in range(2):
+            r, case = per_rank[rank][i], (mode, rows_rank, rank)
+            assert r["keys"] == r["want_keys"], (case, r)  # the stand-in output never shows
+            ships = rows_rank is None or rank == rows_rank
+            assert r["handle"] == ships, (case, r)
+            if ships:
+                assert r["indices_equal"] and r["n"] >= 1 and r["err"] < 1e-4, (case, r)
 
 
 def _w_check_steps(rank, world, seed):
