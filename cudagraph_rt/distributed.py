@@ -160,7 +160,7 @@ class DistributedRuntime(GraphRuntime):
         try:  # a local failure is agreed on below, so the other ranks do not wait for it
             desc = self._setup(step_fn, inputs, rows_rank, check_steps, agree_width, inputs_from,
                                host_rows, on_capture_error, device, kwargs)
-        except CgrtError as e:
+        except Exception as e:  # noqa: BLE001 - raised below, after the other ranks heard of it
             problem = e
         seen = [None] * self.world
         dist.all_gather_object(seen, (type(problem).__name__ + f": {problem}") if problem else desc,
@@ -239,9 +239,17 @@ class DistributedRuntime(GraphRuntime):
         self._check_open("capture")
         if self._dist_ready:
             return self.capture_report
+        wrong = None
         if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
-            raise InputError(expected("torch.cuda.current_device()", f"{self.device.index} (the runtime's device, "
-                                      "where its capture stream and collectives run)", torch.cuda.current_device()))
+            wrong = InputError(expected("torch.cuda.current_device()", f"{self.device.index} (the runtime's device, "
+                                        "where its capture stream and collectives run)", torch.cuda.current_device()))
+        seen = [None] * self.world  # agreed before the first collective on the device
+        dist.all_gather_object(seen, str(wrong) if wrong else None, group=self.meta_group)
+        if wrong is not None:
+            raise wrong
+        if any(seen):
+            raise RankMismatchError("DistributedRuntime.capture: " + "; ".join(
+                f"rank {r}: {m}" for r, m in enumerate(seen) if m))
         self._warm()
         problem, report = None, None
         try:
