@@ -17,8 +17,9 @@ GPUs, gloo on CPUs, nothing home-made on the wire) and keeps the ranks in step:
 * ``step()`` may check that every rank steps the same T and width (``check_steps``), or pad
   every rank to the widest rank's T (``agree_width``, data-parallel ranks), each with one
   small all-reduce on a host (gloo) group, so no step waits for the device.
-* Host rows go to the host from one rank (``rows_rank``); the others gather a one-column
-  stand-in and drop it (their hidden rows are the same, the bus carries them once).
+* Host rows go to the host from one rank (``rows_rank``): the ranks' hidden rows are the
+  same, so the bus carries them once. The others ship nothing (in device mode they run the
+  same captured gather on a one-column stand-in and drop it: the same graph, 4 bytes a row).
 * ``inputs_from``: one rank (the driver) runs the host loop; its inputs are broadcast to the
   other ranks, which run :meth:`DistributedRuntime.follow` until the driver calls
   :meth:`DistributedRuntime.stop_followers`.
