@@ -19,7 +19,7 @@ GPUs, gloo on CPUs, nothing home-made on the wire) and keeps the ranks in step:
   small all-reduce on a host (gloo) group, so no step waits for the device.
 * Host rows go to the host from one rank (``rows_rank``): the ranks' hidden rows are the
   same, so the bus carries them once. The others ship nothing (in device mode they run the
-  same captured gather on a one-column stand-in and drop it: the same graph, 4 bytes a row).
+  same captured gather on a one-column stand-in and drop it: the same graph, one element a row).
 * ``inputs_from``: one rank (the driver) runs the host loop; its inputs are broadcast to the
   other ranks, which run :meth:`DistributedRuntime.follow` until the driver calls
   :meth:`DistributedRuntime.stop_followers`.
