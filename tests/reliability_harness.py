@@ -49,7 +49,10 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def fresh_gen() -> torch.Generator:
-    return torch.Generator().manual_seed(torch.seed() % 2**31)
+    """A generator on a fresh seed, printed (pytest shows it for a failing test)."""
+    seed = torch.seed() % 2**31
+    print(f"generator seed {seed}")
+    return torch.Generator().manual_seed(seed)
 
 
 class Rig:
@@ -58,7 +61,9 @@ class Rig:
 
     def __init__(self, mode=None, *, device="cpu", graphs=False, depth=3, capacity=None,
                  n_slots=256, extra=False, seed=None, model_cls=None, H=32, gen=None, **kw):
-        seed = int(torch.randint(0, 1000, (1,))) if seed is None else seed
+        if seed is None:
+            seed = int(torch.randint(0, 1000, (1,)))
+            print(f"Rig model seed {seed}")
         cls = model_cls or (ScaleChooser if mode == "device" else SlotModel)
         self.m = cls(device, H=H, n_slots=n_slots, seed=seed)
         self.ref = cls(device, H=H, n_slots=n_slots, seed=seed)

@@ -968,7 +968,9 @@ def test_duplicate_host_rows_beyond_the_rows_a_step_runs_are_a_capacity_error():
     m, ref = SlotModel("cpu", seed=4), SlotModel("cpu", seed=4)
     rt = GraphRuntime(m, m.specs(), graphs=False, device="cpu",
                       host_rows=HostRows(source="hidden", mode="host", capacity=300, allow_duplicates=True))
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    seed = int(torch.randint(0, 2**31, (1,)))
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
     rt.step(**m.random_inputs(3, gen=gen))
     ref.state.copy_(m.state)
     for T, n in [(3, 4), (70, 70)]:  # padded to width 4; the dynamic path runs exactly 70

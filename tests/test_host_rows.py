@@ -27,7 +27,7 @@ def fresh_T(gen):
 @pytest.mark.parametrize("device", DEVICES)
 def test_host_chosen_rows(device):
     m, ref, rt = build(device, "host")
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = seeded()
     for T in fresh_T(gen):
         x = m.random_inputs(T, gen=gen)
         k = int(torch.randint(0, min(T, 96) + 1, (1,), generator=gen))  # capacity: 96
@@ -46,7 +46,7 @@ def test_host_chosen_rows(device):
 def test_device_chosen_rows(device):
     # capacity for the widest step drawn (130): a device-mode step may accept every row
     m, ref, rt = build(device, "device", ChoosingSlotModel, capacity=130)
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = seeded()
     for T in fresh_T(gen):
         x = m.random_inputs(T, gen=gen)
         res = rt.step(**x)
@@ -62,7 +62,7 @@ def test_device_chosen_rows(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_commit_after_the_step(device):
     m, ref, rt = build(device, "commit", depth=3)
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = seeded()
     pending = []
     for T in [5, 17, 64, 3, 40, 1, 90]:
         x = m.random_inputs(T, gen=gen)

@@ -86,7 +86,9 @@ def slot_inputs(m: SlotModel, T: int, write: range, read: range, gen) -> dict:
 
 
 def fresh_gen():
-    return torch.Generator().manual_seed(torch.seed() % 2**31)
+    seed = torch.seed() % 2**31
+    print(f"generator seed {seed}")
+    return torch.Generator().manual_seed(seed)
 
 
 # ======================================================================================
@@ -126,6 +128,7 @@ FAULTS = ["item", "pinned", "raise", "oom"]
 
 def _pair(fault, **kw):
     seed = int(torch.randint(0, 1000, (1,)))
+    print(f"model seed {seed}")
     m, off = FaultModel("cuda", seed=seed), FaultModel("cuda", seed=seed)
     m.fault = off.fault = fault
     rt = GraphRuntime(m, m.specs(), **kw)
@@ -536,7 +539,9 @@ def test_two_threads_one_runtime_serialized_or_refused():
     counts = [{"ok": 0, "busy": 0, "ring": 0}, {"ok": 0, "busy": 0, "ring": 0}]
 
     def worker(k):
-        gen = torch.Generator().manual_seed(1000 + k + torch.seed() % 2**20)
+        seed = 1000 + k + torch.seed() % 2**20
+        print(f"thread {k} seed {seed}")
+        gen = torch.Generator().manual_seed(seed)
         barrier.wait()
         attempts = 0
         while counts[k]["ok"] < STEPS and attempts < 200 * STEPS:
@@ -592,7 +597,9 @@ def test_two_runtimes_on_two_streams_at_once():
 
     def worker(k):
         try:
-            gen = torch.Generator().manual_seed(2000 + k + torch.seed() % 2**20)
+            seed = 2000 + k + torch.seed() % 2**20
+            print(f"thread {k} seed {seed}")
+            gen = torch.Generator().manual_seed(seed)
             with torch.cuda.stream(streams[k]):
                 for _ in range(400):
                     T = int(torch.randint(1, 65, (1,), generator=gen))
@@ -712,7 +719,9 @@ def test_rows_written_through_device_inputs_before_the_first_step_reach_it(mode)
     m, ref = SlotModel("cuda", seed=11), SlotModel("cuda", seed=11)
     hr = HostRows(source="hidden", mode=mode) if mode else None
     rt = GraphRuntime(m, m.specs(), graphs=True, host_rows=hr)
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    seed = int(torch.randint(0, 2**31, (1,)))
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
     x = cuda(m.random_inputs(5, gen=gen))
     views = rt.device_inputs(5)
     for k, v in x.items():

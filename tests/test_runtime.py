@@ -24,6 +24,13 @@ class Spy:
 SPECS = {"a": InputSpec((), torch.int64, -5), "b": InputSpec((3,), torch.float32, 0.25)}
 
 
+def seeded() -> torch.Generator:
+    """A generator on a fresh seed, printed (pytest shows it for a failing test)."""
+    seed = int(torch.randint(0, 2**31, (1,)))
+    print(f"seed {seed}")
+    return torch.Generator().manual_seed(seed)
+
+
 def make(**kw):
     spy = Spy(SPECS)
     return spy, GraphRuntime(spy, SPECS, graphs=False, device="cpu", **kw)
@@ -210,7 +217,7 @@ def test_tensor_and_tuple_outputs():
 def test_stateful_model_graphs_off_matches_unpadded_reference():
     m, ref = SlotModel("cpu", seed=1), SlotModel("cpu", seed=1)
     rt = GraphRuntime(m, m.specs(), graphs=False, device="cpu")
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    gen = seeded()
     for T in [1, 2, 3, 7, 33, 64, 65, 97, 130]:
         x = m.random_inputs(T, gen=gen)
         got = rt.step(**x).outputs
@@ -267,7 +274,7 @@ def _host_forms(T, gen):
 
 @pytest.mark.parametrize("T", [1, 3, 8, 37, 64, 80, 130])
 def test_every_host_tensor_form_reaches_the_step_exactly(T):
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    gen = seeded()
     for form, (xa, xb) in _host_forms(T, gen)[2].items():
         spy, rt = make(dynamic_limit=96)
         rt.step(a=torch.arange(90), b=torch.randn(90, 3))  # stale rows left behind
@@ -284,7 +291,7 @@ def test_every_host_tensor_form_reaches_the_step_exactly(T):
 
 def test_handed_views_are_recognised_and_fresh_inputs_still_checked():
     spy, rt = make()
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    gen = seeded()
     hv = rt.host_inputs(5)
     again = rt.host_inputs(5)
     assert all(again[k] is hv[k] for k in hv)  # the same objects: recognised by identity
@@ -314,7 +321,7 @@ def test_host_tensors_that_require_grad_never_join_an_autograd_graph():
     specs = {"a": InputSpec((), torch.int64, 0), "h": InputSpec((2,), torch.bfloat16, -1.5),
              "f": InputSpec((3,), torch.float32, 0.5)}
     rt = GraphRuntime(lambda x: {"h": x["h"] * 1, "f": x["f"] * 1}, specs, graphs=False, device="cpu")
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    gen = seeded()
     for T in [3, 7, 2]:
         h = torch.randn(T, 4, generator=gen).bfloat16()[:, ::2].requires_grad_()  # strided: the torch copy
         f = torch.randn(T, 3, generator=gen).requires_grad_()
