@@ -1,6 +1,7 @@
 """cudagraph_rt: capture a step function once per padded width, replay it for any width.
 
-See README.md for the two-minute tour.
+See README.md for the two-minute tour and ARCHITECTURE.md (both at the repository root) for
+the layout, one step's data path and the glossary.
 """
 from __future__ import annotations
 

@@ -150,6 +150,25 @@ def test_cgrt_commands_parse(block: Block):
                                                f"({getattr(args, '_unavailable', 'no subcommand')})"
 
 
+def test_architecture_layout_names_every_module():
+    """ARCHITECTURE.md's layout stays true: every module of the package (models/ and
+    testing/ are described as a whole) is named there, and every file it names exists."""
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    layout = next(b.code for b in blocks(text) if b.section == "Layout")
+    named = set(re.findall(r"[\w]+\.py|[\w]+/", layout))
+    pkg = ROOT / "cudagraph_rt"
+    missing = []
+    for path in sorted(pkg.rglob("*.py")):
+        rel = path.relative_to(pkg)
+        if rel.parts[0] in ("models", "testing") or path.name.startswith("__") or "__pycache__" in rel.parts:
+            continue
+        if path.name not in named or (len(rel.parts) > 1 and f"{rel.parts[0]}/" not in named):
+            missing.append(str(rel))
+    assert not missing, f"ARCHITECTURE.md's layout does not name {missing}"
+    files = {p.name for p in ROOT.rglob("*.py") if ".git" not in p.parts}
+    assert not {n for n in named if n.endswith(".py")} - files, "ARCHITECTURE.md names files that do not exist"
+
+
 def _normalised(cmd: list[str]) -> list[str]:
     """``python3 -m pip install -q X`` and ``pip install X`` are the same command."""
     if cmd[:2] in (["python3", "-m"], ["python", "-m"]) and cmd[2:3] == ["pip"]:
