@@ -7,7 +7,7 @@ from typing import Any, Mapping, NamedTuple
 
 import torch
 
-from .buffers import Prepared
+from .inputs import Prepared
 from .host_rows import HostRowsHandle
 from .widths import Slice
 

@@ -1,7 +1,7 @@
 """GraphRuntime: capture a step function once per width, replay it for steps of any width.
 
 A facade: the lock and the lifecycle, and one step as validate -> plan -> execute ->
-publish. The rooms it delegates to: `config` (its arguments), `buffers` (the static
+publish. The rooms it delegates to: `config` (its arguments), `inputs` (the static
 inputs), `capture` (one width), `executor` (one slice), `host_rows` (rows to the host).
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from .buffers import StaticInputs
+from .inputs import StaticInputs
 from .capture import CaptureReport, CaptureSettings, WatchedTensors, WidthCapture, WidthCapturer
 from .config import RuntimeConfig, StepFn
 from .digest import StateDigest, runtime_digest

@@ -18,7 +18,7 @@ import torch
 
 import cudagraph_rt.widths as widths_mod
 from cudagraph_rt import GraphRuntime, InputError, InputSpec, Slice
-from cudagraph_rt.buffers import StaticInputs
+from cudagraph_rt.inputs import StaticInputs
 from cudagraph_rt.cli import main
 from cudagraph_rt.testing import (
     Capacity,

@@ -1,0 +1,213 @@
+"""Static inputs: one device arena, per-width views, validation, staging and the feed.
+
+`StaticInputs` owns every buffer a graph reads its inputs from. Steps write the real rows
+and the padding rows into it; graphs captured over its views read them at replay. Rooms:
+``arena`` (layout, views), ``validate`` (the checks; casting rules in ``specs``),
+``staging`` (host rows on their way in, a CPU and a pinned stager), ``feed`` (fed graphs).
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Any, Mapping
+
+import torch
+
+from .._cuda import external_event
+from ..errors import BusyError, InputError, expected
+from ..specs import InputSpec
+from .arena import ONE_COPY_BYTES, SRC, ArenaLayout
+from .feed import Feed
+from .staging import CpuStaging, PinnedStaging
+from .validate import Prepared, Validator
+
+__all__ = ["FEED", "Prepared", "StaticInputs"]
+
+FEED = 2  # the handed-views id of the feed (the stagers' arenas are 0 and 1)
+
+
+def _ranges(bufs: list[torch.Tensor]) -> list[tuple[int, int]]:
+    return [(b.data_ptr(), b.data_ptr() + b.numel()) for b in bufs]
+
+
+class StaticInputs:
+    """Owns the static input buffers of one runtime.
+
+    One device arena (``rows`` rows of every input, each a contiguous aligned block, plus
+    fixed-size control blocks); ``views(N)`` gives the first N rows of every input: graphs
+    are captured over these views and read them at replay, so the arena is never
+    reallocated. It starts filled with the pad values, so warm-up and capture run on
+    padding rows only. A stager brings host rows in (two alternating pinned arenas on
+    CUDA, straight writes on a CPU); fed graphs (``feed=True`` on CUDA, small arenas, a
+    torch with external events) copy their host rows in themselves, from the feed.
+
+    Handed views (``host_views``/``device_views``) are recognised by identity in
+    ``prepare`` and good for the next step only, from the thread that asked.
+    """
+
+    def __init__(self, specs: Mapping[str, InputSpec], rows: int, device: torch.device,
+                 control: Mapping[str, tuple[int, torch.dtype]] | None = None, feed: bool = False):
+        self.specs, self.rows, self.device = dict(specs), rows, device
+        control = dict(control or {})
+        event = external_event() if feed and device.type == "cuda" else None
+        if event is not None:
+            control[SRC] = (len(self.specs) + 1, torch.bool)  # per input: the feed holds it
+        self.layout = layout = ArenaLayout(self.specs, rows, control)
+        self.nbytes, self.control_specs = layout.nbytes, layout.control
+        self.arena = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+        self._full = layout.carve(self.arena)
+        layout.fill_pads(self._full)
+        cuda = device.type == "cuda"
+        self.stager = PinnedStaging(layout, self.arena, self._full, device) if cuda else CpuStaging(layout, self._full)
+        self.fed = event is not None and layout.nbytes <= ONE_COPY_BYTES
+        self.feed = Feed(layout, self.arena, self._full, event) if self.fed else None
+        self._arenas = [*self.stager.arenas, *([self.feed.host] if self.fed else [])]  # ids 0, 1 (, FEED)
+        host = [b for b in [self.arena, *(a.buf for a in self._arenas)] if not b.is_cuda]
+        dev = [self.arena, self.feed.mirror] if self.fed else [self.arena] if cuda else []
+        self.validator = Validator(self.specs, device, _ranges(host), _ranges(dev), self._owned)
+        self._names = self.specs.keys()
+        self._host_views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self._device_views: dict[int, dict[str, torch.Tensor]] = {}
+        self._handed_host: tuple | None = None  # (arena id, views, Prepared, thread id)
+        self._handed_device: tuple | None = None  # (None, views, Prepared, None)
+
+    @property
+    def staging(self) -> list[torch.Tensor]:
+        """The pinned host buffers (staging arenas and feed); empty on a CPU."""
+        return [a.buf for a in self._arenas] if self.device.type == "cuda" else []
+
+    # -- views -----------------------------------------------------------------------
+    def views(self, n: int) -> dict[str, torch.Tensor]:
+        """The first ``n`` rows of every input in the device arena (what a graph reads)."""
+        return {name: self._full[name][:n] for name in self.specs}
+
+    def control(self, name: str) -> torch.Tensor:
+        """A fixed-size control block in the device arena (host-row indices, counts)."""
+        return self._full[name]
+
+    def host_views(self, T: int, fed: bool = False) -> dict[str, torch.Tensor]:
+        """Host rows ``[:T]`` the next step will use (the feed when ``fed``: that step
+        replays a fed graph): write the next step's rows here in place and pass these views
+        to ``step`` to skip the packing. The same tensor objects come back for the same
+        arena and ``T``; should the step take another path after all, its rows are copied
+        from them. They belong to the calling thread until a step consumes them: another
+        thread's ``host_views`` meanwhile raises BusyError, its step with them InputError."""
+        h, me = self._handed_host, threading.get_ident()
+        if h is not None and h[3] != me and self._live(h):
+            raise BusyError("host_inputs: the rows handed out by host_inputs() to another thread are "
+                            "not stepped yet (one thread at a time fills and steps them)")
+        if fed and self.fed:
+            k = FEED
+            self.feed.event.synchronize()
+        else:
+            k = self.stager.next
+            self.stager.wait(k)
+        views = self._handed_cache(self._host_views, (k, T), self._arenas[k].views, T)
+        self._arenas[k].mark(T)  # the caller may fill rows [:T] and then step with fewer
+        ptrs = {name: v.data_ptr() for name, v in views.items()}
+        self._handed_host = (k, views, Prepared(T, views, frozenset(), ptrs), me)
+        return dict(views)  # the caller may change its dict, never ours
+
+    def device_views(self, T: int) -> dict[str, torch.Tensor]:
+        """Rows ``[:T]`` of the device arena, for a runner that writes them in place with
+        its own device ops (``device_inputs``); recognised by identity like host_views."""
+        views = self._handed_cache(self._device_views, T, self._full, T)
+        self._handed_device = (None, views, Prepared(T, views, frozenset(self.specs), {}), None)
+        return dict(views)
+
+    def _handed_cache(self, cache: dict, key, src: Mapping, T: int) -> dict[str, torch.Tensor]:
+        views = cache.get(key)
+        if views is None:
+            views = {name: src[name][:T] for name in self.specs}
+            if len(cache) < 4 * self.rows:  # bounded, whatever T a caller asks for
+                cache[key] = views
+        return views
+
+    def _live(self, handed: tuple) -> bool:
+        """Handed views not consumed yet: device views, the feed, or the next arena."""
+        return handed[0] in (None, FEED, self.stager.next)
+
+    # -- validation (writes nothing) -----------------------------------------------------
+    def prepare(self, inputs: Mapping[str, Any]) -> Prepared:
+        """Check names, rows, per-row shapes, dtypes and devices of one step's inputs
+        (handed views, unchanged, skip the checks). Raises InputError; writes nothing."""
+        self.validator.names(inputs)
+        for handed in (self._handed_host, self._handed_device):
+            if handed is not None and self._live(handed) and all(inputs[n] is handed[1][n] for n in self._names):
+                if handed[3] is not None and handed[3] != threading.get_ident():
+                    raise InputError(expected("step inputs", "views host_inputs() handed to this thread",
+                                              "the views handed to another thread"))
+                return handed[2]
+        return self.validator.check(inputs)
+
+    def _owned(self, name: str, t: torch.Tensor) -> bool | None:
+        """For a tensor inside our buffers: False for the very view host_views() handed out
+        for the next step (to this thread), True for rows ``[:T]`` of the arena itself
+        (device_inputs(), static_inputs(): zero copy), None for anything else (refused:
+        another pinned view may hold a step's stale rows)."""
+        h = self._handed_host
+        if h is not None and self._live(h) and h[1][name] is t and h[3] == threading.get_ident():
+            return False
+        c = self._full[name]
+        if t.data_ptr() == c.data_ptr() and t.dtype == c.dtype and t.device == c.device and t.stride() == c.stride():
+            return True
+        return None
+
+    # -- writing -----------------------------------------------------------------------
+    def write(self, prep: Prepared, start: int, length: int, width: int, control: Mapping[str, Any] | None = None) -> None:
+        """Rows ``[start, start+length)`` of ``prep`` into arena rows ``[0, length)``, pad
+        values into rows ``[length, width)``, control blocks set; stream-ordered."""
+        k = self.stager.take()
+        self._consume(k)
+        self.stager.write(k, prep, start, length, width, control)
+
+    def write_fed(self, prep: Prepared, start: int, length: int, width: int, control: Mapping[str, Any] | None = None) -> None:
+        """``write`` for a fed graph's replay: host rows into the feed (see Feed.write)."""
+        self._consume(FEED)
+        self.feed.write(prep, start, length, width, control)
+
+    def write_control(self, control: Mapping[str, Any]) -> None:
+        """Set control blocks only (a commit between steps)."""
+        k = self.stager.take()
+        self._consume(k)
+        self.stager.write_control(k, control)
+
+    def _consume(self, k: int) -> None:
+        """Handed host views of arena ``k`` are good for one step (a CPU's, for any step)."""
+        h = self._handed_host
+        if h is not None and (h[0] == k or self.device.type != "cuda"):
+            self._handed_host = None
+
+    def unfeed(self) -> None:
+        if self.fed:
+            self.feed.unfeed()
+
+    def feed_prologue(self) -> None:
+        """The first work of every fed graph (captured with it; see Feed)."""
+        self.feed.prologue()
+
+    @torch.no_grad()
+    def reset(self, control: Mapping[str, Any] | None = None) -> None:
+        """Pad values into every row of the device arena, zeros (or ``control``'s values)
+        into its control blocks (stream-ordered), so that warm-up and capture run on
+        padding rows only, whatever the last step left there; the feed too."""
+        self.layout.fill_pads(self._full, control)
+        self._handed_host = None  # views handed out before may point anywhere now
+        if self.fed:
+            self.feed.reset(control)
+
+    @contextmanager
+    def rows_kept(self):
+        """Put the device arena back as it was when the block is left (stream-ordered):
+        capture resets it to padding rows, and must not wipe rows a caller wrote into it."""
+        kept = self.arena.clone()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                self.arena.copy_(kept)
+
+    def digest_parts(self) -> tuple[list, list]:
+        """(the arena, the host arenas and their bookkeeping) for ``StateDigest``."""
+        return [self.arena], [*(a.buf for a in self._arenas), self.stager.next, [a.dirty for a in self._arenas],
+                              getattr(self.feed, "_flags", None)]

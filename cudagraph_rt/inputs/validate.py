@@ -1,0 +1,119 @@
+"""Checking one step's inputs before anything is written (`Validator.check`), and what
+the check hands on (`Prepared`). The casting rules themselves are in ``specs``."""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, NamedTuple
+
+import torch
+
+from ..errors import InputError, expected
+from ..specs import InputSpec, as_input_tensor, cast_input
+
+_STRIDED = torch.strided
+_OVERLAP = ("memory apart from the runtime's static buffers (or the rows device_inputs() gave, or the "
+            "unchanged views host_inputs() gave for this step)")
+
+
+class Prepared(NamedTuple):
+    """Validated inputs of one step: ``T`` rows each; nothing has been written yet.
+    (A NamedTuple, not a dataclass: it is built on every step's path.)"""
+
+    T: int
+    tensors: Mapping[str, torch.Tensor]
+    zero_copy: frozenset  # names whose rows already sit in the arena (device_inputs() views)
+    host_ptrs: Mapping[str, int]  # contiguous host tensors of the declared dtype: data_ptr()
+
+
+def _shape_error(name: str, shape: torch.Size, got) -> InputError:
+    return InputError(expected(name, f"shape (T, {', '.join(map(str, shape))})".replace(", )", ")"), tuple(got)))
+
+
+class Validator:
+    """Names, rows, per-row shapes, dtypes, devices and overlaps of one step's inputs.
+
+    ``host_ranges`` / ``device_ranges``: the runtime's own buffers, as (start, end)
+    addresses; a tensor inside one is taken only when ``owned(name, t)`` says it is a
+    handed view or the arena's own rows ("zero copy"), else refused."""
+
+    def __init__(self, specs: Mapping[str, InputSpec], device: torch.device, host_ranges: list,
+                 device_ranges: list, owned: Callable[[str, torch.Tensor], bool]):
+        self.specs, self.device, self._owned = dict(specs), device, owned
+        self._host_ranges, self._device_ranges = host_ranges, device_ranges
+        self._checks = [(n, s, s.ndim1, torch.Size(s.shape), s.dtype) for n, s in self.specs.items()]
+        self._first = next(iter(self.specs))
+
+    def names(self, inputs: Mapping[str, Any]) -> None:
+        if inputs.keys() != self.specs.keys():
+            missing = [n for n in self.specs if n not in inputs]
+            extra = [n for n in inputs if n not in self.specs]
+            raise InputError(expected("step inputs", f"exactly {sorted(self.specs)}",
+                                      f"missing {missing}, unexpected {extra}"))
+
+    def check(self, inputs: Mapping[str, Any]) -> Prepared:
+        """Raises InputError naming the input; writes nothing. On every step's path, so the
+        common case (tensors of the declared dtype) takes few Python operations."""
+        tensors, host_ptrs, zero_copy, T = {}, {}, (), -1
+        for name, spec, ndim, shape, dtype in self._checks:
+            t = inputs[name]
+            if type(t) is not torch.Tensor:
+                t = as_input_tensor(name, t, spec)
+            if t.layout is not _STRIDED:
+                raise InputError(expected(name, "a dense (strided) tensor", f"layout {t.layout}"))
+            if t.is_neg():  # a lazy negation (conj().imag): its bytes hold the other sign
+                t = t.resolve_neg()
+            sh = _shape(name, t)
+            if len(sh) != ndim or (ndim > 1 and sh[1:] != shape):
+                raise _shape_error(name, shape, sh)
+            if T < 0:
+                T = sh[0]
+            elif sh[0] != T:
+                raise InputError(expected(name, f"{T} rows like {self._first!r}", f"{sh[0]} rows"))
+            cast = t.dtype is not dtype
+            if cast:
+                if t.dtype.is_complex or t.is_quantized:
+                    raise InputError(expected(name, f"dtype {dtype}", t.dtype))
+                t = cast_input(name, t, spec)
+            t, ranges = self._place(name, t)
+            p = t.data_ptr()
+            if self._inside(p, ranges) and self._overlap(name, t):
+                zero_copy += (name,)
+            if ranges is self._host_ranges and not cast and t.is_contiguous():
+                host_ptrs[name] = p  # written with one memmove, no tensor op
+            tensors[name] = t
+        if T <= 0:
+            raise InputError(expected("step inputs", "at least one row", "0 rows"))
+        return Prepared(T, tensors, frozenset(zero_copy), host_ptrs)
+
+    def _place(self, name: str, t: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """The tensor (detached on the device) and the ranges of our buffers on its side."""
+        if t.is_cuda:
+            if t.device != self.device:
+                raise InputError(expected(name, f"a tensor on {self.device} or the host", f"one on {t.device}"))
+            return (t.detach() if t.requires_grad else t), self._device_ranges
+        if not t.is_cpu:
+            raise InputError(expected(name, f"a tensor on {self.device} or the host", f"one on {t.device}"))
+        return t, self._host_ranges
+
+    @staticmethod
+    def _inside(p: int, ranges: list) -> bool:
+        # Only a view of one of our own buffers can overlap them, and such a view starts
+        # inside the buffer: one range test per buffer is exact.
+        for lo, hi in ranges:
+            if lo <= p < hi:
+                return True
+        return False
+
+    def _overlap(self, name: str, t: torch.Tensor) -> bool:
+        """A tensor inside our buffers: True when it is the arena's own rows (zero copy),
+        False for a handed view (its rows are taken from where they lie), else refused."""
+        kind = self._owned(name, t)
+        if kind is None:
+            raise InputError(expected(name, _OVERLAP, "a tensor overlapping them"))
+        return kind
+
+
+def _shape(name: str, t: torch.Tensor) -> torch.Size:
+    try:
+        return t.shape
+    except RuntimeError:  # a nested tensor has no sizes
+        raise InputError(expected(name, "a dense (strided) tensor", "a nested tensor")) from None
