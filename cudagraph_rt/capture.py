@@ -175,6 +175,25 @@ def _reset_after_failure(stream: torch.cuda.Stream, caller: torch.cuda.Stream, p
     torch.cuda.synchronize()
 
 
+def _warm_up(width: int, run: Callable[[], Any], side: torch.cuda.Stream, warmup: int) -> None:
+    """``warmup`` eager runs on the capture stream (compiles kernels, creates cuBLAS
+    handles); a step function that fails even eagerly is no capture problem."""
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                run()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+    except CgrtError:
+        raise
+    except Exception as e:
+        raise CaptureError(
+            f"width {width}: the step function raised during warm-up: {type(e).__name__}: {e}",
+            width=width, cause=e,
+        ) from e
+
+
 def capture_width(
     width: int,
     run: Callable[[], Any],
@@ -193,25 +212,9 @@ def capture_width(
     is capturing and graphs captured before still replay; the caller should capture later
     widths on a fresh stream and pool (``stream`` and ``pool`` may be left unusable).
     """
-    # One side stream for every width: cuBLAS keeps a workspace per stream, and a new
-    # stream per width would put one more workspace into the pool each time.
-    side = stream
-    caller = torch.cuda.current_stream()
-    side.wait_stream(caller)
+    side, caller = stream, torch.cuda.current_stream()
     t0 = time.perf_counter()
-    try:
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                run()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-    except CgrtError:
-        raise
-    except Exception as e:  # the step function fails even eagerly: not a capture problem
-        raise CaptureError(
-            f"width {width}: the step function raised during warm-up: {type(e).__name__}: {e}",
-            width=width, cause=e,
-        ) from e
+    _warm_up(width, run, side, warmup)
     t1 = time.perf_counter()
     graph = torch.cuda.CUDAGraph(keep_graph=True) if keep_graph else torch.cuda.CUDAGraph()
     release_blas_workspaces()  # the capture allocates its own, inside the pool

@@ -334,6 +334,23 @@ class _DispatchMode(TorchDispatchMode):
         elif dev and name in _INDEX_OPS and self._bool_index(name, args, kwargs):
             tr.add(HOST_SYNC, op, "boolean-mask indexing: the result size depends on the data "
                    "(a nonzero on the device); use torch.where or masked_fill")
+        self._copies_and_mixes(name, op, args, kwargs, tensors, dev, host)
+
+        out = func(*args, **kwargs)
+        if name in _LIFT_OPS or (not tensors and not tr.simulate):
+            tr.tag(out, _LIT)       # built from Python values during the step
+        elif name == "copy_" or dev:
+            return out              # a copy keeps its destination; device in, device out
+        elif tensors:
+            tr.tag(out, _LIT if all(tr.tags.get(t) == _LIT for t in tensors) else _HOST)
+        # Simulating, ops without tensor inputs stay device tensors here (torch's own
+        # factories use device=x.device); the function mode tags the user's as host.
+        return out
+
+    def _copies_and_mixes(self, name, op, args, kwargs, tensors, dev, host) -> None:
+        """Copies between host and device inside the step, and host tensors read by
+        device ops (0-dim ones made from Python numbers in this step excepted)."""
+        tr = self.tr
         if name == "copy_" and len(args) >= 2:
             dst, src = args[0], args[1]
             if tr.is_dev(dst) and not tr.is_dev(src):
@@ -357,17 +374,6 @@ class _DispatchMode(TorchDispatchMode):
                     continue        # made from a Python number in this step: already frozen
                 tr.add(CPU_TENSOR, op, "a 0-dim CPU tensor's value is read at capture and "
                        "baked into the graph" if t.dim() == 0 else None)
-
-        out = func(*args, **kwargs)
-        if name in _LIFT_OPS or (not tensors and not tr.simulate):
-            tr.tag(out, _LIT)       # built from Python values during the step
-        elif name == "copy_" or dev:
-            return out              # a copy keeps its destination; device in, device out
-        elif tensors:
-            tr.tag(out, _LIT if all(tr.tags.get(t) == _LIT for t in tensors) else _HOST)
-        # Simulating, ops without tensor inputs stay device tensors here (torch's own
-        # factories use device=x.device); the function mode tags the user's as host.
-        return out
 
     def _bool_index(self, name, args, kwargs) -> bool:
         indices = args[1] if len(args) > 1 else kwargs.get("indices", ())

@@ -50,7 +50,6 @@ class WidthReport:
 
     width: int
     capture_s: float | None = None
-    instantiate_s: float | None = None
     replay_s: float | None = None
     pool_bytes: int | None = None
     counts: dict[str, int] = field(default_factory=dict)
@@ -118,22 +117,21 @@ class InspectReport:
 
 
 def _capture_facts(report, width: int) -> dict:
-    """capture_s / instantiate_s / pool_bytes / error of one width from ``rt.capture_report``
+    """capture_s / pool_bytes / error of one width from ``rt.capture_report``
     (a CaptureReport: ``.widths`` holds WidthCapture entries; a mapping width -> entry
     works too). For kept graphs the runtime instantiates inside the timed capture, so
-    capture_s includes instantiation and instantiate_s stays None unless reported."""
+    capture_s includes instantiation."""
     entries = getattr(report, "widths", None) or ()
     if isinstance(entries, Mapping):
         entry = entries.get(width)
     else:
         entry = next((e for e in entries if getattr(e, "width", None) == width), None)
     get = (lambda k: entry.get(k)) if isinstance(entry, Mapping) else (lambda k: getattr(entry, k, None))
-    return {k: get(k) for k in ("capture_s", "instantiate_s", "pool_bytes", "error")}
+    return {k: get(k) for k in ("capture_s", "pool_bytes", "error")}
 
 
 def _graphs(rt) -> Mapping[int, Any]:
-    graphs = getattr(rt, "graphs_captured", None)
-    return graphs if graphs is not None else (getattr(rt, "graphs", None) or {})
+    return getattr(rt, "graphs_captured", None) or {}
 
 
 def _leaves(obj, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
@@ -210,28 +208,34 @@ def inspect_runtime(rt, *, widths=None, replays: int = 20, reference=None,
         return InspectReport(False, reason, device, tuple(
             WidthReport(w, hazards=_step_hazards(rt, w) if hazards else ()) for w in widths))
     ref = reference() if callable(reference) and not hasattr(reference, "step") else reference
-    reports, all_nodes = [], {}
+    compare = (ref, inputs) if ref is not None and inputs else None
+    reports = []
     for w in widths:
         if on_width is not None:
             on_width(w)
-        facts = _capture_facts(getattr(rt, "capture_report", None), w)
-        error = facts.pop("error")
-        try:
-            if w not in graphs:
-                raise GraphInspectError(error or f"width {w} has no captured graph")
-            nodes = all_nodes[w] = graph_nodes(graphs[w])
-            wr = WidthReport(
-                w, **facts, replay_s=_replay_seconds(graphs[w], replays), counts=node_counts(nodes),
-                static_inputs={k: v.data_ptr() for k, v in rt.static_inputs(w).items()},
-                hazards=_step_hazards(rt, w) if hazards else (),
-                diffs=_on_off(rt, ref, inputs, w) if ref is not None and inputs else (),
-                nodes=nodes)
-        except Exception as exc:   # one width's failure must not hide the others
-            wr = WidthReport(w, **facts, error=f"{type(exc).__name__}: {exc}")
-        reports.append(wr)
+        reports.append(_width_report(rt, w, replays, hazards, compare))
+    all_nodes = {r.width: r.nodes for r in reports if r.nodes}
     ws = sorted(all_nodes)
     pairs = tuple((a, b, diff_nodes(all_nodes[a], all_nodes[b])) for a, b in zip(ws, ws[1:]))
     return InspectReport(True, "", device, tuple(reports), pairs)
+
+
+def _width_report(rt, w: int, replays: int, hazards: bool, compare) -> WidthReport:
+    """One width's facts; never raises (an error is reported in the width's row).
+    ``compare``: (graphs-off reference, inputs(T)) for the on/off comparison, or None."""
+    facts = _capture_facts(getattr(rt, "capture_report", None), w)
+    error, graphs = facts.pop("error"), _graphs(rt)
+    try:
+        if w not in graphs:
+            raise GraphInspectError(error or f"width {w} has no captured graph")
+        nodes = graph_nodes(graphs[w])
+        return WidthReport(
+            w, **facts, replay_s=_replay_seconds(graphs[w], replays), counts=node_counts(nodes),
+            static_inputs={k: v.data_ptr() for k, v in rt.static_inputs(w).items()},
+            hazards=_step_hazards(rt, w) if hazards else (),
+            diffs=_on_off(rt, compare[0], compare[1], w) if compare else (), nodes=nodes)
+    except Exception as exc:   # one width's failure must not hide the others
+        return WidthReport(w, **facts, error=f"{type(exc).__name__}: {exc}")
 
 
 def _step_hazards(rt, width: int) -> tuple[Hazard, ...]:

@@ -119,6 +119,53 @@ _VECTOR_BYTES = 16
 if triton is not None:
 
     @triton.jit
+    def _write_meta(meta_row, rows_ptr, stride_rows, count, n_used, src_ok, N, R, C,
+                    META_BLOCK: tl.constexpr):
+        """meta[slot] = [n_used, error bits, indices...] (program (0, 0) alone)."""
+        bad = ((count > C).to(tl.int32) * 2 + ((count < 0) | (count > R)).to(tl.int32) * 4
+               + (src_ok == 0).to(tl.int32) * 8)
+        # META_BLOCK = next_pow2(min(R, C)) (capped at 1024): one iteration for any
+        # realistic capacity.
+        for start in range(0, n_used, META_BLOCK):
+            j = start + tl.arange(0, META_BLOCK)
+            jm = j < n_used
+            idx = tl.load(rows_ptr + j.to(tl.int64) * stride_rows, mask=jm, other=0)
+            oob = jm & ((idx < 0) | (idx >= N))
+            bad = bad | tl.max(oob.to(tl.int32), axis=0)  # FLAG_INDEX
+            tl.store(meta_row + 2 + j, idx.to(tl.int32), mask=jm)
+        tl.store(meta_row, n_used)
+        tl.store(meta_row + 1, bad)
+
+    @triton.jit
+    def _copy_rows(src_ptr, rows_ptr, dst_ptr, row0, pid_h, n_copy, s64, d64, N,
+                   stride_src_s, stride_src_n, stride_rows, stride_dst_s, stride_dst_c,
+                   H: tl.constexpr, VEC: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
+                   HAS_DST_SLOT: tl.constexpr):
+        """dst[slot, j] = src[slab, rows[j]] for this program's rows j < n_copy (bad
+        indices skipped) and its BLOCK_H columns."""
+        j = row0 + tl.arange(0, ROWS)
+        jm = j < n_copy
+        idx = tl.load(rows_ptr + j.to(tl.int64) * stride_rows, mask=jm, other=0).to(tl.int64)
+        ok = jm & (idx >= 0) & (idx < N)
+        # Masked-off lanes get offset 0 so no address outside src is even formed.
+        src_off = tl.where(ok, s64 * stride_src_s + idx * stride_src_n, 0)
+        dst_off = j.to(tl.int64) * stride_dst_c
+        if HAS_DST_SLOT:
+            # Only added when there is a slot: a constant-0 slot term would be folded
+            # away together with the alignment hint set just below.
+            dst_off = dst_off + d64 * stride_dst_s
+        # Honest alignment hints: the launcher picks VEC so that it divides every stride
+        # and H, so each row starts on a VEC boundary and the compiler can emit 16-byte
+        # loads/stores (H = 1000 included, where a plain int argument would only be known
+        # to be divisible by 8, not 16).
+        src_off = tl.multiple_of(src_off, VEC)
+        dst_off = tl.multiple_of(dst_off, VEC)
+        h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = ok[:, None] & (h < H)[None, :]
+        vals = tl.load(src_ptr + src_off[:, None] + h[None, :], mask=mask)
+        tl.store(dst_ptr + dst_off[:, None] + h[None, :], vals, mask=mask)
+
+    @triton.jit
     def _gather_rows_kernel(
         src_ptr, rows_ptr, count_ptr, dst_ptr, meta_ptr, src_slot_ptr, dst_slot_ptr,
         N, R, C, S_src, S_dst,
@@ -137,71 +184,29 @@ if triton is not None:
         # from the device-resident count, so one captured launch serves every count.
         pid_r = tl.program_id(0)
         pid_h = tl.program_id(1)
-
         count = tl.load(count_ptr).to(tl.int32)
-        if HAS_SRC_SLOT:
-            s = tl.load(src_slot_ptr).to(tl.int32)
-        else:
-            s = tl.full([], 0, tl.int32)
-        if HAS_DST_SLOT:
-            d = tl.load(dst_slot_ptr).to(tl.int32)
-        else:
-            d = tl.full([], 0, tl.int32)
+        s = tl.load(src_slot_ptr).to(tl.int32) if HAS_SRC_SLOT else tl.full([], 0, tl.int32)
+        d = tl.load(dst_slot_ptr).to(tl.int32) if HAS_DST_SLOT else tl.full([], 0, tl.int32)
         src_ok = (s >= 0) & (s < S_src)
-        dst_ok = (d >= 0) & (d < S_dst)
         # Rows actually used: never more than the slot holds nor than `rows` provides.
-        n_used = tl.minimum(tl.maximum(count, 0), C)
-        n_used = tl.minimum(n_used, R)
+        n_used = tl.minimum(tl.minimum(tl.maximum(count, 0), C), R)
         # 64-bit offsets: S * C * H can exceed 2**31 elements for a big host ring.
         s64 = tl.where(src_ok, s, 0).to(tl.int64)
         d64 = d.to(tl.int64)
-
-        if dst_ok:
+        if (d >= 0) & (d < S_dst):
             # meta is written by program (0, 0) alone: the flag needs every used index,
             # and one writer means no atomics and no ordering between programs.
             if (pid_r == 0) & (pid_h == 0):
-                bad = ((count > C).to(tl.int32) * 2 + ((count < 0) | (count > R)).to(tl.int32) * 4
-                       + (src_ok == 0).to(tl.int32) * 8)
-                meta_row = meta_ptr + d64 * stride_meta_s
-                # META_BLOCK = next_pow2(min(R, C)) (capped at 1024): one iteration
-                # for any realistic capacity.
-                for start in range(0, n_used, META_BLOCK):
-                    j = start + tl.arange(0, META_BLOCK)
-                    jm = j < n_used
-                    idx = tl.load(rows_ptr + j.to(tl.int64) * stride_rows, mask=jm, other=0)
-                    oob = jm & ((idx < 0) | (idx >= N))
-                    bad = bad | tl.max(oob.to(tl.int32), axis=0)  # FLAG_INDEX
-                    tl.store(meta_row + 2 + j, idx.to(tl.int32), mask=jm)
-                tl.store(meta_row, n_used)
-                tl.store(meta_row + 1, bad)
-
+                _write_meta(meta_ptr + d64 * stride_meta_s, rows_ptr, stride_rows, count, n_used, src_ok,
+                            N, R, C, META_BLOCK)
             # A bad src_slot copies nothing (it is flagged above); folding it into the
             # row count keeps the per-row mask to the row checks alone.
             n_copy = tl.where(src_ok, n_used, 0)
             row0 = pid_r * ROWS
             if row0 < n_copy:  # programs past count do nothing
-                j = row0 + tl.arange(0, ROWS)
-                jm = j < n_copy
-                idx = tl.load(rows_ptr + j.to(tl.int64) * stride_rows, mask=jm, other=0)
-                idx = idx.to(tl.int64)
-                ok = jm & (idx >= 0) & (idx < N)
-                # Masked-off lanes get offset 0 so no address outside src is even formed.
-                src_off = tl.where(ok, s64 * stride_src_s + idx * stride_src_n, 0)
-                dst_off = j.to(tl.int64) * stride_dst_c
-                if HAS_DST_SLOT:
-                    # Only added when there is a slot: a constant-0 slot term would be
-                    # folded away together with the alignment hint set just below.
-                    dst_off = dst_off + d64 * stride_dst_s
-                # Honest alignment hints: the launcher picks VEC so that it divides every
-                # stride and H, so each row starts on a VEC boundary and the compiler can
-                # emit 16-byte loads/stores (H = 1000 included, where a plain int
-                # argument would only be known to be divisible by 8, not 16).
-                src_off = tl.multiple_of(src_off, VEC)
-                dst_off = tl.multiple_of(dst_off, VEC)
-                h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-                mask = ok[:, None] & (h < H)[None, :]
-                vals = tl.load(src_ptr + src_off[:, None] + h[None, :], mask=mask)
-                tl.store(dst_ptr + dst_off[:, None] + h[None, :], vals, mask=mask)
+                _copy_rows(src_ptr, rows_ptr, dst_ptr, row0, pid_h, n_copy, s64, d64, N,
+                           stride_src_s, stride_src_n, stride_rows, stride_dst_s, stride_dst_c,
+                           H, VEC, BLOCK_H, ROWS, HAS_DST_SLOT)
 
 else:  # pragma: no cover
     _gather_rows_kernel = None
@@ -243,6 +248,13 @@ def validate_gather_args(src, rows, count, dst, meta, src_slot=None, dst_slot=No
     violation. Reads only metadata (shapes, dtypes, strides, devices, ``is_pinned``): no
     device values, no syncs, safe inside CUDA-graph capture. Nothing is written.
     """
+    H = _check_src(src, src_slot)
+    _check_indices(src, rows, count, src_slot, dst_slot)
+    _check_ring(src, dst, meta, H)
+
+
+def _check_src(src, src_slot) -> int:
+    """src's shape, dtype and layout; returns H."""
     if not isinstance(src, torch.Tensor) or src.dim() not in (2, 3):
         raise InputError(expected("src", "a tensor of shape [N, H] or [S_src, N, H]", _desc(src)))
     if src.dtype not in SUPPORTED_DTYPES:
@@ -256,7 +268,11 @@ def validate_gather_args(src, rows, count, dst, meta, src_slot=None, dst_slot=No
         raise InputError(expected("src_slot", "None for a 2-D src (no slabs to choose)", _desc(src_slot)))
     if src.dim() == 3 and src.shape[0] < 1:
         raise InputError(expected("src", "at least one slab", tuple(src.shape)))
+    return H
 
+
+def _check_indices(src, rows, count, src_slot, dst_slot) -> None:
+    """rows, count and the slots: int tensors on src's device."""
     if not isinstance(rows, torch.Tensor) or rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64):
         raise InputError(expected("rows", "a 1-D int32 or int64 tensor", _desc(rows)))
     _check_int_scalar("count", count)
@@ -268,6 +284,9 @@ def validate_gather_args(src, rows, count, dst, meta, src_slot=None, dst_slot=No
         if t is not None and t.device != src.device:
             raise InputError(expected(name, f"a tensor on src's device {src.device}", t.device))
 
+
+def _check_ring(src, dst, meta, H: int) -> None:
+    """dst and meta: shapes, dtypes, layout, and memory the kernel can reach."""
     if not isinstance(dst, torch.Tensor) or dst.dim() != 3:
         raise InputError(expected("dst", "a tensor of shape [S, C, H]", _desc(dst)))
     S, C, dst_h = dst.shape
@@ -345,6 +364,26 @@ def plan_launch(src: torch.Tensor, rows: torch.Tensor, dst: torch.Tensor) -> Gat
 # --------------------------------------------------------------------------------------
 # Public entry points
 # --------------------------------------------------------------------------------------
+def _launch_args(plan: GatherLaunch, src, rows, count, dst, meta, src_slot, dst_slot) -> tuple[tuple, dict]:
+    """The kernel's positional arguments and constexpr keywords for one launch."""
+    S, C, H = dst.shape
+    three_d = src.dim() == 3
+    args = (
+        src, rows, count, dst, meta,
+        # Unused slot pointers get `count` as a harmless placeholder: the kernel never
+        # dereferences them (HAS_*_SLOT is a compile-time False), and it avoids
+        # allocating a temporary whose address a captured graph would keep.
+        src_slot if src_slot is not None else count,
+        dst_slot if dst_slot is not None else count,
+        src.shape[-2], rows.shape[0], C, src.shape[0] if three_d else 1, S,
+        src.stride(0) if three_d else 0, src.stride(-2), rows.stride(0),
+        dst.stride(0), dst.stride(1), meta.stride(0),
+    )
+    return args, dict(H=H, VEC=plan.vec, BLOCK_H=plan.block_h, ROWS=plan.rows_per_program,
+                      META_BLOCK=plan.meta_block, HAS_SRC_SLOT=src_slot is not None,
+                      HAS_DST_SLOT=dst_slot is not None)
+
+
 def gather_rows(src, rows, count, dst, meta, *, src_slot=None, dst_slot=None, validate: bool = True) -> None:
     """Launch the Triton gather: ``dst[slot, j] = src[slab, rows[j]]`` for the first
     ``count`` rows, and record count / error flag / indices in ``meta[slot]`` (see the
@@ -372,24 +411,7 @@ def gather_rows(src, rows, count, dst, meta, *, src_slot=None, dst_slot=None, va
             "tensors (set TRITON_INTERPRET=1 before importing to run it on the CPU)"
         )
     plan = plan_launch(src, rows, dst)
-    S, C, H = dst.shape
-    three_d = src.dim() == 3
-    args = (
-        src, rows, count, dst, meta,
-        # Unused slot pointers get `count` as a harmless placeholder: the kernel never
-        # dereferences them (HAS_*_SLOT is a compile-time False), and it avoids
-        # allocating a temporary whose address a captured graph would keep.
-        src_slot if src_slot is not None else count,
-        dst_slot if dst_slot is not None else count,
-        src.shape[-2], rows.shape[0], C, src.shape[0] if three_d else 1, S,
-        src.stride(0) if three_d else 0, src.stride(-2), rows.stride(0),
-        dst.stride(0), dst.stride(1), meta.stride(0),
-    )
-    meta_kwargs = dict(
-        H=H, VEC=plan.vec, BLOCK_H=plan.block_h, ROWS=plan.rows_per_program,
-        META_BLOCK=plan.meta_block, HAS_SRC_SLOT=src_slot is not None,
-        HAS_DST_SLOT=dst_slot is not None,
-    )
+    args, meta_kwargs = _launch_args(plan, src, rows, count, dst, meta, src_slot, dst_slot)
     if mode == "interpreter":
         _gather_rows_kernel[plan.grid](*args, **meta_kwargs)
         return
@@ -458,8 +480,9 @@ def choose_gather(src: torch.Tensor, use_kernel: bool | None = None) -> Callable
 def gather_rows_auto(
     src, rows, count, dst, meta, *, src_slot=None, dst_slot=None, use_kernel: bool | None = None, validate: bool = True
 ) -> None:
-    """What the runtime calls: :func:`choose_gather` then run it with the same arguments.
-    Same contract, errors and lifetimes as the chosen implementation."""
+    """:func:`choose_gather` then run it with the same arguments: for callers outside the
+    runtime (the runtime picks its implementation once, at construction). Same contract,
+    errors and lifetimes as the chosen implementation."""
     impl = choose_gather(src, use_kernel)
     impl(src, rows, count, dst, meta, src_slot=src_slot, dst_slot=dst_slot, validate=validate)
 

@@ -333,10 +333,10 @@ def test_compare_outputs():
 def test_capture_facts_from_the_capture_report():
     report = CaptureReport((WidthCapture(8, 0.1, 0.5, 4096), WidthCapture(4, 0.0, 0.0, 0, error="boom")),
                            0.7, 4096)
-    assert _capture_facts(report, 8) == {"capture_s": 0.5, "instantiate_s": None, "pool_bytes": 4096,
+    assert _capture_facts(report, 8) == {"capture_s": 0.5, "pool_bytes": 4096,
                                          "error": None}
     assert _capture_facts(report, 4)["error"] == "boom"
-    assert _capture_facts(report, 2) == dict.fromkeys(("capture_s", "instantiate_s", "pool_bytes", "error"))
+    assert _capture_facts(report, 2) == dict.fromkeys(("capture_s", "pool_bytes", "error"))
     assert _capture_facts(SimpleNamespace(widths={2: {"capture_s": 1.0}}), 2)["capture_s"] == 1.0
     assert _capture_facts(None, 4)["capture_s"] is None
 
