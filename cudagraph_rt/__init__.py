@@ -9,7 +9,9 @@ import os as _os
 
 # kernels/ and tools/ are top-level folders of the repository that install as
 # cudagraph_rt.kernels and cudagraph_rt.tools (setup.py package_dir). Run from a source
-# tree (PYTHONPATH=.), let the package find them in the same place.
+# tree (PYTHONPATH=.), let the package find them in the same place. This stays: the GPU
+# machine runs the tree with PYTHONPATH=. and can install nothing (an editable install
+# would serve everywhere else).
 _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
 if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "kernels")) and _os.path.isfile(
     _os.path.join(_root, "kernels", "__init__.py")

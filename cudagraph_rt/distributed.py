@@ -214,7 +214,7 @@ class DistributedRuntime(GraphRuntime):
         if host_rows is not None and not self.ships:
             self._standin_key = _STANDIN if isinstance(host_rows.source, str) else -1
             fn = _standin(step_fn, host_rows.source)
-            if host_rows.mode == "device":  # the step function still chooses; one column crosses
+            if host_rows.chosen_on_device:  # the step function still chooses; one column crosses
                 hr = dataclasses.replace(host_rows, source=self._standin_key)
             else:  # host / commit: no rows are ever asked for on this rank
                 hr = HostRows(source=self._standin_key, mode="host", capacity=1, depth=2)

@@ -39,6 +39,11 @@ class HostRows:
     count_output: str | int = "accept_count"
     allow_duplicates: bool = False
 
+    @property
+    def chosen_on_device(self) -> bool:
+        """The step function chooses the rows (its outputs feed the gather)."""
+        return self.mode == "device"
+
     def __post_init__(self):
         if self.mode not in ("host", "device", "commit"):
             raise InputError(expected("HostRows.mode", "'host', 'device' or 'commit'", repr(self.mode)))
