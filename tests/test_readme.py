@@ -169,6 +169,20 @@ def test_architecture_layout_names_every_module():
     assert not {n for n in named if n.endswith(".py")} - files, "ARCHITECTURE.md names files that do not exist"
 
 
+@pytest.mark.parametrize("doc", ["README.md", "ARCHITECTURE.md"])
+def test_files_the_docs_point_at_exist(doc):
+    """Every repository file the doc names (``tests/test_x.py``, ``cudagraph_rt/runner.py``)
+    exists, and a ``::Name`` after it is a class or function defined there."""
+    text = (ROOT / doc).read_text()
+    refs = re.findall(r"\b((?:tests|cudagraph_rt|tools|kernels)/[\w/]+\.py)(?:::(\w+))?", text)
+    assert refs or doc == "ARCHITECTURE.md"
+    for path, name in refs:
+        assert (ROOT / path).is_file(), f"{doc} names {path}, which does not exist"
+        if name:
+            assert re.search(rf"^\s*(class|def) {name}\b", (ROOT / path).read_text(), re.M), \
+                f"{doc} names {path}::{name}, which is not defined there"
+
+
 def _normalised(cmd: list[str]) -> list[str]:
     """``python3 -m pip install -q X`` and ``pip install X`` are the same command."""
     if cmd[:2] in (["python3", "-m"], ["python", "-m"]) and cmd[2:3] == ["pip"]:
