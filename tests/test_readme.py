@@ -9,6 +9,8 @@
   the job of the tool tests (test_sweep, test_demo, test_tp, ...) and of CI.
 * The Quick start's commands are the ones ``.ci/run`` runs, so CI tries what a new user
   types.
+* ARCHITECTURE.md's layout names every module of the package, and the files README.md
+  and ARCHITECTURE.md point at exist.
 
 A block's failure names its first line in README.md and shows its output.
 """
