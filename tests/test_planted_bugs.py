@@ -14,8 +14,8 @@ The checks, all public behaviour against an eager reference:
 
 Each check first passes on the clean core (``test_the_checks_pass_on_the_clean_core``), so
 a failure under a plant is the plant's doing. Mutations patch public module attributes
-(``widths.plan_step``, the gather's torch reference in ``kernels.row_gather``, the shared
-acceptance ``models.accept.greedy_accept``); the one that needs a private core function
+(``widths.plan_step``, ``widths.Slice.padding``, the gather's torch reference in
+``kernels.row_gather``, the shared acceptance ``models.accept.greedy_accept``); the one that needs a private core function
 (the pad fill) comes last and says so. Random steps are fresh each run; seeds are printed.
 """
 from __future__ import annotations
@@ -205,6 +205,12 @@ def accept_count_one_over(monkeypatch):
     plant(monkeypatch, accept, "greedy_accept", mutant)
 
 
+def padding_count_one_over(monkeypatch):
+    """``Slice.padding`` counts one padding row more than the slice has (the runtime's
+    ``padding_rows`` counter adds it up)."""
+    monkeypatch.setattr(Slice, "padding", property(lambda s: s.width - s.length + 1))
+
+
 # (plant, the check that must catch it, a word its report must contain)
 PLANTS = {
     "plan one width wider": (plan_one_width_wider, "sweep", "slices"),
@@ -217,6 +223,7 @@ PLANTS = {
     "gather drops the last row (spec decode)": (gather_drops_last_row, "spec decode", "sequence"),
     "accept count one short": (accept_count_one_short, "spec decode", "sequence"),
     "accept count one over": (accept_count_one_over, "spec decode", ""),
+    "padding count one over": (padding_count_one_over, "sweep", "counters: "),
 }
 
 

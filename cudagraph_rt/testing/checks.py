@@ -158,7 +158,8 @@ def check_counters(before: RuntimeStats, after: RuntimeStats, want: tuple[Slice,
     """With graphs on every graph slice must REPLAY (an eager call there means the width
     fell back, e.g. a capture failure); with graphs off every one runs eagerly."""
     graph_w = dict(sorted(Counter(s.width for s in want if s.path == "graph").items()))
-    exp = dict(steps=1, slices=len(want), padding_rows=sum(s.padding for s in want),
+    pad = sum(s.width - s.length for s in want)  # stated here, not Slice.padding (under test)
+    exp = dict(steps=1, slices=len(want), padding_rows=pad,
                graph_replays=graph_w if graphs else {}, eager_calls={} if graphs else graph_w,
                dynamic_calls=dict(sorted(Counter(s.length for s in want if s.path == "dynamic").items())))
     got = _delta(after, before)
