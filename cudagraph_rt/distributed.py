@@ -279,13 +279,13 @@ class DistributedRuntime(GraphRuntime):
         self._dist_ready = False
         return super().recapture()
 
-    def _explain(self, width: int) -> tuple:
+    def explain_capture(self, width: int) -> tuple:
         """GraphRuntime explains a failed capture by running the step eagerly under the
         hazard finder, on this rank alone: its collectives would pair with another width's
         warm-up on the other ranks (a hang, or a mismatched NCCL call). Run it with the
         torch.distributed collectives stubbed out (the explanation needs no sums)."""
         with _no_collectives():
-            return super()._explain(width)
+            return super().explain_capture(width)
 
     def _warm(self) -> None:
         """One eager all-reduce on the runtime's device: creates the NCCL communicator and

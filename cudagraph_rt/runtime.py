@@ -86,6 +86,11 @@ class GraphRuntime(HandedBuffers):
         """Captured graph per width (empty with graphs off)."""
         return MappingProxyType({w: e.graph for w, e in self._by_width.items() if isinstance(e, GraphSlice)})
 
+    @property
+    def graph_pool(self):
+        """The memory pool this runtime's graphs share (None before capture, graphs off)."""
+        return self._capturer.pool
+
     @torch.inference_mode()
     def capture(self) -> CaptureReport:
         """Capture every width once, largest first, into one shared memory pool.
@@ -268,7 +273,7 @@ class GraphRuntime(HandedBuffers):
         for w in sorted(self.widths, reverse=True):
             if isinstance(self._by_width[w], GraphSlice):
                 continue  # captured before a width failed
-            g, out, report = cap.width(w, self._width_run(w, calls), lambda w=w: self._explain(w))
+            g, out, report = cap.width(w, self._width_run(w, calls), lambda w=w: self.explain_capture(w))
             if g is not None:
                 self._by_width[w] = GraphSlice(w, g, out, self._inputs, self._counters, self._replaying)
             reports.append(report)
@@ -287,7 +292,10 @@ class GraphRuntime(HandedBuffers):
             return self._body(w, views)
         return run
 
-    def _explain(self, width: int) -> tuple:
+    def explain_capture(self, width: int) -> tuple:
+        """The hazard finder run on the step at ``width`` (what a CaptureError lists);
+        never raises. Runs the step eagerly once: a subclass whose step holds collectives
+        overrides it (DistributedRuntime stubs them out)."""
         try:
             from .hazards import find_capture_hazards
             return find_capture_hazards(self.step_fn, self._inputs.views(width))
