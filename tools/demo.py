@@ -235,7 +235,13 @@ def run(args) -> int:
                          "k": args.k, "accept_prob": args.accept_prob, "max_new": args.max_new,
                          "chunk": args.chunk, "rounds": args.rounds, "seed": args.seed},
               "notes": notes, "runs": runs, "ok": all(r["check"]["ok"] for r in runs)}
-    if args.json:
+    return publish(report, args.json)
+
+
+def publish(report: dict, as_json: bool) -> int:
+    """Print the report (a table, or JSON) and return the exit code: 0 when every run's
+    check passed."""
+    if as_json:
         print(json.dumps(report, indent=2))
     else:
         _print(report)

@@ -18,7 +18,7 @@ from ..models import ToyConfig, ToyDecoder
 from ..models.tp import TPToyDecoder
 from ..runner import Request, RunReport, SpecRunner, ToyDrafter
 from . import tp_launch
-from .demo import _print, check, make_requests
+from .demo import check, make_requests, publish
 
 
 def _runtime(model: TPToyDecoder, runner: SpecRunner, graphs: bool) -> DistributedRuntime:
@@ -79,8 +79,6 @@ def run_tp(args) -> int:
         return 2
 
     def body(device: torch.device) -> int:
-        import json
-
         notes, modes = [], {"on": [True], "off": [False], "both": [True, False]}[args.graphs]
         if device.type != "cuda":
             if args.graphs == "both":
@@ -109,10 +107,6 @@ def run_tp(args) -> int:
                              "lanes": args.lanes, "k": args.k, "accept_prob": args.accept_prob,
                              "max_new": args.max_new, "chunk": args.chunk, "rounds": args.rounds, "seed": args.seed},
                   "notes": notes, "runs": runs, "ok": all(r["check"]["ok"] for r in runs)}
-        if args.json:
-            print(json.dumps(report, indent=2))
-        else:
-            _print(report)
-        return 0 if report["ok"] else 1
+        return publish(report, args.json)
 
     return tp_launch.run_ranks(args.tp, args.device, "demo", body)

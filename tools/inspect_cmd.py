@@ -33,13 +33,11 @@ from cudagraph_rt.models.hf import SIZES, parse_model
 DEFAULT_TARGET = "cudagraph_rt.tools.inspect_cmd:toy_target"   # the embedded toy decoder
 
 
-def toy_target(graphs: bool):
-    """The default target: the embedded toy decoder (same seed, so graphs on and off have
-    the same weights). ``inputs(T)``: one sequence, a fresh id each call, positions 0..T-1."""
+def _target(model, graphs: bool):
+    """A runtime over ``model``'s step (graphs kept when on) and ``inputs(T)``: one
+    sequence, a fresh id each call, positions 0..T-1, random tokens (seed 0)."""
     from cudagraph_rt import GraphRuntime
-    from cudagraph_rt.models.toy import ToyDecoder
 
-    model = ToyDecoder()
     rt = GraphRuntime(model.step, model.inputs(), graphs=graphs, keep_graphs=graphs, device=model.device)
     gen, calls = torch.Generator().manual_seed(0), iter(range(1 << 30))
 
@@ -51,6 +49,14 @@ def toy_target(graphs: bool):
                     want=torch.ones(T, dtype=torch.int64))
 
     return rt, inputs
+
+
+def toy_target(graphs: bool):
+    """The default target: the embedded toy decoder (same seed, so graphs on and off have
+    the same weights); ``inputs(T)`` as :func:`_target`'s."""
+    from cudagraph_rt.models.toy import ToyDecoder
+
+    return _target(ToyDecoder(), graphs)
 
 
 @functools.lru_cache(maxsize=2)
@@ -63,24 +69,13 @@ def _hf_model(family: str, size: str):
 def hf_target(graphs: bool, family: str = "llama", size: str = "tiny"):
     """``--model hf:<family>``: a transformers model with random weights (built once: the
     graphs-on and graphs-off runtimes share its weights, each with its own KV pool).
-    ``inputs(T)`` as :func:`toy_target`'s."""
-    from cudagraph_rt import GraphRuntime
+    ``inputs(T)`` as :func:`_target`'s."""
     from cudagraph_rt.models.hf import HFDecoder
 
     base = _hf_model(family, size)
     model = HFDecoder(base.model, max_seqs=base.config.max_seqs, max_len=base.config.max_len, family=family,
                       size=size)
-    rt = GraphRuntime(model.step, model.inputs(), graphs=graphs, keep_graphs=graphs, device=model.device)
-    gen, calls = torch.Generator().manual_seed(0), iter(range(1 << 30))
-
-    def inputs(T: int) -> dict[str, torch.Tensor]:
-        seq, cfg = next(calls) % model.config.max_seqs, model.config
-        pos = torch.arange(T)
-        return dict(tokens=torch.randint(0, cfg.vocab, (T,), generator=gen), positions=pos,
-                    seq_ids=torch.full((T,), seq), cells=seq * cfg.max_len + pos,
-                    want=torch.ones(T, dtype=torch.int64))
-
-    return rt, inputs
+    return _target(model, graphs)
 
 
 def _width_list(text: str) -> tuple[int, ...]:

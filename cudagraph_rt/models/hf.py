@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError, expected
+from .rows import take_rows
 from ..specs import InputSpec
 from .accept import greedy_accept
 
@@ -394,20 +395,7 @@ class HFDecoder:
             cfg._attn_implementation = before
 
     def _take(self, inputs: dict[str, Tensor], names: tuple[str, ...]) -> list[Tensor]:
-        """Host-side checks only (names, 1-D, one N, int64, device): no device values read."""
-        missing = [k for k in names if k not in inputs]
-        if missing:
-            raise InputError(expected("inputs", f"keys {list(names)}", f"missing {missing}"))
-        n = inputs["tokens"].shape[0] if "tokens" in inputs else None
-        out = []
-        for k in names:
-            v = inputs[k]
-            if not isinstance(v, Tensor) or v.dim() != 1 or (n is not None and v.shape[0] != n):
-                raise InputError(expected(k, f"a 1-D tensor of {n} rows", getattr(v, "shape", type(v))))
-            if v.dtype != torch.int64 or v.device != self.device:
-                raise InputError(expected(k, f"int64 on {self.device}", f"{v.dtype} on {v.device}"))
-            out.append(v)
-        return out
+        return take_rows(inputs, names, self.device)
 
 
 def parse_model(text: str) -> str | None:

@@ -91,6 +91,15 @@ class BaseAdapter:
     def cli_args(self) -> list[str] | None:
         return None
 
+    def _machine_args(self) -> list[str]:
+        """``--device`` when not this machine's default, ``--widths`` when set."""
+        args = []
+        if self.device.type != ("cuda" if torch.cuda.is_available() else "cpu"):
+            args += ["--device", self.device.type]
+        if getattr(self, "widths", None) is not None:
+            args += ["--widths", ",".join(map(str, self.widths))]
+        return args
+
     def clear(self, tokens: Sequence[int]) -> torch.Tensor | None:
         return None
 
@@ -218,12 +227,7 @@ class ToyAdapter(BaseAdapter):
         default_dtype = (ToyConfig.bench() if size == "bench" else ToyConfig.tiny()).dtype
         if c.dtype != default_dtype:
             args += ["--dtype", str(c.dtype).replace("torch.", "")]
-        machine = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.device.type != machine:
-            args += ["--device", self.device.type]
-        if self.widths is not None:
-            args += ["--widths", ",".join(map(str, self.widths))]
-        return args
+        return args + self._machine_args()
 
 
 class HFAdapter(BaseAdapter):
@@ -320,9 +324,4 @@ class HFAdapter(BaseAdapter):
         default = torch.float32 if self.size == "tiny" else torch.bfloat16
         if self.model.config.dtype != default:
             args += ["--dtype", str(self.model.config.dtype).replace("torch.", "")]
-        machine = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.device.type != machine:
-            args += ["--device", self.device.type]
-        if self.widths is not None:
-            args += ["--widths", ",".join(map(str, self.widths))]
-        return args
+        return args + self._machine_args()
