@@ -86,6 +86,43 @@ def test_host_views_belong_to_the_thread_that_asked():
     rt.host_inputs(2)  # consumed: any thread may ask again
 
 
+
+def test_host_views_handed_before_a_commit_still_step_after_it():
+    """Review finding: host_inputs views are "good for the next step only"; a commit is no
+    step. Before the restructure (3440785) a CPU commit between host_inputs() and step()
+    left the views live; now StaticInputs.write_control -> _consume drops them on a CPU
+    (``self.device.type != "cuda"``), so a commit-mode runner that fills the next step's
+    views, commits the last result, then steps gets InputError (and another thread may take
+    the views over). Expected: the views step, and stay this thread's until then."""
+    from cudagraph_rt import HostRows
+    m, ref = SlotModel("cpu", seed=3), SlotModel("cpu", seed=3)
+    rt = GraphRuntime(m, m.specs(), graphs=False, device="cpu",
+                      host_rows=HostRows(source="hidden", mode="commit", depth=3))
+    gen = seeded_gen()
+    x0 = m.random_inputs(4, gen=gen)
+    r0 = rt.step(**x0)
+    want0 = ref(x0)["hidden"]
+    v = rt.host_inputs(3)
+    x1 = m.random_inputs(3, gen=gen)
+    fill(v, x1)
+    h = rt.commit(r0, [0, 3])  # ship the last step's rows while the next one is filled
+    torch.testing.assert_close(h.rows(), want0[[0, 3]])
+    h.release()
+    busy = []
+    t = threading.Thread(target=lambda: busy.append(_busy(rt)))
+    t.start()
+    t.join()
+    assert busy == [True], "another thread took over views this thread has not stepped yet"
+    torch.testing.assert_close(rt.step(**v).outputs["hidden"], ref(x1)["hidden"])
+
+
+def _busy(rt) -> bool:
+    try:
+        rt.host_inputs(1)
+    except BusyError:
+        return True
+    return False
+
 def test_threads_doing_host_inputs_fill_step_never_get_wrong_rows():
     """Four threads each loop host_inputs -> fill -> step with their own rows and KV slots;
     every step either runs on its own rows (checked against the reference) or is refused,

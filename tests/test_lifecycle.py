@@ -5,7 +5,7 @@ public state digest. CPU path (graphs off); the GPU side is in test_reliability_
 import pytest
 import torch
 
-from cudagraph_rt import GraphRuntime, HostRows, InputSpec, StaleRowsError, StateDigest
+from cudagraph_rt import GraphRuntime, HostRows, InputSpec, StaleRowsError, StateDigest, StepFunctionError
 from models_for_tests import SlotModel
 
 
@@ -113,3 +113,43 @@ def test_state_digest_sees_every_part_a_step_or_commit_writes():
     rt.host_inputs(2)
     rt.reset_stats()
     assert "counters" in d2.changed(rt.state_digest())
+
+
+# ---- review findings (restructure, 77a045a..HEAD) --------------------------------------------
+def test_capture_with_graphs_off_checks_the_output_structure_as_its_docstring_says():
+    """capture()'s docstring: "With graphs off it only checks the step function's output
+    structure". Without HostRows it checks nothing (no probe runs): a step function whose
+    output lacks the width dimension passes capture() and fails only at the first step.
+    (Issue 14 named this; the docstring is unchanged.) Either check it or drop the claim."""
+    claims = "checks the step function's output structure" in " ".join(GraphRuntime.capture.__doc__.split())
+    rt = GraphRuntime(lambda x: {"h": x["t"].sum().reshape(1)}, {"t": InputSpec((), torch.int64, 0)},
+                      graphs=False, device="cpu")
+    if claims:
+        with pytest.raises(StepFunctionError, match="leading dimension"):
+            rt.capture()
+
+
+@pytest.mark.cuda
+def test_state_digest_waits_for_the_device_before_reading_the_ring():
+    """state_digest()'s docstring: "Waits for the device first". The old runtime
+    synchronized the device (and took the step lock) before hashing; runtime_digest no
+    longer does, and it hashes the pinned host ring (``rows_mode.digest()``) before the
+    arena's ``.cpu()`` copy syncs anything: a digest taken right after a step that is still
+    on the device reads the ring before the step's gather lands, so "equal digests before
+    and after a refused call" can fail spuriously (or pass on a half-written ring)."""
+    from cudagraph_rt.testing.internals import poison_next_slot
+    m = SlotModel("cuda", seed=2)
+    rt = GraphRuntime(m, m.specs(), graphs=True, device="cuda",
+                      host_rows=HostRows(source="hidden", mode="host", depth=2))
+    rt.capture()
+    x = m.random_inputs(8, gen=seeded())
+    poison_next_slot(rt)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1 << 30)  # device time queued ahead of the step's replay and gather
+    res = rt.step(rows=[1, 5], **x)
+    early = rt.state_digest()  # must wait for the step (its gather into the ring) first
+    torch.cuda.synchronize()
+    late = rt.state_digest()
+    assert early == late, f"state_digest read {early.changed(late)} before the device finished"
+    res.host_rows.release()
+    rt.close()

@@ -1,0 +1,516 @@
+"""Stateful fuzz of GraphRuntime's public API (CPU, graphs off): a hypothesis
+RuleBasedStateMachine drives one runtime over a SlotModel, with a reference copy of the
+model run unpadded at exactly T rows, through random sequences of
+
+- valid steps of T in 1..140 (one graph slice, dynamic, sliced) with plain tensors, numpy
+  arrays, nested lists, ``host_inputs`` views (filled then stepped, at once or after other
+  calls) and ``device_inputs`` views;
+- refused calls: stale, cut or replaced host views, another thread's views, bad inputs
+  (dtype, shape, rows, names, zero rows), bad host-row indices, a full ring, stale and
+  sliced commits, a device-mode step wider than the default capacity;
+- host-row choices per mode (host: rows before the step; device: the step function picks
+  the rows whose scale > 0.5; commit: rows after the step), handles held and released,
+  commits fresh and stale, ``reset_stats``, ``recapture``; ``close`` at the end.
+
+After every rule: valid steps match the reference (outputs, real KV slots, shipped rows),
+every held handle still reads its own step's rows, ``stats()`` equals an independent count,
+and every refused call left ``state_digest()`` (and the real KV slots) unchanged. The
+model of the ring and of the commit window is kept apart from the runtime's bookkeeping.
+
+Seeds: each run prints the model/input seed it draws; hypothesis prints the failing rule
+sequence (and ``@reproduce_failure`` blob).
+"""
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from cudagraph_rt import (BusyError, CapacityError, CgrtError, GraphRuntime, HostRows, InputError,
+                          StaleRowsError)
+from cudagraph_rt.testing.internals import poison_next_slot
+from models_for_tests import SlotModel
+from reliability_harness import ScaleChooser, bits, chosen_by_scale
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+WIDTHS = (1, 2, 4, 8, 16, 32, 64)  # default widths, dynamic limit 96, rows 96
+ROWS = 96
+T_ALL = st.one_of(st.integers(1, 64), st.integers(65, 96), st.integers(97, 140))
+T_ONE = st.integers(1, ROWS)  # one-slice steps (host_inputs / device_inputs)
+# README: host_inputs views are "good for the next step only"; a commit is no step, so
+# views handed before a commit are stepped after it (False only to explore past that bug)
+COMMIT_KEEPS_VIEWS = True
+FORMS = st.sampled_from(["tensor", "numpy", "list", "mixed", "cast", "strided", "big_endian"])
+
+
+class Boom(RuntimeError):
+    """What the step function raises when a rule makes it fail."""
+
+
+def failing(cls):
+    """``cls`` whose call raises Boom while ``fail`` is set (before it writes any state)."""
+    class Failing(cls):
+        fail = False
+
+        def __call__(self, x):
+            if self.fail:
+                raise Boom("step function failed on purpose")
+            return super().__call__(x)
+    return Failing
+
+
+def plan(T: int) -> list[tuple[str, int, int]]:
+    """(path, width, length) of each slice, by the README's rule, stated here again."""
+    out, start = [], 0
+    while start < T:
+        left = T - start
+        if left <= WIDTHS[-1]:
+            out.append(("graph", next(w for w in WIDTHS if w >= left), left))
+            break
+        n = min(left, ROWS)
+        out.append(("dynamic", n, n))
+        start += n
+    return out
+
+
+def as_form(x: dict, form: str, gen: torch.Generator) -> dict:
+    if form == "tensor":
+        return x
+    if form == "numpy":
+        return {k: v.numpy().copy() for k, v in x.items()}
+    if form == "list":
+        return {k: v.tolist() for k, v in x.items()}
+    if form == "cast":  # dtypes that hold these values exactly
+        return {"tokens": x["tokens"].to(torch.int32), "slot": x["slot"].to(torch.int16),
+                "read": x["read"].numpy().astype(np.uint8), "scale": x["scale"].numpy()}
+    if form == "strided":  # every other row of a tensor twice as long
+        out = {}
+        for k, v in x.items():
+            w = torch.empty((2 * len(v), *v.shape[1:]), dtype=v.dtype)
+            w[::2] = v
+            out[k] = w[::2]
+        return out
+    if form == "big_endian":
+        return {k: v.numpy().astype(v.numpy().dtype.newbyteorder(">")) for k, v in x.items()}
+    kinds = ["tensor", "numpy", "list", "strided", "big_endian"]
+    return {k: as_form({k: v}, kinds[int(torch.randint(0, len(kinds), (1,), generator=gen))], gen)[k]
+            for k, v in x.items()}
+
+
+class RuntimeMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.rt = None
+
+    # -- set-up ----------------------------------------------------------------------------
+    @initialize(mode=st.sampled_from([None, "host", "device", "commit"]), depth=st.integers(2, 3),
+                seed=st.integers(0, 2**31 - 1), capacity=st.sampled_from([None, 140]))
+    def build(self, mode, depth, seed, capacity):
+        print(f"fuzz: mode={mode} depth={depth} capacity={capacity} seed={seed}")
+        cls = ScaleChooser if mode == "device" else SlotModel
+        self.m = failing(cls)("cpu", H=16, n_slots=160, seed=seed % 1000)
+        self.ref = cls("cpu", H=16, n_slots=160, seed=seed % 1000)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.mode, self.depth = mode, depth
+        self.capacity = capacity or ROWS
+        hr = HostRows(source="hidden", mode=mode, depth=depth, capacity=capacity) if mode else None
+        self.rt = GraphRuntime(self.m, self.m.specs(), graphs=False, device="cpu", host_rows=hr)
+        # the model of what the runtime should have done
+        self.counts = dict(steps=0, slices=0, padding=0, commits=0)
+        self.eager, self.dynamic = Counter(), Counter()
+        self.next_slot = 0
+        self.held: dict[int, tuple] = {}      # ring slot -> (handle, expected rows)
+        self.one_slice_steps = 0              # commit-window turns taken
+        self.pending: list[tuple] = []        # (result, expected hidden, turn or None)
+        self.views = None                     # (views, inputs filled) handed, not stepped yet
+        self.stale: list[dict] = []           # views consumed by a step
+        self.closed = False
+        self.probed = mode is None  # HostRows: the first capture probes the step function
+
+    # -- helpers ---------------------------------------------------------------------------
+    def inputs(self, T: int) -> dict:
+        return self.m.random_inputs(T, gen=self.gen)
+
+    def snapshot(self):
+        return self.rt.state_digest(), bits(self.m.state[:-1])
+
+    def assert_unchanged(self, before) -> None:
+        digest, state = before
+        now = self.rt.state_digest()
+        assert not digest.changed(now), f"a refused call changed {digest.changed(now)}"
+        assert digest == now or "-" in (digest.ring, digest.snapshots)
+        assert torch.equal(state, bits(self.m.state[:-1])), "a refused call changed a real KV slot"
+
+    def refused(self, call, exc, match=None) -> None:
+        before = self.snapshot()
+        with pytest.raises(exc, match=match):
+            call()
+        self.assert_unchanged(before)
+
+    def ring_full(self) -> bool:
+        return self.next_slot in self.held
+
+    def ref_step(self, x: dict) -> dict:
+        specs = self.rt.input_specs
+        return self.ref({k: torch.as_tensor(np.array(v) if not isinstance(v, torch.Tensor) else v)
+                         .to(specs[k].dtype) for k, v in x.items()})
+
+    def draw_rows(self, T: int, how: str):
+        if self.mode != "host" or how == "none":
+            return None
+        if how == "empty":
+            return []
+        k = min(T, self.capacity)
+        if how == "all":
+            return list(range(k))
+        n = int(torch.randint(0, k + 1, (1,), generator=self.gen))
+        rows = torch.randperm(T, generator=self.gen)[:n]
+        return rows.numpy() if n % 2 else rows.tolist()
+
+    def ships(self, rows) -> bool:
+        return self.mode == "device" or (self.mode == "host" and rows is not None)
+
+    def expect_refusal(self, T: int, rows):
+        """The error a valid-looking step must raise (before anything is written), or None."""
+        if self.mode == "device" and len(plan(T)) > 1 and self.capacity == ROWS and T > ROWS:
+            return CapacityError, r"HostRows\(mode='device'\)"
+        if self.ships(rows) and self.ring_full():
+            return CapacityError, rf"host-row ring: slot {self.next_slot} still holds"
+        return None
+
+    def run_step(self, x: dict, T: int, rows, call, hold: bool) -> None:
+        """One valid step (``call()`` runs it), checked against the reference and the model."""
+        refusal = self.expect_refusal(T, rows)
+        if refusal is not None:
+            self.refused(call, *refusal)
+            return
+        poison_next_slot(self.rt)
+        res = call()
+        self.probed = True
+        want = self.ref_step(x)
+        assert res.T == T and [(s.path, s.width, s.length) for s in res.slices] == plan(T)
+        torch.testing.assert_close(res.outputs["hidden"], want["hidden"], **TOL)
+        assert torch.equal(res.outputs["tok"], want["tok"]) or torch.allclose(
+            res.outputs["hidden"], want["hidden"], **TOL)
+        torch.testing.assert_close(self.m.state[:-1], self.ref.state[:-1], **TOL)
+        # counters
+        self.counts["steps"] += 1
+        for path, w, n in plan(T):
+            self.counts["slices"] += 1
+            self.counts["padding"] += w - n
+            (self.eager if path == "graph" else self.dynamic)[w] += 1
+        # host rows
+        if self.ships(rows):
+            chosen = chosen_by_scale(x) if self.mode == "device" else [int(i) for i in list(rows)]
+            h = res.host_rows
+            assert h is not None and h.slot == self.next_slot
+            exp = want["hidden"][chosen]
+            assert h.indices().tolist() == chosen
+            torch.testing.assert_close(h.rows(), exp, **TOL)
+            self.next_slot = (self.next_slot + 1) % self.depth
+            if hold:
+                self.held[h.slot] = (h, exp)
+            else:
+                h.release()
+                with pytest.raises(StaleRowsError):
+                    h.rows()
+        else:
+            assert res.host_rows is None
+        if self.mode == "commit":
+            turn = None
+            if len(res.slices) == 1:
+                turn = self.one_slice_steps
+                self.one_slice_steps += 1
+                assert res.snapshot is not None
+            else:
+                assert res.snapshot is None
+            self.pending = (self.pending + [(res, want["hidden"].clone(), turn)])[-6:]
+        if self.views is not None:  # a step consumes the views handed out before it
+            self.stale.append(self.views[0])
+            self.views = None
+
+    # -- valid steps -------------------------------------------------------------------------
+    @precondition(lambda self: not self.closed)
+    @rule(T=T_ALL, form=FORMS, how=st.sampled_from(["none", "some", "all", "empty"]), hold=st.booleans())
+    def step_plain(self, T, form, how, hold):
+        x = self.inputs(T)
+        rows = self.draw_rows(T, how)
+        given = as_form(x, form, self.gen)
+        kw = {"rows": rows} if rows is not None else {}
+        self.run_step(x, T, rows, lambda: self.rt.step(**kw, **given), hold)
+
+    @precondition(lambda self: not self.closed)
+    @rule(T=T_ONE, how=st.sampled_from(["none", "some"]), hold=st.booleans())
+    def host_views_fill_step(self, T, how, hold):
+        v = self.rt.host_inputs(T)
+        self.probed = True  # host_inputs captures first
+        x = self.inputs(T)
+        for k, t in x.items():
+            v[k].numpy()[:] = t.numpy()
+        self.views = (v, x)
+        rows = self.draw_rows(T, how)
+        kw = {"rows": rows} if rows is not None else {}
+        self.run_step(x, T, rows, lambda: self.rt.step(**kw, **v), hold)
+
+    @precondition(lambda self: not self.closed)
+    @rule(T=T_ONE)
+    def host_views_fill_only(self, T):
+        """Views handed and filled, stepped by a later rule (other calls may come first)."""
+        if self.views is not None:
+            self.stale.append(self.views[0])  # newer views replace them
+        v = self.rt.host_inputs(T)
+        self.probed = True
+        x = self.inputs(T)
+        for k, t in x.items():
+            v[k].copy_(t)
+        self.views = (v, x)
+
+    @precondition(lambda self: not self.closed and self.views is not None)
+    @rule(hold=st.booleans())
+    def step_pending_views(self, hold):
+        v, x = self.views
+        T = len(x["tokens"])
+        rows = self.draw_rows(T, "some")
+        kw = {"rows": rows} if rows is not None else {}
+        self.run_step(x, T, rows, lambda: self.rt.step(**kw, **v), hold)
+
+    @precondition(lambda self: not self.closed)
+    @rule(T=T_ONE, refuse_first=st.booleans())
+    def device_views_step(self, T, refuse_first):
+        d = self.rt.device_inputs(T)
+        x = self.inputs(T)
+        for k, t in x.items():
+            d[k].copy_(t)
+        if refuse_first:  # a refused call in between must not touch the rows written
+            bad = self.inputs(T)
+            bad["tokens"] = bad["tokens"].double()
+            self.refused(lambda: self.rt.step(**bad), InputError, r"tokens: expected dtype")
+        self.run_step(x, T, None, lambda: self.rt.step(**d), False)
+
+    @precondition(lambda self: not self.closed)
+    @rule(T=T_ALL, how=st.sampled_from(["none", "some"]), views=st.booleans())
+    def failing_step(self, T, how, views):
+        """The step function raises: the exception propagates unwrapped; no step is counted,
+        no ring slot and no commit-window turn is used up; the arena may hold the rows."""
+        rows = self.draw_rows(T, how)
+        if self.expect_refusal(T, rows) is not None:
+            return
+        if views and T <= ROWS:
+            v = self.rt.host_inputs(T)
+            self.probed = True
+            for k, t in self.inputs(T).items():
+                v[k].copy_(t)
+        else:
+            v, views = as_form(self.inputs(T), "tensor", self.gen), False
+        kw = {"rows": rows} if rows is not None else {}
+        self.m.fail = True
+        try:
+            with pytest.raises(Boom):
+                self.rt.step(**kw, **v)
+        finally:
+            self.m.fail = False
+        if self.probed:  # else the first-use probe raised, before any slice ran
+            path, w, _ = plan(T)[0]
+            (self.eager if path == "graph" else self.dynamic)[w] += 1  # the call that raised
+        if self.views is not None:  # the arena took the new rows: handed views are used up
+            self.stale.append(self.views[0])
+            self.views = None
+        if views:
+            self.stale.append(v)
+
+    # -- refused calls --------------------------------------------------------------------------
+    @precondition(lambda self: not self.closed and bool(self.stale))
+    @rule(i=st.integers(0, 5))
+    def stale_views_refused(self, i):
+        v = self.stale[i % len(self.stale)]
+        if self.views is not None and all(v[k] is self.views[0][k] for k in v):
+            return  # host_inputs(T) hands the same objects out again for the same T: live
+        self.refused(lambda: self.rt.step(**v), InputError, r"expected memory apart from the runtime's static")
+
+    @precondition(lambda self: not self.closed and self.views is not None)
+    @rule()
+    def cut_views_refused(self):
+        v, x = self.views
+        if len(x["tokens"]) < 2:
+            return
+        cut = {k: t[:-1] for k, t in v.items()}
+        self.refused(lambda: self.rt.step(**cut), InputError, r"expected memory apart from the runtime's static")
+
+    @precondition(lambda self: not self.closed and self.views is not None)
+    @rule(which=st.sampled_from(["busy", "step"]))
+    def other_thread_refused(self, which):
+        v, _ = self.views
+        box = []
+
+        def run():
+            try:
+                self.rt.host_inputs(1) if which == "busy" else self.rt.step(**v)
+            except Exception as e:  # noqa: BLE001 - examined below
+                box.append(e)
+        before = self.snapshot()
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+        assert len(box) == 1 and isinstance(box[0], BusyError if which == "busy" else InputError), box
+        self.assert_unchanged(before)
+
+    @precondition(lambda self: not self.closed)
+    @rule(T=T_ALL, kind=st.sampled_from(["float_tokens", "missing", "extra", "row_mismatch", "zero_rows",
+                                         "bad_shape", "nan_list", "complex", "strings", "big_int"]))
+    def bad_inputs_refused(self, T, kind):
+        x = self.inputs(T)
+        if kind == "float_tokens":
+            x["tokens"] = x["tokens"].double() + 0.5
+        elif kind == "missing":
+            del x["read"]
+        elif kind == "extra":
+            x["temperature"] = torch.ones(T)
+        elif kind == "row_mismatch":
+            x["scale"] = torch.rand(T + 1, 1)
+        elif kind == "zero_rows":
+            x = {k: v[:0] for k, v in x.items()}
+        elif kind == "bad_shape":
+            x["scale"] = x["scale"].reshape(T)
+        elif kind == "nan_list":
+            x["slot"] = [float("nan")] * T
+        elif kind == "complex":
+            x["scale"] = x["scale"].to(torch.complex64)
+        elif kind == "strings":
+            x["read"] = np.array(["a"] * T)
+        elif kind == "big_int":
+            x["tokens"] = [2**70] * T
+        self.refused(lambda: self.rt.step(**x), InputError)
+
+    @precondition(lambda self: not self.closed)
+    @rule(T=T_ALL, kind=st.sampled_from(["oob", "neg", "dup", "cap", "float", "2d", "not_host"]))
+    def bad_rows_refused(self, T, kind):
+        x = self.inputs(T)
+        if self.mode != "host" or kind == "not_host":
+            if self.mode == "host":
+                return
+            self.refused(lambda: self.rt.step(rows=[0], **x), InputError, r"rows: expected None unless")
+            return
+        rows = {"oob": [T], "neg": [-1], "dup": [0, 0] if T > 1 else [1], "cap": list(range(self.capacity + 1)),
+                "float": [0.0], "2d": [[0]]}[kind]
+        exc = CapacityError if kind == "cap" else InputError
+        self.refused(lambda: self.rt.step(rows=rows, **x), exc, r"rows")
+
+    # -- handles and commits ----------------------------------------------------------------------
+    @precondition(lambda self: not self.closed and bool(self.held))
+    @rule(i=st.integers(0, 5))
+    def release(self, i):
+        slot = sorted(self.held)[i % len(self.held)]
+        h, exp = self.held.pop(slot)
+        torch.testing.assert_close(h.rows(), exp, **TOL)
+        h.release()
+        with pytest.raises(StaleRowsError):
+            h.rows()
+
+    @precondition(lambda self: not self.closed and self.mode == "commit" and bool(self.pending))
+    @rule(i=st.integers(0, 5), stride=st.integers(1, 4), hold=st.booleans(),
+          views=st.sampled_from([None, "fill", "fill_step"]), T=T_ONE)
+    def commit(self, i, stride, hold, views, T):
+        """A commit, optionally between filling the next step's host views and stepping
+        them (a commit-mode runner's order: fill step k+1, commit step k, step k+1)."""
+        if views is not None:
+            self.host_views_fill_only(T)
+        self._commit(i, stride, hold)
+        if views == "fill_step" and self.views is not None:
+            self.step_pending_views(hold=False)
+
+    def _commit(self, i, stride, hold):
+        res, hidden, turn = self.pending[i % len(self.pending)]
+        rows = list(range(0, res.T, stride))[:self.capacity]
+        if turn is None:
+            self.refused(lambda: self.rt.commit(res, rows), CapacityError, r"result: expected a one-slice step")
+            return
+        if self.one_slice_steps - turn > self.depth:
+            self.refused(lambda: self.rt.commit(res, rows), StaleRowsError, r"snapshot of that step was reused")
+            return
+        if self.ring_full():
+            self.refused(lambda: self.rt.commit(res, rows), CapacityError, r"host-row ring")
+            return
+        poison_next_slot(self.rt)
+        h = self.rt.commit(res, rows)
+        self.counts["commits"] += 1
+        if self.views is not None and not COMMIT_KEEPS_VIEWS:  # exploration only
+            self.stale.append(self.views[0])
+            self.views = None
+        exp = hidden[rows]
+        assert h.slot == self.next_slot
+        torch.testing.assert_close(h.rows(), exp, **TOL)
+        assert h.indices().tolist() == rows
+        self.next_slot = (self.next_slot + 1) % self.depth
+        if hold:
+            self.held[h.slot] = (h, exp)
+        else:
+            h.release()
+
+    @precondition(lambda self: not self.closed and self.mode not in (None, "commit"))
+    @rule()
+    def commit_without_commit_mode_refused(self):
+        self.refused(lambda: self.rt.commit(object(), [0]), InputError, r"commit\(\)")
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    @precondition(lambda self: not self.closed)
+    @rule()
+    def reset_stats(self):
+        self.rt.reset_stats()
+        self.counts = dict(steps=0, slices=0, padding=0, commits=0)
+        self.eager, self.dynamic = Counter(), Counter()
+
+    @precondition(lambda self: not self.closed)
+    @rule()
+    def recapture(self):
+        digest, state = self.snapshot()
+        self.rt.recapture()
+        self.probed = True
+        now = self.rt.state_digest()
+        assert not digest.changed(now), f"recapture changed {digest.changed(now)}"
+        assert torch.equal(state, bits(self.m.state[:-1]))
+
+    # -- after every rule -----------------------------------------------------------------------
+    @invariant()
+    def counters_match(self):
+        if self.rt is None or self.closed:
+            return
+        s = self.rt.stats()
+        assert (s.steps, s.slices, s.padding_rows, s.commits) == (
+            self.counts["steps"], self.counts["slices"], self.counts["padding"], self.counts["commits"])
+        assert dict(s.eager_calls) == +self.eager and dict(s.dynamic_calls) == +self.dynamic
+        assert dict(s.graph_replays) == {}
+
+    @invariant()
+    def held_handles_read_their_own_rows(self):
+        if self.rt is None:
+            return
+        for h, exp in self.held.values():
+            torch.testing.assert_close(h.rows(), exp, **TOL)
+
+    def teardown(self):
+        if self.rt is None:
+            return
+        self.rt.close()
+        self.closed = True
+        x = self.inputs(3)
+        for call in (lambda: self.rt.step(**x), lambda: self.rt.host_inputs(3), lambda: self.rt.device_inputs(3),
+                     self.rt.state_digest, self.rt.capture, self.rt.recapture, lambda: self.rt.static_inputs(4)):
+            with pytest.raises(CgrtError):
+                call()
+        if self.mode == "commit" and self.pending:
+            with pytest.raises(CgrtError):
+                self.rt.commit(self.pending[-1][0], [0])
+        self.rt.close()  # twice: no error
+
+
+TestRuntimeFuzz = RuntimeMachine.TestCase
+TestRuntimeFuzz.settings = settings(
+    max_examples=300, stateful_step_count=40, deadline=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink])
