@@ -153,3 +153,42 @@ def test_state_digest_waits_for_the_device_before_reading_the_ring():
     assert early == late, f"state_digest read {early.changed(late)} before the device finished"
     res.host_rows.release()
     rt.close()
+
+
+@pytest.mark.parametrize("how", ["close", "del"])
+@pytest.mark.parametrize("mode", [None, "host", "commit"])
+def test_close_or_del_frees_the_buffers_without_waiting_for_the_garbage_collector(how, mode):
+    """Before the restructure, ``close()`` freed the arena and staging at once and ``del rt``
+    freed the whole runtime (graphs, pool, arena, ring) at once, by reference counting. Now
+    two reference cycles hold them until a cyclic collection (rare for long-lived
+    objects, in gen 2): StaticInputs -> validator -> Validator._owned, a bound method of
+    that StaticInputs (inputs/__init__.py); and GraphRuntime -> _by_width / _dynamic ->
+    EagerSlice/GraphSlice/DynamicSlice -> ``self._body``, a bound method of the runtime
+    (runtime._eager_executors). The GPU memory tests call gc.collect() first, which hides
+    it; a serving process that drops a runtime keeps its GPU memory meanwhile."""
+    import gc
+    import weakref
+
+    from cudagraph_rt.inputs import StaticInputs
+
+    def static_inputs_alive() -> int:
+        return sum(1 for o in gc.get_objects() if type(o) is StaticInputs)
+
+    m = SlotModel("cpu", seed=5)
+    gc.collect()
+    gc.disable()
+    try:
+        n0 = static_inputs_alive()
+        rt = GraphRuntime(m, m.specs(), graphs=False, device="cpu",
+                          host_rows=HostRows(source="hidden", mode=mode) if mode else None)
+        rt.step(**m.random_inputs(5, gen=seeded()))
+        if how == "close":
+            rt.close()
+            assert static_inputs_alive() == n0, "close() left the arena and staging to the garbage collector"
+        else:
+            ref = weakref.ref(rt)
+            del rt
+            assert ref() is None, "del left the runtime (graphs, pool, arena, ring) to the garbage collector"
+    finally:
+        gc.enable()
+        gc.collect()
