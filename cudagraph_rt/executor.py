@@ -91,6 +91,22 @@ class OutputLayout:
         return tree_unflatten(bufs, self.spec)
 
 
+class StepBody:
+    """The step function at width ``n`` plus the host-row work of the same replay: what
+    each width captures, and the eager path. It holds no reference to the runtime, so
+    dropping the runtime frees its buffers at once (no cycle for the garbage collector)."""
+
+    def __init__(self, step_fn: Callable, layout: OutputLayout, rows_mode, control: Callable):
+        self.step_fn, self.layout, self.rows_mode, self.control = step_fn, layout, rows_mode, control
+
+    def __call__(self, n: int, views: dict, fn: Callable | None = None) -> Any:
+        out = (fn or self.step_fn)(views)
+        self.layout.check(n, out)
+        if self.rows_mode is not None:
+            self.rows_mode.gather_in_graph(out, n, self.control)
+        return out
+
+
 class EagerSlice:
     """The step function run eagerly at a padded width, over the same static buffers (the
     graphs-off path, and a width whose capture fell back). Synchronous on a CPU."""

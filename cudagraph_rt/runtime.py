@@ -19,7 +19,7 @@ from .capture import CaptureReport, CaptureSettings, WatchedTensors, WidthCaptur
 from .config import RuntimeConfig, StepFn
 from .digest import StateDigest, runtime_digest
 from .errors import BusyError, CapacityError, CgrtError, InputError, expected
-from .executor import Counters, GraphSlice, OutputLayout, eager_executors
+from .executor import Counters, GraphSlice, OutputLayout, StepBody, eager_executors
 from .handed import HandedBuffers
 from .host_rows import HostRows, HostRowsHandle, make_rows_mode
 from .results import PlannedStep, RuntimeStats, StepResult
@@ -67,6 +67,7 @@ class GraphRuntime(HandedBuffers):
         hr = self._rows_mode = make_rows_mode(cfg.host_rows, cfg.rows, self.device, gather_rows) if cfg.host_rows else None
         self._inputs = StaticInputs(cfg.inputs, cfg.rows, self.device, hr.control_blocks() if hr else {}, feed=cfg.graphs)
         self._layout = OutputLayout(hr.count_leaf if hr else lambda out, leaves: -1)
+        self._body = StepBody(cfg.step_fn, self._layout, hr, self._inputs.control)
         self._replaying = hr.replaying if hr else lambda: None
         self._watch = WatchedTensors(cfg.watch)
         self._lock, self._token = threading.Lock(), object()  # the token marks this runtime's StepResults
@@ -95,7 +96,8 @@ class GraphRuntime(HandedBuffers):
     def capture(self) -> CaptureReport:
         """Capture every width once, largest first, into one shared memory pool.
 
-        Idempotent. With graphs off it only checks the step function's output structure.
+        Idempotent. With graphs off it only runs the first-use probe, when HostRows is set
+        (one eager call that checks the outputs and sizes the ring); else nothing.
         Raises CaptureError (see the class docstring); widths captured before still replay.
         The step function runs on padding rows only (``step_fn_calls`` in the report); the
         arena is put back afterwards, even on failure.
@@ -125,7 +127,7 @@ class GraphRuntime(HandedBuffers):
         step afterwards."""
         with self._lock:
             self._drop_graphs()
-            self._inputs, self._by_width, self._dynamic = None, {}, None
+            self._inputs, self._by_width, self._dynamic, self._body = None, {}, None, None
             if self._rows_mode is not None:
                 self._rows_mode.close()
 
@@ -185,6 +187,8 @@ class GraphRuntime(HandedBuffers):
         takes no lock (it may watch a step another thread is blocked in) and raises
         CgrtError after ``close()``."""
         self._check_open("state_digest")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # every queued gather has written the ring
         return runtime_digest(self._inputs, self._rows_mode, self.stats())
 
     # -- one step: validate and plan (writes nothing), then execute ---------------------
@@ -249,15 +253,6 @@ class GraphRuntime(HandedBuffers):
     # -- building blocks ---------------------------------------------------------------
     def _executor(self, s: Slice):
         return self._dynamic if s.path == "dynamic" else self._by_width[s.width]
-
-    def _body(self, n: int, views: dict[str, torch.Tensor], fn: StepFn | None = None) -> Any:
-        """The step function at width ``n`` plus the host-row work of the same replay.
-        Captured as is; also the eager path."""
-        out = (fn or self.step_fn)(views)
-        self._layout.check(n, out)
-        if self._rows_mode is not None:
-            self._rows_mode.gather_in_graph(out, n, self._inputs.control)
-        return out
 
     def _eager_executors(self) -> None:
         self._by_width, self._dynamic = eager_executors(self.widths, self._body, self.dynamic_fn, self._inputs,

@@ -64,7 +64,7 @@ class StaticInputs:
         self._arenas = [*self.stager.arenas, *([self.feed.host] if self.fed else [])]  # ids 0, 1 (, FEED)
         host = [b for b in [self.arena, *(a.buf for a in self._arenas)] if not b.is_cuda]
         dev = [self.arena, self.feed.mirror] if self.fed else [self.arena] if cuda else []
-        self.validator = Validator(self.specs, device, _ranges(host), _ranges(dev), self._owned)
+        self.validator = Validator(self.specs, device, _ranges(host), _ranges(dev))
         self._names = self.specs.keys()
         self._host_views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self._device_views: dict[int, dict[str, torch.Tensor]] = {}
@@ -138,7 +138,7 @@ class StaticInputs:
                     raise InputError(expected("step inputs", "views host_inputs() handed to this thread",
                                               "the views handed to another thread"))
                 return handed[2]
-        return self.validator.check(inputs)
+        return self.validator.check(inputs, self._owned)
 
     def _owned(self, name: str, t: torch.Tensor) -> bool | None:
         """For a tensor inside our buffers: False for the very view host_views() handed out
@@ -167,15 +167,17 @@ class StaticInputs:
         self.feed.write(prep, start, length, width, control)
 
     def write_control(self, control: Mapping[str, Any]) -> None:
-        """Set control blocks only (a commit between steps)."""
-        k = self.stager.take()
-        self._consume(k)
+        """Set control blocks only (a commit between steps). Host views handed out survive
+        it unless it took their arena (CUDA without fed graphs: its staging alternates)."""
+        k = self.stager.take_for_control()
+        if k is not None:
+            self._consume(k)
         self.stager.write_control(k, control)
 
     def _consume(self, k: int) -> None:
-        """Handed host views of arena ``k`` are good for one step (a CPU's, for any step)."""
+        """Handed host views of arena ``k`` are good for one step."""
         h = self._handed_host
-        if h is not None and (h[0] == k or self.device.type != "cuda"):
+        if h is not None and h[0] == k:
             self._handed_host = None
 
     def unfeed(self) -> None:

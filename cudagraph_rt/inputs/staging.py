@@ -91,7 +91,12 @@ class CpuStaging:
         self.arenas = [HostArena(layout, pinned=False)]
 
     def take(self) -> int:
+        """Every step writes the arena itself; its host arena's handed views are used up."""
         return 0
+
+    def take_for_control(self) -> None:
+        """Control blocks go straight into the arena: no host arena is taken."""
+        return None
 
     def wait(self, k: int) -> None:
         """Nothing is in flight on a CPU."""
@@ -141,6 +146,9 @@ class PinnedStaging:
 
     def wait(self, k: int) -> None:
         self._events[k].synchronize()
+
+    def take_for_control(self) -> int:
+        return self.take()
 
     def write(self, k: int, prep: Prepared, start: int, length: int, width: int, control) -> None:
         a, ptrs, zero_copy = self.arenas[k], prep.host_ptrs, prep.zero_copy

@@ -32,12 +32,12 @@ class Validator:
     """Names, rows, per-row shapes, dtypes, devices and overlaps of one step's inputs.
 
     ``host_ranges`` / ``device_ranges``: the runtime's own buffers, as (start, end)
-    addresses; a tensor inside one is taken only when ``owned(name, t)`` says it is a
-    handed view or the arena's own rows ("zero copy"), else refused."""
+    addresses; a tensor inside one is taken only when ``check``'s ``owned(name, t)`` says
+    it is a handed view or the arena's own rows ("zero copy"), else refused."""
 
     def __init__(self, specs: Mapping[str, InputSpec], device: torch.device, host_ranges: list,
-                 device_ranges: list, owned: Callable[[str, torch.Tensor], bool]):
-        self.specs, self.device, self._owned = dict(specs), device, owned
+                 device_ranges: list):
+        self.specs, self.device = dict(specs), device
         self._host_ranges, self._device_ranges = host_ranges, device_ranges
         self._checks = [(n, s, s.ndim1, torch.Size(s.shape), s.dtype) for n, s in self.specs.items()]
         self._first = next(iter(self.specs))
@@ -49,9 +49,11 @@ class Validator:
             raise InputError(expected("step inputs", f"exactly {sorted(self.specs)}",
                                       f"missing {missing}, unexpected {extra}"))
 
-    def check(self, inputs: Mapping[str, Any]) -> Prepared:
+    def check(self, inputs: Mapping[str, Any], owned: Callable[[str, torch.Tensor], bool | None]) -> Prepared:
         """Raises InputError naming the input; writes nothing. On every step's path, so the
-        common case (tensors of the declared dtype) takes few Python operations."""
+        common case (tensors of the declared dtype) takes few Python operations. ``owned``
+        tells, for a tensor inside our buffers, zero copy (True), a handed view (False) or
+        neither (None: refused)."""
         tensors, host_ptrs, zero_copy, T = {}, {}, (), -1
         for name, spec, ndim, shape, dtype in self._checks:
             t = inputs[name]
@@ -75,7 +77,7 @@ class Validator:
                 t = cast_input(name, t, spec)
             t, ranges = self._place(name, t)
             p = t.data_ptr()
-            if self._inside(p, ranges) and self._overlap(name, t):
+            if self._inside(p, ranges) and self._overlap(name, t, owned):
                 zero_copy += (name,)
             if ranges is self._host_ranges and not cast and t.is_contiguous():
                 host_ptrs[name] = p  # written with one memmove, no tensor op
@@ -103,10 +105,11 @@ class Validator:
                 return True
         return False
 
-    def _overlap(self, name: str, t: torch.Tensor) -> bool:
+    @staticmethod
+    def _overlap(name: str, t: torch.Tensor, owned) -> bool:
         """A tensor inside our buffers: True when it is the arena's own rows (zero copy),
         False for a handed view (its rows are taken from where they lie), else refused."""
-        kind = self._owned(name, t)
+        kind = owned(name, t)
         if kind is None:
             raise InputError(expected(name, _OVERLAP, "a tensor overlapping them"))
         return kind
