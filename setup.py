@@ -7,6 +7,8 @@ setup(
     python_requires=">=3.10",
     packages=[
         "cudagraph_rt",
+        "cudagraph_rt.host_rows",
+        "cudagraph_rt.inputs",
         "cudagraph_rt.models",
         "cudagraph_rt.testing",
         "cudagraph_rt.kernels",

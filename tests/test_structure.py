@@ -31,3 +31,13 @@ def test_only_the_host_row_code_reads_the_mode_string():
     found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in CORE if "host_rows" not in p.parts
              for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert not found, found
+
+
+def test_setup_installs_every_package():
+    """A wheel (not an editable install) carries only the packages setup.py lists."""
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
+    listed = set(ast.literal_eval(next(k.value for k in call.keywords if k.arg == "packages")))
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "cudagraph_rt").rglob("__init__.py")}
+    found |= {"cudagraph_rt.kernels", "cudagraph_rt.tools"}  # package_dir maps them from the top level
+    assert found <= listed, f"setup.py packages miss {sorted(found - listed)}"
