@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from cudagraph_rt import GraphRuntime, InputError  # noqa: E402
+from cudagraph_rt import GraphRuntime, InputError, InputSpec  # noqa: E402
 from cudagraph_rt.models import hf  # noqa: E402
 from cudagraph_rt.models.accept import greedy_accept  # noqa: E402
 from cudagraph_rt.runner import ReferenceDrafter, Request, SpecRunner  # noqa: E402
@@ -282,7 +282,7 @@ class _StolenCellAdapter(HFAdapter):
 
     def build(self, graphs):
         self.model.reset_cache()
-        specs = dict(self.model.inputs(), cells=hf.InputSpec(pad=0))
+        specs = dict(self.model.inputs(), cells=InputSpec(pad=0))
         return GraphRuntime(self.model.step, specs, widths=self.widths, graphs=graphs, device=self.device)
 
 

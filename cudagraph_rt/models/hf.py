@@ -35,14 +35,12 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError, expected
-from .rows import take_rows
-from ..specs import InputSpec
+from .cells import ROW_INPUTS as _INPUTS, CellPoolModel
 from .accept import greedy_accept
 
 ATTENTION = "cgrt_cells"  # the registered attention function's name
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 SIZES = ("tiny", "1b")
-_INPUTS = ("tokens", "positions", "seq_ids", "cells", "want")
 # A greedy token is "clear" when the reference's top-1 logit beats its top-2 by more than
 # MARGIN_ULPS * eps(dtype) * max|logit| of that row (see HFDecoder.clear_positions).
 # Measured on the CPU (packed, padded steps against the one-sequence forward): bf16 logits
@@ -204,7 +202,7 @@ def _register() -> None:
 
 
 # ------------------------------------------------------------------------------ the decoder
-class HFDecoder:
+class HFDecoder(CellPoolModel):
     """A transformers causal LM stepped on a multi-sequence cell KV pool.
 
     Lifetime: the wrapped ``model`` is shared, not copied (put it in eval mode, on one
@@ -265,32 +263,6 @@ class HFDecoder:
     def hidden_width(self) -> int:
         """Width of the "hidden" output: the model's hidden size (its last, normed layer)."""
         return self.config.hidden
-
-    def reset_cache(self) -> None:
-        """Free every cell (owner -2) and zero K/V: masked cells get probability exactly 0,
-        and 0 * garbage could be NaN."""
-        self.k_cache.zero_()
-        self.v_cache.zero_()
-        self.cell_owner.fill_(-2)
-        self.cell_pos.zero_()
-
-    def cell_for(self, seq: int, pos: int) -> int:
-        """The cell of ``(seq, pos)``; :class:`InputError` outside the pool."""
-        if not 0 <= seq < self.config.max_seqs:
-            raise InputError(expected("seq", f"in [0, {self.config.max_seqs})", seq))
-        if not 0 <= pos < self.config.max_len:
-            raise InputError(expected("pos", f"in [0, {self.config.max_len})", pos))
-        return seq * self.config.max_len + pos
-
-    def inputs(self, verify: bool = False) -> dict[str, InputSpec]:
-        """Per-row int64 inputs and their pad values, as the toy's (``next_tokens`` only for
-        the verify step). A padding row (token 0, position 0, seq -1, scratch cell, want 0)
-        writes only the scratch cell and attends only to it."""
-        specs = dict(tokens=InputSpec(pad=0), positions=InputSpec(pad=0), seq_ids=InputSpec(pad=-1),
-                     cells=InputSpec(pad=self.scratch_cell), want=InputSpec(pad=0))
-        if verify:
-            specs["next_tokens"] = InputSpec(pad=-1)
-        return specs
 
     def step(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
         """One packed step of N rows from any sequences (capturable: no host sync, static
@@ -393,10 +365,6 @@ class HFDecoder:
             yield
         finally:
             cfg._attn_implementation = before
-
-    def _take(self, inputs: dict[str, Tensor], names: tuple[str, ...]) -> list[Tensor]:
-        return take_rows(inputs, names, self.device)
-
 
 def parse_model(text: str) -> str | None:
     """``--model`` value -> family (``hf:llama`` -> "llama"), None for ``toy``; InputError

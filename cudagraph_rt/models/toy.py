@@ -28,16 +28,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..specs import InputSpec
 from ..errors import InputError, expected
-from .rows import take_rows
+from .cells import ROW_INPUTS as _INPUTS, CellPoolModel
 from .accept import greedy_accept
 
 _EMB = 4.0  # scale of the one-hot token codes
 _OUT = 2.0  # readout gain: designed margin _EMB * _OUT = 8 logits
 _SLOPE = 16.0  # previous-token head: each neighbour gets exp(-16) ~ 1e-7 of the weight
 _NOISE = 0.1  # std of the random part of each logit (breaks ties below the top two)
-_INPUTS = ("tokens", "positions", "seq_ids", "cells", "want")
 
 
 @dataclass(frozen=True)
@@ -148,7 +146,7 @@ def _design_weights(cfg: ToyConfig) -> tuple[dict[str, Tensor], Tensor, list[int
     return w, q, pi_a.tolist(), pi_b.tolist()
 
 
-class ToyDecoder:
+class ToyDecoder(CellPoolModel):
     """A small decoder that every command can run with no weights to fetch.
 
     Lifetime: weights are fixed at construction (from ``config.seed``); the KV pool
@@ -211,34 +209,6 @@ class ToyDecoder:
     def design_margin(self) -> float:
         """Nominal top1-top2 logit gap the weights are built for (measure: :meth:`logit_margin`)."""
         return _EMB * _OUT
-
-    def reset_cache(self) -> None:
-        """Free every cell (owner -2) and zero K/V. Zeroed K/V matter: masked cells get
-        probability exactly 0, and 0 * garbage could be NaN."""
-        self.k_cache.zero_()
-        self.v_cache.zero_()
-        self.cell_owner.fill_(-2)
-        self.cell_pos.zero_()
-
-    def cell_for(self, seq: int, pos: int) -> int:
-        """The cell of ``(seq, pos)``; :class:`InputError` outside the pool."""
-        if not 0 <= seq < self.config.max_seqs:
-            raise InputError(expected("seq", f"in [0, {self.config.max_seqs})", seq))
-        if not 0 <= pos < self.config.max_len:
-            raise InputError(expected("pos", f"in [0, {self.config.max_len})", pos))
-        return seq * self.config.max_len + pos
-
-    def inputs(self, verify: bool = False) -> dict[str, InputSpec]:
-        """Per-row int64 inputs and their pad values (``next_tokens`` only for the verify step).
-
-        A padding row (token 0, position 0, seq -1, scratch cell, want 0) writes only the
-        scratch cell and attends only to it, so it cannot change any live row.
-        """
-        specs = dict(tokens=InputSpec(pad=0), positions=InputSpec(pad=0), seq_ids=InputSpec(pad=-1),
-                     cells=InputSpec(pad=self.scratch_cell), want=InputSpec(pad=0))
-        if verify:
-            specs["next_tokens"] = InputSpec(pad=-1)
-        return specs
 
     def step(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
         """One batched step of N rows (N = any width; capturable: no host sync, static shapes).
@@ -340,9 +310,6 @@ class ToyDecoder:
         return float(torch.stack(gaps).min())
 
     # ----------------------------------------------------------------- shared math
-    def _take(self, inputs: dict[str, Tensor], names: tuple[str, ...]) -> list[Tensor]:
-        return take_rows(inputs, names, self.device)
-
     def _embed(self, tokens: Tensor, positions: Tensor) -> Tensor:
         return self.emb.index_select(0, tokens) + self.pos.index_select(0, positions)
 
