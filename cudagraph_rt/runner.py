@@ -238,12 +238,87 @@ class _Lane:
     inflight: _InFlight | None = None
 
 
+# Host phases of a run, in the order one lane's turn goes through them (names are the
+# runner's own methods and calls): admit = _admit; draft = drafter.propose; build = the
+# rows' columns (_build minus drafting); stage = host_inputs + fill, or packing the
+# tensors of a sliced step; step = rt.step; queue = the tokens' copy to pinned memory and
+# the event behind it; wait = the one wait of a step; read = indices, rows and tokens to
+# Python, matching rows to sequences, appending tokens, record_rows copies; observe =
+# drafter.observe; retire = handle.release and retiring finished sequences; loop = the
+# rest of run() (the lane loop, the report).
+PHASES = ("admit", "draft", "build", "stage", "step", "queue", "wait", "read", "observe", "retire", "loop")
+
+
+class PhaseClock:
+    """A stopwatch whose laps are charged to named phases: ``mark(name)`` charges the time
+    since the previous mark (or ``start``) to ``name``. Every moment between ``start`` and
+    the last mark is charged to exactly one phase, so the phases sum to that span (up to
+    float rounding). Costs one ``time.perf_counter`` call and a dict update per mark.
+    ``clock`` is injectable (tests use a fake one). One host thread; not reentrant."""
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.totals: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self._last = 0.0
+
+    def start(self) -> float:
+        """Zero every phase and start the first lap now; returns the start time."""
+        self.totals = dict.fromkeys(PHASES, 0.0)
+        self._last = self.clock()
+        return self._last
+
+    def mark(self, name: str) -> float:
+        """Charge the lap since the previous mark to ``name``; returns now."""
+        now = self.clock()
+        self.totals[name] += now - self._last
+        self._last = now
+        return now
+
+
+class DeviceTimer:
+    """Device time of the steps of one run: a pair of timing CUDA events recorded around
+    each ``rt.step`` on the current stream (the runtime's), read once after the run, never
+    per step. Event pairs are pooled and reused by later runs (no allocation once the pool
+    is as long as a run). A start event recorded on an idle stream also counts step()'s
+    host work before its launch, so the figure is an upper bound of the device's busy
+    time by at most that much per step. CUDA only (the runner makes none on a CPU)."""
+
+    def __init__(self):
+        self._pool: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._n = 0
+
+    def reset(self) -> None:
+        self._n = 0
+
+    def begin(self) -> None:
+        if self._n == len(self._pool):
+            self._pool.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+        self._pool[self._n][0].record()
+
+    def end(self) -> None:
+        self._pool[self._n][1].record()
+        self._n += 1
+
+    def seconds(self) -> float | None:
+        """Sum of the recorded steps' device time (waits for the last one); None if none."""
+        if not self._n:
+            return None
+        self._pool[self._n - 1][1].synchronize()
+        return sum(a.elapsed_time(b) for a, b in self._pool[:self._n]) / 1e3
+
+
 @dataclass(frozen=True)
 class RunReport:
     """Counters since ``reset_stats`` (``seconds``: the ``run`` call): steps launched,
     tokens generated, accepted
     drafts per verify group (``accept_hist[a]`` groups accepted ``a`` drafts), drafts
-    proposed and accepted, committed host rows the drafter consumed."""
+    proposed and accepted, committed host rows the drafter consumed.
+
+    Of this ``run`` call only: ``run_steps`` launched; ``phases`` = host seconds per
+    phase (:data:`PHASES`; they sum to ``seconds`` up to float rounding, see
+    :class:`PhaseClock`); ``device_seconds`` = the steps' device time from CUDA events and
+    ``gpu_busy`` = ``device_seconds / seconds`` (both None on a CPU, or when the run
+    launched no step)."""
 
     steps: int
     tokens: int
@@ -252,6 +327,16 @@ class RunReport:
     proposed: int
     accepted: int
     rows: int
+    run_steps: int = 0
+    phases: dict[str, float] = field(default_factory=dict)
+    device_seconds: float | None = None
+    gpu_busy: float | None = None
+
+    def phase_us_per_step(self) -> dict[str, float]:
+        """Host µs per launched step of this call, per phase (empty when none launched)."""
+        if not self.run_steps:
+            return {}
+        return {name: s * 1e6 / self.run_steps for name, s in self.phases.items()}
 
     @property
     def tokens_per_s(self) -> float:
@@ -309,6 +394,8 @@ class SpecRunner:
         self.finished: list[Sequence] = []
         self._free_slots = list(range(slots))
         self._next_uid = 0
+        self.phase_clock = PhaseClock()  # replace it (PhaseClock(clock=...)) to time on another clock
+        self._device_timer = DeviceTimer() if model.device.type == "cuda" else None
         self.reset_stats()
 
     # -- public --------------------------------------------------------------------------
@@ -331,8 +418,13 @@ class SpecRunner:
         unfinished sequences then stay in their lanes and a later ``run`` continues them).
         Lanes take turns: finish a lane's step (the one wait), then build and launch its
         next one while the other lanes' steps run on the GPU. Counters in the report are
-        since ``reset_stats``; ``seconds`` is this call's wall time."""
-        t0, steps0 = time.perf_counter(), self.steps
+        since ``reset_stats``; ``seconds`` is this call's wall time, split into host
+        ``phases`` (``self.phase_clock``); on CUDA ``gpu_busy`` from events around each
+        step (read here, after the last wait)."""
+        clk, dev = self.phase_clock, self._device_timer
+        t0, steps0 = clk.start(), self.steps
+        if dev is not None:
+            dev.reset()
         while True:
             busy = False
             for lane in self.lanes:
@@ -341,16 +433,28 @@ class SpecRunner:
                     lane.inflight = None
                 if max_steps is not None and self.steps - steps0 >= max_steps:
                     continue
+                clk.mark("loop")
                 self._admit(lane)
+                clk.mark("admit")
                 groups, cols = self._build(lane)
+                clk.mark("build")
                 if groups:
                     lane.inflight = self._launch(lane, groups, cols)
                     busy = True
             if not busy and all(lane.inflight is None for lane in self.lanes):
                 break
+        return self._report(t0, self.steps - steps0)
+
+    def _report(self, t0: float, run_steps: int) -> RunReport:
+        """The report of a run that started at ``t0`` (phase clock) and launched
+        ``run_steps``; its last lap (this) is charged to ``loop``. Reading the device
+        timer waits for the last step, which the run already waited for."""
         hist = tuple(self.hist[a] for a in range(self.k + 1))
-        return RunReport(self.steps, self.tokens, time.perf_counter() - t0, hist, self.proposed, self.accepted,
-                         self.rows)
+        dev = self._device_timer.seconds() if self._device_timer is not None else None
+        seconds = self.phase_clock.mark("loop") - t0
+        busy = dev / seconds if dev is not None and seconds > 0 else None
+        return RunReport(self.steps, self.tokens, seconds, hist, self.proposed, self.accepted, self.rows,
+                         run_steps, dict(self.phase_clock.totals), dev, busy)
 
     def reset_stats(self) -> None:
         """Zero the counters and forget finished sequences (e.g. after a warm-up)."""
@@ -381,10 +485,14 @@ class SpecRunner:
                                ("next_tokens", nxt)):
                 cols[name] += vals
 
+        clk = self.phase_clock
         for seq in lane.seqs:
             if seq.decoding:
                 k = min(self.k, seq.max_new - len(seq.generated) - 1)  # never draft past the limit
-                toks = [seq.tokens[-1]] + self.drafter.propose(seq, k)
+                clk.mark("build")
+                drafts = self.drafter.propose(seq, k)
+                clk.mark("draft")
+                toks = [seq.tokens[-1]] + drafts
                 add(seq, toks, len(seq.tokens) - 1, [1] * len(toks), toks[1:] + [-1], True)
         budget = self.chunk
         for seq in lane.seqs:
@@ -400,7 +508,9 @@ class SpecRunner:
     def _launch(self, lane: _Lane, groups: list[_Group], cols: dict[str, list[int]]) -> _InFlight:
         """Stage, step (asynchronous on CUDA), and queue the copy of the tokens to pinned
         memory behind it: ``outputs`` die at the next step, which another lane launches
-        before this one is read."""
+        before this one is read. Phases stage, step, queue; on CUDA the device timer's
+        events bracket ``rt.step``."""
+        clk, dev = self.phase_clock, self._device_timer
         T = len(cols["tokens"])
         if len(self.rt.plan(T)) == 1:
             inputs = self.rt.host_inputs(T)  # pinned staging of this step: fill in place, no packing
@@ -408,7 +518,13 @@ class SpecRunner:
                 inputs[name].numpy()[:] = v
         else:  # a sliced step cannot use one staging view; the runtime packs each slice
             inputs = {name: torch.tensor(v, dtype=torch.int64) for name, v in cols.items()}
+        if dev is not None:
+            dev.begin()
+        clk.mark("stage")
         res = self.rt.step(**inputs)
+        clk.mark("step")
+        if dev is not None:
+            dev.end()
         tokens = lane.tokens_host[:T]
         tokens.copy_(res.outputs["tokens"], non_blocking=True)
         done = None
@@ -416,13 +532,18 @@ class SpecRunner:
             done = torch.cuda.Event()
             done.record()
         self.steps += 1
+        clk.mark("queue")
         return _InFlight(groups, res.host_rows, tokens, done)
 
     def _finish(self, lane: _Lane, fl: _InFlight) -> None:
         """The one wait of a step, then: committed tokens and rows per sequence, drafter
-        feedback, retirement. Releases the host-row slot at the end."""
+        feedback, retirement. Releases the host-row slot at the end. Phases wait, read,
+        observe, retire (what ran before this call is charged to loop)."""
+        clk = self.phase_clock
+        clk.mark("loop")
         if fl.done is not None:
             fl.done.synchronize()  # covers the gather too: it ran earlier on the same stream
+        clk.mark("wait")
         idx, rows, tokens = fl.handle.indices().tolist(), fl.handle.rows(), fl.tokens.tolist()
         j = 0
         for g in fl.groups:
@@ -441,7 +562,9 @@ class SpecRunner:
                 continue  # a prompt chunk that does not end the prompt commits nothing
             first_pos = g.pos0 + (got[0] - g.row0)
             g.seq.tokens += [tokens[i] for i in got]
+            clk.mark("read")
             self.drafter.observe(g.seq, first_pos, rows[j0:j])
+            clk.mark("observe")
             if self.record_rows:
                 g.seq.rows.append(rows[j0:j].clone())  # the slot is reused after release
             self.tokens += len(got)
@@ -450,9 +573,11 @@ class SpecRunner:
                 self.hist[len(got) - 1] += 1
                 self.proposed += g.n - 1
                 self.accepted += len(got) - 1
+        clk.mark("read")
         fl.handle.release()
         for seq in [s for s in lane.seqs if s.done]:
             lane.seqs.remove(seq)
             self._free_slots.append(seq.slot)
             self.drafter.forget(seq)
             self.finished.append(seq)
+        clk.mark("retire")

@@ -14,7 +14,7 @@ import torch
 
 from cudagraph_rt import InputError, cli
 from cudagraph_rt.models import ToyConfig, ToyDecoder
-from cudagraph_rt.runner import Request, SpecRunner, ToyDrafter
+from cudagraph_rt.runner import PHASES, PhaseClock, Request, SpecRunner, ToyDrafter
 
 
 @pytest.fixture(autouse=True)
@@ -65,6 +65,12 @@ def test_cli_demo_smoke(capsys):
     assert run["steps"] == 4 and run["tokens"] == run["rows_consumed"] == run["check"]["rows_checked"] > 0
     assert run["accepted"] == run["proposed"] > 0  # p = 1: every draft accepted
     assert sum(run["widths"]["eager_calls"].values()) + sum(run["widths"]["dynamic_calls"].values()) >= 4
+    # the time split: every phase, non-negative, summing to the wall time; no GPU busy on a CPU
+    assert list(run["host_phases_s"]) == list(PHASES) and min(run["host_phases_s"].values()) >= 0
+    assert sum(run["host_phases_s"].values()) == pytest.approx(run["seconds"], rel=1e-6)
+    per_step = run["host_phases_us_per_step"]
+    assert sum(per_step.values()) == pytest.approx(run["seconds"] * 1e6 / run["steps"], rel=1e-6)
+    assert run["gpu_busy"] is None and run["device_seconds"] is None
 
 
 def test_cli_demo_refuses_graphs_on_a_cpu(capsys):
@@ -159,6 +165,52 @@ def test_drafter_consumes_the_host_rows():
         d.observe(seq, 2, rows.flip(0))
 
 
+class _FakeClock:
+    """Seconds that move only when the test's own work advances them."""
+
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_phases_charge_each_call_to_its_phase_on_a_fake_clock(rng):
+    """drafter.propose costs 1 s, rt.step 1000 s, drafter.observe 10**6 s, nothing else
+    anything: the report's phases must be exactly those sums, the rest 0, their sum the
+    run's seconds, and the tokens still greedy decoding."""
+    model = ToyDecoder(ToyConfig.tiny(), "cpu")
+    reqs = requests_for(rng, model, 5, max_new=10)
+    runner = SpecRunner(model, ToyDrafter(model, 0.5, rng.randrange(1000)), k=3, lanes=2, slots=4, chunk=32)
+    clock, calls = _FakeClock(), {"propose": 0, "step": 0, "observe": 0}
+    runner.phase_clock = PhaseClock(clock=clock)
+
+    def costly(obj, name, key, cost):
+        real = getattr(obj, name)
+
+        def call(*a, **kw):
+            out = real(*a, **kw)  # the real work runs on no clock; only the cost is charged
+            calls[key] += 1
+            clock.t += cost
+            return out
+        setattr(obj, name, call)
+
+    costly(runner.drafter, "propose", "propose", 1.0)
+    costly(runner.rt, "step", "step", 1000.0)
+    costly(runner.drafter, "observe", "observe", 1e6)
+    runner.submit(reqs)
+    rep = runner.run()
+    assert_greedy(model, runner, reqs)
+    want = dict.fromkeys(PHASES, 0.0)
+    want.update(draft=calls["propose"] * 1.0, step=calls["step"] * 1000.0, observe=calls["observe"] * 1e6)
+    assert rep.phases == pytest.approx(want) and rep.run_steps == rep.steps == calls["step"] > 0
+    assert rep.seconds == pytest.approx(sum(want.values()))
+    assert rep.phase_us_per_step()["step"] == pytest.approx(1000.0 * 1e6)
+    assert rep.gpu_busy is None and rep.device_seconds is None  # a CPU: not available
+    again = runner.run()  # nothing left: a new run starts its phases at zero
+    assert again.run_steps == 0 and sum(again.phases.values()) == 0 and again.phase_us_per_step() == {}
+
+
 def test_bad_configurations_raise():
     model = ToyDecoder(ToyConfig.tiny(), "cpu")
     d = ToyDrafter(model, 0.5)
@@ -204,3 +256,7 @@ def test_cli_demo_on_cuda_both(capsys):
     assert cli.main(["demo", "--device", "cuda", "--graphs", "both", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert [r["graphs"] for r in rep["runs"]] == [True, False] and rep["ok"]
+    for r in rep["runs"]:  # device time of the steps from CUDA events, within the wall time
+        assert 0 < r["device_seconds"] <= r["seconds"] * 1.01 and r["gpu_busy"] == pytest.approx(
+            r["device_seconds"] / r["seconds"])
+        assert sum(r["host_phases_s"].values()) == pytest.approx(r["seconds"], rel=1e-6)

@@ -20,7 +20,7 @@ import torch
 from ..errors import CgrtError, InputError, expected
 from ..models import ToyConfig, ToyDecoder
 from ..models.hf import SIZES, build, parse_model
-from ..runner import ReferenceDrafter, Request, RunReport, SpecRunner, ToyDrafter
+from ..runner import PHASES, ReferenceDrafter, Request, RunReport, SpecRunner, ToyDrafter
 from ..testing.checks import Tolerance
 
 # Hidden rows against the unbatched reference: fp32 differs by reduction order only;
@@ -120,6 +120,14 @@ def make_drafter(model, accept_prob: float, seed: int, requests: list[Request]):
     return drafter
 
 
+def timing(rep: RunReport) -> dict:
+    """The run's time split (JSON): host µs per step per phase (runner.PHASES, summing to
+    the wall time), the same in seconds, and on CUDA the steps' device seconds and the GPU
+    busy fraction (device / wall; None on a CPU)."""
+    return {"host_phases_us_per_step": rep.phase_us_per_step(), "host_phases_s": dict(rep.phases),
+            "device_seconds": rep.device_seconds, "gpu_busy": rep.gpu_busy}
+
+
 def serve(model, requests: list[Request], graphs: bool, args) -> dict:
     """Capture, warm up on two short requests, then serve ``requests`` timed."""
     model.reset_cache()
@@ -141,7 +149,7 @@ def serve(model, requests: list[Request], graphs: bool, args) -> dict:
         "graphs": graphs, "steps": rep.steps, "tokens": rep.tokens, "seconds": rep.seconds,
         "tokens_per_s": rep.tokens_per_s, "steps_per_s": rep.steps_per_s, "capture_s": cap.seconds,
         "finished": len(runner.finished), "accept_hist": list(rep.accept_hist), "proposed": rep.proposed,
-        "accepted": rep.accepted, "rows_consumed": rep.rows,
+        "accepted": rep.accepted, "rows_consumed": rep.rows, **timing(rep),
         "widths": {"graph_replays": dict(sorted(st.graph_replays.items())),
                    "eager_calls": dict(sorted(st.eager_calls.items())),
                    "dynamic_calls": dict(sorted(st.dynamic_calls.items())),
@@ -162,14 +170,18 @@ def _print(report: dict) -> None:
     for note in report["notes"]:
         out.print(f"note: {note}", markup=False)
     t = Table()
-    for h in ("graphs", "steps", "tokens", "seconds", "tokens/s", "steps/s", "accepted", "capture s", "check"):
+    for h in ("graphs", "steps", "tokens", "seconds", "tokens/s", "steps/s", "accepted", "GPU busy", "capture s",
+              "check"):
         t.add_column(h, justify="left" if h in ("graphs", "check") else "right")
     for r in report["runs"]:
         rate = r["accepted"] / r["proposed"] if r["proposed"] else 0.0
+        busy = r.get("gpu_busy")
         t.add_row("on" if r["graphs"] else "off", str(r["steps"]), str(r["tokens"]), f"{r['seconds']:.3f}",
-                  f"{r['tokens_per_s']:.1f}", f"{r['steps_per_s']:.1f}", f"{rate:.2f}", f"{r['capture_s']:.2f}",
+                  f"{r['tokens_per_s']:.1f}", f"{r['steps_per_s']:.1f}", f"{rate:.2f}",
+                  "n/a" if busy is None else f"{100 * busy:.0f}%", f"{r['capture_s']:.2f}",
                   "ok" if r["check"]["ok"] else "FAIL")
     out.print(t)
+    out.print(_phase_table(report["runs"]))
     for r in report["runs"]:
         hist, top = r["accept_hist"], max(r["accept_hist"] + [1])
         lines = [f"graphs {'on' if r['graphs'] else 'off'}: accepted drafts per verify group (of up to k={c['k']})"]
@@ -183,6 +195,21 @@ def _print(report: dict) -> None:
                      f"host rows {ch['rows_checked']} (= rows consumed {r['rows_consumed']}), "
                      f"{ch.get('rows_rule', 'max |err|')} {ch['rows_max_err']:.2e} (tol {ch['rows_tol']:g})")
         out.print("\n".join(lines), markup=False, style=None if ch["ok"] else "bold red")
+
+
+def _phase_table(runs: list[dict]):
+    """Host µs per step per phase (runner.PHASES), one row per run, and their sum."""
+    from rich.table import Table
+
+    t = Table(title="host time per step, µs, by phase (GPU busy: steps' device time / wall; n/a on a CPU)",
+              title_justify="left")
+    for h in ("graphs", *PHASES, "sum"):
+        t.add_column(h, justify="left" if h == "graphs" else "right")
+    for r in runs:
+        ph = r.get("host_phases_us_per_step") or {}
+        t.add_row("on" if r["graphs"] else "off", *(f"{ph.get(n, 0.0):.1f}" for n in PHASES),
+                  f"{sum(ph.values()):.1f}")
+    return t
 
 
 def run(args) -> int:

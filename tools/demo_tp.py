@@ -18,7 +18,7 @@ from ..models import ToyConfig, ToyDecoder
 from ..models.tp import TPToyDecoder
 from ..runner import Request, RunReport, SpecRunner, ToyDrafter
 from . import tp_launch
-from .demo import check, make_requests, publish
+from .demo import check, make_requests, publish, timing
 
 
 def _runtime(model: TPToyDecoder, runner: SpecRunner, graphs: bool) -> DistributedRuntime:
@@ -61,7 +61,7 @@ def serve_tp(model: TPToyDecoder, ref: ToyDecoder, requests: list[Request], grap
             "graphs": graphs, "steps": rep.steps, "tokens": rep.tokens, "seconds": rep.seconds,
             "tokens_per_s": rep.tokens_per_s, "steps_per_s": rep.steps_per_s, "capture_s": max(captures),
             "capture_s_per_rank": captures, "finished": len(runner.finished), "accept_hist": list(rep.accept_hist),
-            "proposed": rep.proposed, "accepted": rep.accepted, "rows_consumed": rep.rows,
+            "proposed": rep.proposed, "accepted": rep.accepted, "rows_consumed": rep.rows, **timing(rep),
             "widths": {"graph_replays": dict(sorted(st.graph_replays.items())),
                        "eager_calls": dict(sorted(st.eager_calls.items())),
                        "dynamic_calls": dict(sorted(st.dynamic_calls.items())),
