@@ -48,8 +48,39 @@ def test_quick_writes_every_section(tmp_path):
     for key in ("host_overhead", "memory", "host_rows"):  # GPU-only, with the reason
         assert data[key]["status"] == "skipped" and data[key]["reason"]
     goals = {g["goal"]: g["status"] for g in data["goals"]}
-    assert len(goals) >= 7 and set(goals.values()) <= {"met", "missed", "n/a"}
+    assert len(goals) >= 9 and set(goals.values()) <= {"met", "missed", "unclear", "n/a"}
     assert (plots / "step_time.png").stat().st_size > 0
+
+
+def test_host_overhead_case_on_a_cpu_runtime_times_host_inputs_in_the_whole_step():
+    """Section 3's variants over a real runtime (graphs off, a stand-in for replay()): the
+    whole zero-copy call asks host_inputs for fresh views inside itself, fills them and
+    steps them; the row has the old keys and the new ones."""
+    from cudagraph_rt.cli import build_parser
+    from cudagraph_rt.tools import bench_steps
+    from cudagraph_rt.tools.bench_context import Context
+
+    ctx = Context(build_parser().parse_args(["bench", "--quick", "--device", "cpu"]))
+    try:
+        rt, names, w = ctx.runtime, ctx.rows.names, 8
+        host = [ctx.rows.host(ctx.rows.rows(w)) for _ in range(N_SETS)]
+        variants = bench_steps.overhead_variants(rt, lambda: None, host, names, w)
+        log, real = [], rt.host_inputs
+        rt.host_inputs = lambda T: (log.append(("host_inputs", T)), real(T))[1]
+        whole, prep = variants["zero_copy_whole"]
+        assert prep is None  # nothing of the whole step is left untimed
+        before = rt.stats().steps
+        whole(5)
+        assert log == [("host_inputs", w)] and rt.stats().steps == before + 1
+        kw = {"repeats": 3, "warmup": 1, "sync": ctx.sync}
+        acc: dict = {}
+        medians = [bench_steps._overhead_repeat(variants, kw, acc) for _ in range(2)]
+        r = bench_steps.overhead_row(len(names), w, medians, acc)
+    finally:
+        ctx.close()
+    assert r["zero_copy_whole_host"]["n"] == 6 and r["zero_copy_whole_host"]["median_us"] > 0
+    assert r["step_overhead_host_us"] is not None and len(r["zero_copy_whole_overhead_host_repeats_us"]) == 2
+    assert set(r["zero_copy_whole_over_bare_host"]) == {"median", "min", "max", "repeats"}
 
 
 def test_sections_pick_and_reject(tmp_path, capsys):

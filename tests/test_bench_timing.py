@@ -201,3 +201,128 @@ def test_mixed_trace_section_times_whole_passes(clock):
     assert res["variants"]["eager"]["total_ms"] == pytest.approx(COST * sum(Ts) / 1e6)
     padded = sum(min(w for w in ws if w >= T) for T in Ts)
     assert res["variants"]["cgrt"]["total_ms"] == pytest.approx(COST * padded / 1e6)
+
+
+# ----------------------------------------------------------------------------- section 3
+HOST_INPUTS, STEP, REPLAY = 3_000, 20_000, 5_000  # ns on the fake clock
+
+
+class FakeOverheadRuntime:
+    """host_inputs costs HOST_INPUTS, step STEP (whatever it is given), on the fake clock;
+    ``log`` records the calls. Views are plain CPU tensors (the fill costs no clock time)."""
+
+    def __init__(self, clock: FakeClock, names: list[str]):
+        self.clock, self.names, self.log = clock, names, []
+
+    def host_inputs(self, w: int):
+        import torch
+        self.clock.advance(HOST_INPUTS)
+        self.log.append("host_inputs")
+        return {n: torch.zeros(w, dtype=torch.int64) for n in self.names}
+
+    def step(self, **inputs):
+        self.clock.advance(STEP)
+        self.log.append("step")
+
+
+def _overhead_fixture(clock, w=4):
+    import torch
+    names = ["tokens", "positions", "seq_ids", "cells"]
+    rt = FakeOverheadRuntime(clock, names)
+    host = [{n: torch.arange(w) + i for n in names} for i in range(bench_common.N_SETS)]
+    variants = bench_steps.overhead_variants(rt, lambda: clock.advance(REPLAY), host, names, w)
+    return rt, names, variants
+
+
+def test_whole_zero_copy_step_times_host_inputs_and_the_old_figure_does_not(clock):
+    """zero_copy_whole = host_inputs + fill + step, all inside the clock; zero_copy keeps
+    the old figure (step alone, host_inputs and fill untimed); bare and step unchanged."""
+    rt, names, variants = _overhead_fixture(clock)
+    assert list(variants) == ["bare", "step", "zero_copy", "zero_copy_whole"]
+    for include_sync in (False, True):
+        got = bench_common.time_interleaved(variants, repeats=8, warmup=1, sync=lambda: clock.advance(SYNC),
+                                            include_sync=include_sync)
+        s = SYNC * include_sync
+        for name, ns in (("bare", REPLAY), ("step", STEP), ("zero_copy", STEP),
+                         ("zero_copy_whole", HOST_INPUTS + STEP)):
+            assert got[name]["median_us"] == pytest.approx((ns + s) / 1e3), (name, include_sync)
+        assert got["_deltas"]["zero_copy_whole"] == pytest.approx((HOST_INPUTS + STEP - REPLAY) / 1e3)
+    # the whole variant asks for fresh views each call and fills them before stepping
+    whole, _ = variants["zero_copy_whole"]
+    rt.log.clear()
+    whole(3)
+    assert rt.log == ["host_inputs", "step"]
+
+
+def test_overhead_row_pools_repeats_and_keeps_the_old_keys(clock):
+    """Three repeats through _overhead_repeat: pooled summaries under the keys of before,
+    per-repeat Δ and ratio spreads beside them."""
+    _, _, variants = _overhead_fixture(clock)
+    kw = {"repeats": 6, "warmup": 1, "sync": lambda: clock.advance(SYNC)}
+    acc: dict = {}
+    medians = [bench_steps._overhead_repeat(variants, kw, acc) for _ in range(3)]
+    r = bench_steps.overhead_row(4, 4, medians, acc)
+    assert r["repeats"] == 3 and r["bare_host"]["n"] == r["zero_copy_whole_latency"]["n"] == 18
+    for key in ("step_overhead_host_us", "zero_copy_overhead_host_us", "step_overhead_latency_us",
+                "step_overhead_host_paired_us", "zero_copy_overhead_latency_paired_us"):
+        assert key in r
+    assert r["zero_copy_overhead_host_us"] == pytest.approx((STEP - REPLAY) / 1e3)
+    assert r["zero_copy_whole_overhead_host_us"] == pytest.approx((HOST_INPUTS + STEP - REPLAY) / 1e3)
+    assert r["zero_copy_whole_overhead_host_repeats_us"] == pytest.approx([(HOST_INPUTS + STEP - REPLAY) / 1e3] * 3)
+    sp = r["zero_copy_whole_over_bare_host"]
+    assert sp["min"] == sp["max"] == sp["median"] == pytest.approx((HOST_INPUTS + STEP) / REPLAY)
+    assert r["step_over_bare_latency"]["median"] == pytest.approx((STEP + SYNC) / (REPLAY + SYNC))
+    from cudagraph_rt.tools import bench_report
+    (table,) = bench_report.tables("host_overhead", {"status": "ok", "rows": [r], "repeats": 3})
+    assert len(table.columns) == 14 and table.row_count == 1
+
+
+def test_goal_status_only_where_the_repeats_agree():
+    from cudagraph_rt.tools import bench_report
+    assert bench_report.spread_status(1.2, 1.4, 1.5) is True
+    assert bench_report.spread_status(1.6, 1.9, 1.5) is False
+    assert bench_report.spread_status(1.4, 1.6, 1.5) == "unclear"
+
+    def row(inputs, w, whole, step, d):
+        sp = lambda xs: {"median": sorted(xs)[len(xs) // 2], "min": min(xs), "max": max(xs), "repeats": xs}
+        return {"inputs": inputs, "width": w, "zero_copy_whole_over_bare_host": sp(whole),
+                "step_over_bare_host": sp(step), "step_overhead_host_us": sorted(d)[1],
+                "step_overhead_host_repeats_us": d, "zero_copy_overhead_host_us": 5.0,
+                "zero_copy_whole_overhead_host_us": 9.0, "step_overhead_latency_us": 20.0}
+
+    sec = {"status": "ok", "rows": [row(4, 1, [1.3, 1.4, 1.45], [2.6, 2.7, 2.9], [13.0, 14.0, 16.0]),
+                                    row(4, 64, [1.2, 1.3, 1.4], [2.0, 2.1, 2.2], [10.0, 11.0, 12.0]),
+                                    row(5, 1, [1.4, 1.45, 1.49], [3.0, 3.0, 3.0], [1.0, 1.0, 1.0])]}
+    gs = {g["goal"]: g for g in bench_report.goals({"host_overhead": sec})}
+    assert gs["host overhead of step(), 4 host inputs, T=1"]["status"] == "unclear"  # 13..16 around 15
+    assert gs["whole zero-copy step (host_inputs + fill + step) vs replay()"]["status"] == "met"
+    step_goal = gs["step() with four fresh CPU tensors vs replay()"]  # 5 inputs do not count here
+    assert step_goal["status"] == "missed" and "T=1" in step_goal["measured"]
+    sec["rows"][0]["step_over_bare_host"] = {"median": 2.4, "min": 2.3, "max": 2.6, "repeats": [2.3, 2.4, 2.6]}
+    gs = {g["goal"]: g for g in bench_report.goals({"host_overhead": sec})}
+    assert gs["step() with four fresh CPU tensors vs replay()"]["status"] == "unclear"
+
+
+def test_overhead_cases_interleave_the_repeats_across_cases(clock, monkeypatch):
+    """host_overhead's loop: every repeat runs every case once, in order (repeat 1 of all
+    cases before repeat 2 of any); each case's row pools its own repeats only."""
+    from types import SimpleNamespace
+
+    from cudagraph_rt.models.toy import ToyConfig, ToyDecoder
+    monkeypatch.setattr(bench_steps, "OVERHEAD_REPEATS", 3)
+    rows = bench_common.ToyRows(ToyDecoder(ToyConfig.tiny(), "cpu"), 0)
+    notes = []
+    ctx = SimpleNamespace(rows=rows, note=notes.append)
+    runtimes = []
+    for cost, names in ((REPLAY, rows.names[:4]), (2 * REPLAY, rows.names)):
+        rt = FakeOverheadRuntime(clock, names)
+        replay = SimpleNamespace(replay=lambda c=cost: clock.advance(c))
+        rt.graphs_captured = {1: replay, 64: replay}
+        runtimes.append((rt, names))
+    out = bench_steps._overhead_cases(ctx, runtimes, {"repeats": 4, "warmup": 1, "sync": lambda: None})
+    assert [(r["inputs"], r["width"]) for r in out] == [(4, 1), (4, 64), (5, 1), (5, 64)]
+    assert [n.split(", repeat ")[1] for n in notes] == ["1/3"] * 4 + ["2/3"] * 4 + ["3/3"] * 4
+    for r, cost in zip(out, (REPLAY, REPLAY, 2 * REPLAY, 2 * REPLAY)):
+        assert r["repeats"] == 3 and r["bare_host"]["n"] == 12
+        assert r["bare_host"]["median_us"] == pytest.approx(cost / 1e3)
+        assert r["zero_copy_whole_over_bare_host"]["max"] == pytest.approx((HOST_INPUTS + STEP) / cost)

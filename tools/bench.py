@@ -205,6 +205,7 @@ def _run(args: argparse.Namespace) -> int:
     console.print(bench_report.goals_table(gs))
     missed = sum(g["status"] == "missed" for g in gs)
     console.print(f"{sum(g['status'] == 'met' for g in gs)} met, {missed} missed, "
+                  f"{sum(g['status'] == 'unclear' for g in gs)} unclear, "
                   f"{sum(g['status'] == 'n/a' for g in gs)} n/a; {failed} section(s) failed")
     return 1 if failed or (args.strict and missed) else 0
 

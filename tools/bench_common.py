@@ -85,11 +85,14 @@ def _timed_call(call, prepare, i: int, sync: Callable[[], None], include_sync: b
 
 
 def time_interleaved(variants: dict[str, tuple[Callable[[int], Any], Callable[[int], Any] | None]], *,
-                     repeats: int, warmup: int, sync: Callable[[], None], include_sync: bool = True) -> dict:
+                     repeats: int, warmup: int, sync: Callable[[], None], include_sync: bool = True,
+                     raw: dict[str, list[int]] | None = None) -> dict:
     """:func:`time_calls` of several variants side by side: each round times every variant
     once, in a rotating order, so drift of the machine (clocks, neighbours) hits all of
     them alike. ``variants``: name -> (call, untimed prepare or None). Returns name ->
-    summary, plus ``"_deltas"``: name -> median over rounds of (variant - first variant)."""
+    summary, plus ``"_deltas"``: name -> median over rounds of (variant - first variant).
+    ``raw``, if given, gets each variant's per-call nanoseconds appended (round order), so
+    a caller can pool several runs."""
     names = list(variants)
     was = gc.isenabled()
     gc.disable()
@@ -109,6 +112,9 @@ def time_interleaved(variants: dict[str, tuple[Callable[[int], Any], Callable[[i
     finally:
         if was:
             gc.enable()
+    if raw is not None:
+        for name, ts in times.items():
+            raw.setdefault(name, []).extend(ts)
     out = {name: summarize(ts) for name, ts in times.items()}
     first = times[names[0]]
     out["_deltas"] = {name: statistics.median(a - b for a, b in zip(times[name], first)) / 1e3

@@ -1,11 +1,12 @@
 """Sections 1-3 of ``cgrt bench``: step time per width, the mixed trace, host overhead."""
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 import torch
 
-from .bench_common import N_SETS, measure, measure_trace, pack, padded_width, time_interleaved
+from .bench_common import N_SETS, measure, measure_trace, pack, padded_width, summarize, time_interleaved
 from .bench_compile import SETUPS
 from .bench_context import Context
 
@@ -159,38 +160,79 @@ def _four_input_step(model):
     return step
 
 
-def _overhead_case(ctx: Context, rt, names: list[str], w: int, kw: dict) -> dict:
-    """replay() of the runtime's own graph vs step() vs the zero-copy step, at T = w,
-    timed side by side (interleaved) in one loop."""
-    rows = ctx.rows
-    host = [{n: v for n, v in rows.host(rows.rows(w)).items() if n in names} for _ in range(N_SETS)]
-    g = rt.graphs_captured[w]
-    views = {}
+OVERHEAD_REPEATS = 5  # interleaved repeats of section 3: each goal's spread comes from these
 
-    def place(i):  # untimed: a step leaves set i in the graph's static inputs
+
+def _fill(views: dict, rows: dict, names: list[str]) -> None:
+    """Write one input set into ``host_inputs`` views in place (the runner's own writes)."""
+    for n in names:
+        views[n].numpy()[:] = rows[n].numpy()
+
+
+def overhead_variants(rt, replay, host: list[dict], names: list[str], w: int) -> dict:
+    """Section 3's variants at T = w, as ``time_interleaved`` takes them (call, untimed
+    prepare): bare = ``replay()`` (inputs placed by a step before, untimed); step =
+    ``step(**pageable CPU tensors)``; zero_copy = ``step(**views)`` after an untimed
+    ``host_inputs(w)`` and fill (the old figure: step() alone); zero_copy_whole =
+    ``host_inputs(w)``, fill and ``step(**views)`` all timed, what every zero-copy step
+    costs (views are good for one step). ``host``: N_SETS dicts of CPU rows per name.
+    The views of zero_copy live in a dict of this closure until its next fill."""
+    views: dict = {}
+
+    def place(i):
         rt.step(**host[i % N_SETS])
 
-    def fill(i):  # untimed: a host runner writes the next rows into the pinned views
+    def fill(i):
         views.clear()
         views.update(rt.host_inputs(w))
-        for n in names:
-            views[n].numpy()[:] = host[i % N_SETS][n].numpy()
+        _fill(views, host[i % N_SETS], names)
 
-    variants = {"bare": (lambda i: g.replay(), place), "step": (place, None),
-                "zero_copy": (lambda i: rt.step(**views), fill)}
-    r = {"inputs": len(names), "width": w}
+    def whole(i):
+        v = rt.host_inputs(w)
+        _fill(v, host[i % N_SETS], names)
+        rt.step(**v)
+
+    return {"bare": (lambda i: replay(), place), "step": (place, None),
+            "zero_copy": (lambda i: rt.step(**views), fill), "zero_copy_whole": (whole, None)}
+
+
+def _overhead_repeat(variants: dict, kw: dict, acc: dict) -> dict:
+    """One interleaved measurement of every variant, host time then latency; appends the
+    raw nanoseconds to ``acc[kind]`` and returns ``{kind: {variant: median µs}}``."""
+    out = {}
     for kind, include_sync in (("host", False), ("latency", True)):
-        t = time_interleaved(variants, include_sync=include_sync, **kw)
-        for name in variants:
-            r[f"{name}_{kind}"] = t[name]
-        for name in ("step", "zero_copy"):
-            r[f"{name}_overhead_{kind}_us"] = t[name]["median_us"] - t["bare"]["median_us"]
-            r[f"{name}_overhead_{kind}_paired_us"] = t["_deltas"][name]
+        t = time_interleaved(variants, include_sync=include_sync, raw=acc.setdefault(kind, {}), **kw)
+        out[kind] = {name: t[name]["median_us"] for name in variants}
+    return out
+
+
+def _spread(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "repeats": xs}
+
+
+def overhead_row(inputs: int, w: int, medians: list[dict], acc: dict) -> dict:
+    """One case's figures from its repeats. Pooled over every repeat (the keys of before):
+    ``{variant}_{kind}`` summaries, ``*_overhead_{kind}_us`` = median(variant) -
+    median(bare), ``*_paired_us`` = median of per-round differences. Per repeat (new):
+    ``*_overhead_{kind}_repeats_us`` and ``{variant}_over_bare_{kind}``, the ratio of
+    medians as {median, min, max, repeats}."""
+    r: dict[str, Any] = {"inputs": inputs, "width": w, "repeats": len(medians)}
+    for kind, raw in acc.items():
+        for name, ns in raw.items():
+            r[f"{name}_{kind}"] = summarize(ns)
+        bare = r[f"bare_{kind}"]["median_us"]
+        for name in [n for n in raw if n != "bare"]:
+            r[f"{name}_overhead_{kind}_us"] = r[f"{name}_{kind}"]["median_us"] - bare
+            r[f"{name}_overhead_{kind}_paired_us"] = statistics.median(
+                a - b for a, b in zip(raw[name], raw["bare"])) / 1e3
+            r[f"{name}_overhead_{kind}_repeats_us"] = [m[kind][name] - m[kind]["bare"] for m in medians]
+            r[f"{name}_over_bare_{kind}"] = _spread([m[kind][name] / m[kind]["bare"] for m in medians])
     return r
 
 
 def host_overhead(ctx: Context) -> dict:
-    """3. Host time per call of step() against a bare replay of the same captured graph."""
+    """3. Host time per call of step() (and of a whole zero-copy step) against a bare
+    replay of the same captured graph, from OVERHEAD_REPEATS interleaved repeats."""
     if not ctx.graphs:
         return {"status": "skipped", "reason": "needs CUDA graphs (a bare replay to compare with)"}
     m = ctx.model
@@ -198,23 +240,41 @@ def host_overhead(ctx: Context) -> dict:
     rt4 = ctx.make_runtime(widths=(1, 64), step_fn=_four_input_step(m), inputs=specs4)
     rt4.capture()
     reps = max(ctx.repeats * 5, 50)
-    kw = {"repeats": reps, "warmup": ctx.warmup, "sync": ctx.sync}
-    out = []
+    per = max(reps // OVERHEAD_REPEATS, 10)
+    kw = {"repeats": per, "warmup": ctx.warmup, "sync": ctx.sync}
     try:
-        for rt, names in ((rt4, list(specs4)), (ctx.runtime, ctx.rows.names)):
-            for w in (1, 64):
-                ctx.note(f"host overhead: {len(names)} inputs, width {w}")
-                out.append(_overhead_case(ctx, rt, names, w, kw))
+        rows = _overhead_cases(ctx, [(rt4, list(specs4)), (ctx.runtime, ctx.rows.names)], kw)
     finally:
         rt4.close()
-    return {
-        "status": "ok", "rows": out,
-        "method": "host clock, device synchronized before each call (so nothing waits on the device). "
-                  "*_host: until the call returns (host time to issue it); *_latency: until a synchronize "
-                  f"after it. Median of {reps} calls, {N_SETS} random input sets, the three variants "
-                  "interleaved call by call. bare = replay() of the runtime's own graph for that width "
-                  "(inputs placed untimed by a step before); step = step(**pageable CPU tensors); "
-                  "zero_copy = step(**views) after host_inputs(T) and filling the pinned views in place "
-                  "(untimed: the runner's own writes). overhead = median(variant) - median(bare); "
-                  "*_paired_us = median over rounds of (variant - bare).",
-    }
+    return {"status": "ok", "rows": rows, "repeats": OVERHEAD_REPEATS, "calls_per_repeat": per,
+            "method": OVERHEAD_METHOD.format(R=OVERHEAD_REPEATS, per=per, n=N_SETS)}
+
+
+def _overhead_cases(ctx: Context, runtimes: list, kw: dict) -> list[dict]:
+    """Every (runtime, width) case, measured OVERHEAD_REPEATS times: each repeat runs every
+    case once in turn (so the repeats of a case are interleaved with the other cases)."""
+    cases = []
+    for rt, names in runtimes:
+        for w in (1, 64):
+            host = [{n: v for n, v in ctx.rows.host(ctx.rows.rows(w)).items() if n in names} for _ in range(N_SETS)]
+            cases.append((len(names), w, overhead_variants(rt, rt.graphs_captured[w].replay, host, names, w)))
+    medians: list[list[dict]] = [[] for _ in cases]
+    accs: list[dict] = [{} for _ in cases]
+    for k in range(OVERHEAD_REPEATS):
+        for c, (n, w, variants) in enumerate(cases):
+            ctx.note(f"host overhead: {n} inputs, width {w}, repeat {k + 1}/{OVERHEAD_REPEATS}")
+            medians[c].append(_overhead_repeat(variants, kw, accs[c]))
+    return [overhead_row(n, w, medians[c], accs[c]) for c, (n, w, _) in enumerate(cases)]
+
+
+OVERHEAD_METHOD = (
+    "host clock, device synchronized before each call (so nothing waits on the device). *_host: until the call "
+    "returns (host time to issue it); *_latency: until a synchronize after it. {R} repeats; each repeat times "
+    "every case in turn, each case {per} calls of each variant, interleaved call by call, {n} random input sets. "
+    "bare = replay() of the runtime's own graph for that width (inputs placed untimed by a step before); "
+    "step = step(**pageable CPU tensors); zero_copy = step(**views) after host_inputs(T) and filling the pinned "
+    "views in place (both untimed); zero_copy_whole = host_inputs(T) + fill + step(**views), all timed (what "
+    "every zero-copy step pays). Pooled over the repeats: summaries, overhead = median(variant) - median(bare), "
+    "*_paired_us = median over rounds of (variant - bare). Per repeat: *_repeats_us and *_over_bare_* "
+    "(ratio of the repeat's medians; median, min, max); a goal's status is met or missed only when every "
+    "repeat agrees, else unclear.")
