@@ -328,7 +328,7 @@ class RunReport:
     accepted: int
     rows: int
     run_steps: int = 0
-    phases: dict[str, float] = field(default_factory=dict)
+    phases: dict[str, float] = field(default_factory=dict, hash=False)
     device_seconds: float | None = None
     gpu_busy: float | None = None
 
