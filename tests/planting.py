@@ -32,3 +32,21 @@ def plant(monkeypatch: pytest.MonkeyPatch, module: ModuleType, name: str, mutant
                 patched.append(f"{mod_name}.{attr}")
     assert f"{module.__name__}.{name}" in patched, f"{module.__name__}.{name} was not patched"
     return patched
+
+
+def plan_one_width_wider(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``widths.plan_step`` itself pads a one-graph step to the next wider width than the
+    narrowest that holds T (planted in the function under test, which the sweep must not
+    take its expectations from)."""
+    import cudagraph_rt.widths as widths_mod
+    from cudagraph_rt import Slice
+
+    original = widths_mod.plan_step
+
+    def mutant(T, widths, limit, slicing=True):
+        out = original(T, widths, limit, slicing)
+        s = out[-1]
+        if s.path == "graph" and s.width != widths[-1]:
+            out = out[:-1] + (Slice("graph", widths[widths.index(s.width) + 1], s.start, s.length),)
+        return out
+    plant(monkeypatch, widths_mod, "plan_step", mutant)

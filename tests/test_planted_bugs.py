@@ -33,7 +33,7 @@ from cudagraph_rt.models import ToyDecoder
 from cudagraph_rt.runner import Request, SpecRunner, ToyDrafter
 from cudagraph_rt.testing import ToyAdapter, run_sweep
 from cudagraph_rt.testing.checks import Tolerance
-from planting import plant
+from planting import plan_one_width_wider, plant
 
 TOL = Tolerance.for_dtype(torch.float32)
 
@@ -135,19 +135,6 @@ def test_the_checks_pass_on_the_clean_core(check, rng):
 
 
 # ----------------------------------------------------------------------------- the plants
-def plan_one_width_wider(monkeypatch):
-    """plan_step pads a one-graph step to the next wider width than the narrowest."""
-    original = widths_mod.plan_step
-
-    def mutant(T, widths, limit, slicing=True):
-        out = original(T, widths, limit, slicing)
-        s = out[-1]
-        if s.path == "graph" and s.width != widths[-1]:
-            out = out[:-1] + (Slice("graph", widths[widths.index(s.width) + 1], s.start, s.length),)
-        return out
-    plant(monkeypatch, widths_mod, "plan_step", mutant)
-
-
 def plan_last_slice_one_short(monkeypatch):
     """plan_step's last slice ends one row early (a count off by one): row T-1 never runs."""
     original = widths_mod.plan_step

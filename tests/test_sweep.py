@@ -16,8 +16,7 @@ from collections import Counter
 import pytest
 import torch
 
-import cudagraph_rt.widths as widths_mod
-from cudagraph_rt import GraphRuntime, InputError, InputSpec, Slice
+from cudagraph_rt import GraphRuntime, InputError, InputSpec
 from cudagraph_rt.inputs import StaticInputs
 from cudagraph_rt.cli import main
 from cudagraph_rt.testing import (
@@ -31,7 +30,7 @@ from cudagraph_rt.testing import (
 )
 from cudagraph_rt.testing.checks import rule_slices
 from cudagraph_rt.widths import default_widths, plan_step
-from planting import plant
+from planting import plan_one_width_wider
 
 QUICK = dict(repeats=1)  # every width once: ~70 steps
 
@@ -83,19 +82,6 @@ def skip_pad_fill(monkeypatch):
                         write(self, prep, start, length, length, control))
 
 
-def wider_plan(monkeypatch):
-    """(c) ``widths.plan_step`` itself pads to the next wider width than the narrowest that
-    holds T (planted where it is defined and wherever it was imported: the bug in the
-    function under test, which the sweep must not take its expectations from)."""
-    def plan(T, widths, limit, slicing=True):
-        out = plan_step(T, widths, limit, slicing)
-        s = out[-1]
-        if s.path == "graph" and s.width != widths[-1]:
-            out = out[:-1] + (Slice("graph", widths[widths.index(s.width) + 1], s.start, s.length),)
-        return out
-    plant(monkeypatch, widths_mod, "plan_step", plan)
-
-
 def test_live_pad_cell_is_caught():
     report = run_sweep(LivePadAdapter(device="cpu"), **QUICK)
     assert not report.ok
@@ -122,7 +108,7 @@ def test_skipped_pad_fill_is_caught(monkeypatch, toy):
 
 
 def test_wider_width_is_caught_by_the_slice_check(monkeypatch, toy):
-    wider_plan(monkeypatch)
+    plan_one_width_wider(monkeypatch)
     report = run_sweep(toy, **QUICK)
     assert not report.ok
     assert kinds(report) == {"slices", "counters"}  # outputs stay right: only the plan shows it
@@ -141,7 +127,7 @@ def test_wider_width_is_caught_by_the_slice_check(monkeypatch, toy):
 
 
 def test_only_step_replays_the_history_and_checks_one_step(monkeypatch, toy):
-    wider_plan(monkeypatch)
+    plan_one_width_wider(monkeypatch)
     full = run_sweep(toy, **QUICK)
     bad = full.failures[-1]
     again = run_sweep(toy, seed=full.seed, only_step=bad.step, **QUICK)
@@ -353,7 +339,7 @@ def test_pytest_helper_runs_a_second_model(capsys):
 
 
 def test_pytest_helper_failure_says_how_to_replay(monkeypatch):
-    wider_plan(monkeypatch)
+    plan_one_width_wider(monkeypatch)
     with pytest.raises(AssertionError) as e:
         assert_sweep(DecayAdapter(), **QUICK, extras=(24,))
     text = str(e.value)
@@ -390,7 +376,7 @@ def test_cli_table_plot_and_bad_flags(capsys, tmp_path):
 
 
 def test_cli_failure_exit_code_and_reproduction(monkeypatch, capsys):
-    wider_plan(monkeypatch)
+    plan_one_width_wider(monkeypatch)
     assert main(["sweep", "--repeats", "1", "--device", "cpu"]) == 1
     out = capsys.readouterr().out
     assert "sweep FAILED" in out and "slices:" in out
@@ -411,6 +397,6 @@ def test_cuda_sweep_graphs_on_and_off():
 
 @pytest.mark.cuda
 def test_cuda_wider_width_is_caught_with_graphs_on(monkeypatch):
-    wider_plan(monkeypatch)
+    plan_one_width_wider(monkeypatch)
     report = run_sweep(ToyAdapter(device="cuda"), graphs="on", **QUICK)
     assert kinds(report) == {"slices", "counters"} and "graph_replays" in messages(report)
