@@ -77,3 +77,18 @@ def warm_and_capture(body, *, pool=None, keep_graph=False) -> "torch.cuda.CUDAGr
         body()
     torch.cuda.synchronize()
     return g
+
+
+def python_acceptance(tokens: list[int], rows: list[tuple]) -> list[bool]:
+    """Greedy acceptance written the slow way (the oracle of models.accept.greedy_accept):
+    rows are (token, position, seq, want, next_token); per sequence (seq >= 0: -1 is
+    padding), walk its rows by position, commit each wanted row, stop after the first
+    whose greedy token differs from the draft it checks."""
+    committed = [False] * len(rows)
+    for s in {r[2] for r in rows if r[2] >= 0}:
+        for i in sorted((i for i, r in enumerate(rows) if r[2] == s), key=lambda i: rows[i][1]):
+            if rows[i][3] == 1:
+                committed[i] = True
+                if tokens[i] != rows[i][4]:
+                    break
+    return committed

@@ -21,6 +21,7 @@ from cudagraph_rt.models.accept import greedy_accept  # noqa: E402
 from cudagraph_rt.runner import ReferenceDrafter, Request, SpecRunner  # noqa: E402
 from cudagraph_rt.testing import HFAdapter, run_sweep  # noqa: E402
 from cudagraph_rt.testing.checks import Tolerance  # noqa: E402
+from models_for_tests import python_acceptance  # noqa: E402
 
 FAMILIES = hf.FAMILIES
 # fp32: the packed step and the one-sequence forward differ by reduction order only.
@@ -179,18 +180,6 @@ def test_bad_inputs_name_the_argument():
         hf.parse_model("hf:gpt2")
     with pytest.raises(InputError, match="max_len"):
         hf.HFDecoder(m.model, max_len=10**7)
-
-
-def python_acceptance(tokens, rows) -> list[bool]:
-    """Greedy acceptance written the slow way: per sequence, walk rows by position."""
-    committed = [False] * len(rows)
-    for s in {r[2] for r in rows}:
-        for i in sorted((i for i, r in enumerate(rows) if r[2] == s), key=lambda i: rows[i][1]):
-            if rows[i][3] == 1:
-                committed[i] = True
-                if tokens[i] != rows[i][4]:
-                    break
-    return committed
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

@@ -13,6 +13,7 @@ import torch
 
 from cudagraph_rt.errors import InputError
 from cudagraph_rt.models import ToyConfig, ToyDecoder
+from models_for_tests import python_acceptance
 
 DTYPES = [torch.float32, torch.bfloat16]
 # Hidden rows are O(1..4): fp32 differs by reduction order only; bf16 by a few ulps (1/64 at 2..4).
@@ -185,18 +186,6 @@ def test_corrupted_pad_cell_changes_later_rows(rng, dtype):
             assert bad > 0 or worst > 5 * ATOL[dtype], (bad, worst)
         else:
             assert bad == 0 and worst <= ATOL[dtype], (bad, worst)
-
-
-def python_acceptance(tokens: list[int], rows: list[Row]) -> list[bool]:
-    """Greedy acceptance written the slow way: per sequence, walk rows by position."""
-    committed = [False] * len(rows)
-    for s in {r[2] for r in rows if r[2] >= 0}:
-        for i in sorted((i for i, r in enumerate(rows) if r[2] == s), key=lambda i: rows[i][1]):
-            if rows[i][3] == 1:
-                committed[i] = True
-                if tokens[i] != rows[i][4]:
-                    break
-    return committed
 
 
 def draft(rng: random.Random, truth: list[int], k: int, vocab: int) -> list[int]:
