@@ -207,7 +207,8 @@ def sec_capture(ctx) -> dict:
             "method": "CaptureReport of a fresh runtime over the same model (the process captured once already)"}
 
 
-SECTIONS = {"greedy": sec_greedy, "compiled": sec_compiled, "spec": sec_spec, "capture": sec_capture}
+# The cheap sections first: the compile children may run into a caller's time limit.
+SECTIONS = {"spec": sec_spec, "capture": sec_capture, "greedy": sec_greedy, "compiled": sec_compiled}
 
 
 # ------------------------------------------------------------------------------ context, children
@@ -416,6 +417,11 @@ def run(args: argparse.Namespace) -> int:
             res = {"status": "error", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
         res["seconds"] = time.perf_counter() - t0
         r[key] = res
+        # Progress and figures so far: a run stopped from outside still leaves what it measured.
+        print(f"[{key}] {res.get('status', 'ok')} in {res['seconds']:.1f} s", file=sys.stderr, flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(r, f, indent=1, default=str)
     ctx.rt.close()
     r["goals"] = goals(r)
     _print(r)
