@@ -24,7 +24,9 @@ next drafts need that lane's last result -- the first verify row is the last com
 token and the drafter reads the committed rows -- so they cannot overlap its own step.
 Sequences are therefore split into ``lanes`` (default 2) that take turns: while the GPU
 verifies lane A, the host reads lane B's finished step, drafts for B, admits prompts and
-writes B's next inputs straight into the pinned staging of ``rt.host_inputs``. That needs
+writes B's next inputs straight into the pinned staging of ``rt.host_inputs``. The host
+work is array work over all of a lane's sequences at once (numpy columns in buffers each
+lane owns, one batched drafter call each way), so it stays short beside a step. That needs
 ``lanes`` host-row slots held at once (``HostRows.depth >= lanes``) and one pinned token
 buffer per lane, because a step's outputs die at the next step.
 
@@ -35,17 +37,23 @@ valid until ``handle.release()``, which the runner calls once the drafter has re
 """
 from __future__ import annotations
 
-import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from .drafting import CommittedRows, ReferenceDrafter, ToyDrafter
 from .errors import InputError, expected
 from .host_rows import HostRows, HostRowsHandle
 from .models.toy import ToyDecoder
+from .run_timing import PHASES, DeviceTimer, PhaseClock, RunReport
 from .runtime import GraphRuntime
+
+__all__ = ["CommittedRows", "DeviceTimer", "PHASES", "PhaseClock", "ReferenceDrafter", "Request", "RunReport",
+           "Sequence", "SpecRunner", "ToyDrafter", "make_runtime"]
+
+COLUMNS = ("tokens", "positions", "seq_ids", "cells", "want", "next_tokens")
 
 
 @dataclass(frozen=True)
@@ -83,138 +91,18 @@ class Sequence:
         return len(self.tokens) - len(self.prompt) >= self.max_new
 
 
-class ToyDrafter:
-    """A drafter that is right with probability ``accept_prob`` per draft token.
-
-    It knows the toy's greedy rule (``model.design_next``) and, per draft, proposes the
-    true continuation or (with probability ``1 - p``) a wrong token, so acceptance varies
-    from step to step. It consumes the committed hidden rows the previous step shipped:
-    ``observe`` checks there is one row per committed token and that each row still
-    encodes its input token (the toy's residual keeps the token code, so
-    ``row . emb[token]`` is ~32 for the right token and <= ~18 for any other), and
-    ``propose`` refuses to draft for a sequence whose latest rows it has not seen.
-    Deterministic: one RNG per sequence, seeded by ``(seed, uid)``.
-    """
-
-    def __init__(self, model: ToyDecoder, accept_prob: float, seed: int = 0):
-        if not 0.0 <= accept_prob <= 1.0:
-            raise InputError(expected("accept_prob", "a probability in [0, 1]", accept_prob))
-        self.model, self.p, self.seed = model, accept_prob, seed
-        self._emb = model.emb.float().cpu()  # host copy: the check runs on the host
-        self._seen: dict[int, int] = {}  # uid -> len(tokens) when its rows were observed
-        self._rng: dict[int, np.random.Generator] = {}
-
-    def observe(self, seq: Sequence, first_pos: int, rows: torch.Tensor) -> None:
-        """Rows ``[n, n_taps * H]`` of positions ``first_pos ..`` (a view of a ring slot,
-        valid only during this call: copy what you keep)."""
-        n = len(seq.tokens) - 1 - first_pos
-        if rows.shape[0] != n:
-            raise RuntimeError(f"sequence {seq.uid}: {rows.shape[0]} host rows for {n} committed tokens")
-        fed = torch.tensor(seq.tokens[first_pos:first_pos + n])
-        code = self._emb[fed]  # [n, H]: what the first tap's rows must encode
-        score = (rows[:, :code.shape[1]].float() * code).sum(1)
-        if not bool((score > 0.75 * (code * code).sum(1)).all()):
-            raise RuntimeError(f"sequence {seq.uid}: host rows do not encode the fed tokens at "
-                               f"positions {first_pos}..{first_pos + n - 1}")
-        self._seen[seq.uid] = len(seq.tokens)
-
-    def propose(self, seq: Sequence, k: int) -> list[int]:
-        """``k`` draft tokens continuing ``seq.tokens``."""
-        if self._seen.get(seq.uid) != len(seq.tokens):
-            raise RuntimeError(f"sequence {seq.uid}: drafting before its committed rows were observed")
-        rng = self._rng.setdefault(seq.uid, np.random.default_rng([self.seed, seq.uid]))
-        vocab, out = self.model.config.vocab, []
-        prev, cur = seq.tokens[-2], seq.tokens[-1]  # a decoding sequence has >= 2 tokens
-        for _ in range(k):
-            truth = self.model.design_next(prev, cur)
-            draft = truth if rng.random() < self.p else (truth + 1 + int(rng.integers(vocab - 1))) % vocab
-            out.append(draft)
-            prev, cur = cur, draft
-        return out
-
-    def forget(self, seq: Sequence) -> None:
-        self._seen.pop(seq.uid, None)
-        self._rng.pop(seq.uid, None)
-
-
-class ReferenceDrafter:
-    """A drafter for any model (the transformers ones included) that is right with
-    probability ``accept_prob`` per draft token, so acceptance stays controlled.
-
-    Its "truth" is the model's own plain greedy decoding (``model.greedy_generate``, e.g.
-    ``generate(do_sample=False)``) of each sequence, planned once per prompt (``prepare``,
-    before timing) and re-planned from the sequence's tokens when the served output leaves
-    the plan (a near-tie that rounded the other way: rare, and the runtime's own greedy
-    token always wins, so the output stays plain greedy decoding whatever is drafted).
-    A wrong draft is the truth plus a random non-zero offset. ``observe`` checks one finite
-    host row per committed token; ``propose`` refuses to draft before they were observed.
-    Deterministic: one RNG per sequence, seeded by ``(seed, uid)``.
-    """
-
-    def __init__(self, model, accept_prob: float, seed: int = 0):
-        if not 0.0 <= accept_prob <= 1.0:
-            raise InputError(expected("accept_prob", "a probability in [0, 1]", accept_prob))
-        self.model, self.p, self.seed = model, accept_prob, seed
-        self._plans: dict[tuple[int, ...], list[int]] = {}  # prompt or prefix -> full token list
-        self._seen: dict[int, int] = {}
-        self._rng: dict[int, np.random.Generator] = {}
-        self._cur: dict[int, list[int]] = {}  # uid -> the plan its drafts follow
-        self.replans = 0
-
-    def prepare(self, requests) -> None:
-        """Plan every request's greedy continuation now (outside any timed run)."""
-        for r in requests:
-            self._plan(list(r.prompt), r.max_new)
-
-    def _plan(self, tokens: list[int], n: int) -> list[int]:
-        key = tuple(tokens)
-        if key not in self._plans:
-            n = max(0, min(n, self.model.config.max_len + 1 - len(tokens)))
-            self._plans[key] = list(tokens) + (self.model.greedy_generate(list(tokens), n) if n else [])
-        return self._plans[key]
-
-    def observe(self, seq: Sequence, first_pos: int, rows: torch.Tensor) -> None:
-        n = len(seq.tokens) - 1 - first_pos
-        if rows.shape[0] != n:
-            raise RuntimeError(f"sequence {seq.uid}: {rows.shape[0]} host rows for {n} committed tokens")
-        if not bool(torch.isfinite(rows.float()).all()):
-            raise RuntimeError(f"sequence {seq.uid}: non-finite host rows at positions {first_pos}..{first_pos + n - 1}")
-        self._seen[seq.uid] = len(seq.tokens)
-
-    def propose(self, seq: Sequence, k: int) -> list[int]:
-        if self._seen.get(seq.uid) != len(seq.tokens):
-            raise RuntimeError(f"sequence {seq.uid}: drafting before its committed rows were observed")
-        if k == 0:
-            return []
-        rng = self._rng.setdefault(seq.uid, np.random.default_rng([self.seed, seq.uid]))
-        toks = seq.tokens
-        plan = self._cur.get(seq.uid) or self._plan(list(seq.prompt), seq.max_new)
-        if plan[:len(toks)] != toks:  # the output left the plan: plan again from here
-            self.replans += 1
-            plan = self._plan(list(toks), seq.max_new - len(seq.generated))
-        self._cur[seq.uid] = plan
-        vocab, out = self.model.config.vocab, []
-        for i in range(k):
-            j = len(toks) + i
-            truth = plan[j] if j < len(plan) else 0
-            out.append(truth if rng.random() < self.p else (truth + 1 + int(rng.integers(vocab - 1))) % vocab)
-        return out
-
-    def forget(self, seq: Sequence) -> None:
-        self._seen.pop(seq.uid, None)
-        self._rng.pop(seq.uid, None)
-        self._cur.pop(seq.uid, None)
-
-
 @dataclass(frozen=True)
 class _Group:
-    """The rows one sequence has in a step: ``[row0, row0 + n)`` at positions ``pos0 ..``."""
+    """The rows one sequence has in a step: ``[row0, row0 + n)`` at positions ``pos0 ..``;
+    ``verify`` for a decoding sequence's verify rows, else a prompt chunk (``ends``: it
+    ends the prompt, so its last row asks for a token)."""
 
     seq: Sequence
     row0: int
     n: int
     pos0: int
     verify: bool
+    ends: bool = False
 
 
 @dataclass
@@ -222,6 +110,7 @@ class _InFlight:
     """A launched step: what the host needs after its one wait."""
 
     groups: list[_Group]
+    cols: list[list[int]]  # the step's columns (COLUMNS order): the fed tokens are read back
     handle: HostRowsHandle
     tokens: torch.Tensor  # pinned copy of outputs["tokens"], valid after `done`
     done: torch.cuda.Event | None
@@ -236,115 +125,6 @@ class _Lane:
     tokens_host: torch.Tensor
     seqs: list[Sequence] = field(default_factory=list)
     inflight: _InFlight | None = None
-
-
-# Host phases of a run, in the order one lane's turn goes through them (names are the
-# runner's own methods and calls): admit = _admit; draft = drafter.propose; build = the
-# rows' columns (_build minus drafting); stage = host_inputs + fill, or packing the
-# tensors of a sliced step; step = rt.step; queue = the tokens' copy to pinned memory and
-# the event behind it; wait = the one wait of a step; read = indices, rows and tokens to
-# Python, matching rows to sequences, appending tokens, record_rows copies; observe =
-# drafter.observe; retire = handle.release and retiring finished sequences; loop = the
-# rest of run() (the lane loop, the report).
-PHASES = ("admit", "draft", "build", "stage", "step", "queue", "wait", "read", "observe", "retire", "loop")
-
-
-class PhaseClock:
-    """A stopwatch whose laps are charged to named phases: ``mark(name)`` charges the time
-    since the previous mark (or ``start``) to ``name``. Every moment between ``start`` and
-    the last mark is charged to exactly one phase, so the phases sum to that span (up to
-    float rounding). Costs one ``time.perf_counter`` call and a dict update per mark.
-    ``clock`` is injectable (tests use a fake one). One host thread; not reentrant."""
-
-    def __init__(self, clock=time.perf_counter):
-        self.clock = clock
-        self.totals: dict[str, float] = dict.fromkeys(PHASES, 0.0)
-        self._last = 0.0
-
-    def start(self) -> float:
-        """Zero every phase and start the first lap now; returns the start time."""
-        self.totals = dict.fromkeys(PHASES, 0.0)
-        self._last = self.clock()
-        return self._last
-
-    def mark(self, name: str) -> float:
-        """Charge the lap since the previous mark to ``name``; returns now."""
-        now = self.clock()
-        self.totals[name] += now - self._last
-        self._last = now
-        return now
-
-
-class DeviceTimer:
-    """Device time of the steps of one run: a pair of timing CUDA events recorded around
-    each ``rt.step`` on the current stream (the runtime's), read once after the run, never
-    per step. Event pairs are pooled and reused by later runs (no allocation once the pool
-    is as long as a run). A start event recorded on an idle stream also counts step()'s
-    host work before its launch, so the figure is an upper bound of the device's busy
-    time by at most that much per step. CUDA only (the runner makes none on a CPU)."""
-
-    def __init__(self):
-        self._pool: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self._n = 0
-
-    def reset(self) -> None:
-        self._n = 0
-
-    def begin(self) -> None:
-        if self._n == len(self._pool):
-            self._pool.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
-        self._pool[self._n][0].record()
-
-    def end(self) -> None:
-        self._pool[self._n][1].record()
-        self._n += 1
-
-    def seconds(self) -> float | None:
-        """Sum of the recorded steps' device time (waits for the last one); None if none."""
-        if not self._n:
-            return None
-        self._pool[self._n - 1][1].synchronize()
-        return sum(a.elapsed_time(b) for a, b in self._pool[:self._n]) / 1e3
-
-
-@dataclass(frozen=True)
-class RunReport:
-    """Counters since ``reset_stats`` (``seconds``: the ``run`` call): steps launched,
-    tokens generated, accepted
-    drafts per verify group (``accept_hist[a]`` groups accepted ``a`` drafts), drafts
-    proposed and accepted, committed host rows the drafter consumed.
-
-    Of this ``run`` call only: ``run_steps`` launched; ``phases`` = host seconds per
-    phase (:data:`PHASES`; they sum to ``seconds`` up to float rounding, see
-    :class:`PhaseClock`); ``device_seconds`` = the steps' device time from CUDA events and
-    ``gpu_busy`` = ``device_seconds / seconds`` (both None on a CPU, or when the run
-    launched no step)."""
-
-    steps: int
-    tokens: int
-    seconds: float
-    accept_hist: tuple[int, ...]
-    proposed: int
-    accepted: int
-    rows: int
-    run_steps: int = 0
-    phases: dict[str, float] = field(default_factory=dict, hash=False)
-    device_seconds: float | None = None
-    gpu_busy: float | None = None
-
-    def phase_us_per_step(self) -> dict[str, float]:
-        """Host µs per launched step of this call, per phase (empty when none launched)."""
-        if not self.run_steps:
-            return {}
-        return {name: s * 1e6 / self.run_steps for name, s in self.phases.items()}
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
-
-    @property
-    def steps_per_s(self) -> float:
-        return self.steps / self.seconds if self.seconds else 0.0
 
 
 def make_runtime(model: ToyDecoder, *, graphs: bool, rows_per_step: int, depth: int = 3) -> GraphRuntime:
@@ -363,10 +143,9 @@ class SpecRunner:
     model's ``max_seqs``), split over ``lanes``; ``chunk`` prompt rows per lane step (more
     than the runtime's dynamic limit, 96 by default, makes a sliced step).
     ``record_rows`` keeps a copy of every committed hidden row per sequence (for checks).
-    The drafter has ``observe(seq, first_pos, rows)`` (the committed rows of positions
-    ``first_pos ..``, valid during the call), ``propose(seq, k) -> k tokens`` and
-    ``forget(seq)``; see :class:`ToyDrafter`. The runner owns ``self.rt`` (its graphs and
-    pinned buffers live as long as the runner); one host thread drives it.
+    The drafter has ``observe(CommittedRows)``, ``propose(seqs, k) -> [len(seqs), k]`` and
+    ``forget(seq)``; see :mod:`cudagraph_rt.drafting`. The runner owns ``self.rt`` (its
+    graphs and pinned buffers live as long as the runner); one host thread drives it.
 
     Raises InputError for a configuration whose verify rows would not fit the first slice
     of a step (acceptance is decided per slice, so a sequence's rows must share one);
@@ -470,54 +249,75 @@ class SpecRunner:
             uid, r = self.waiting.popleft()
             lane.seqs.append(Sequence(uid, self._free_slots.pop(0), r.prompt, r.max_new, list(r.prompt)))
 
-    def _build(self, lane: _Lane) -> tuple[list[_Group], dict[str, list[int]]]:
-        """The lane's next step as columns: verify rows first (so every sequence's verify
-        rows sit in the first slice even when a wide prefill gets sliced), then prefill
-        chunks up to ``chunk`` rows."""
-        cols: dict[str, list[int]] = {n: [] for n in ("tokens", "positions", "seq_ids", "cells", "want", "next_tokens")}
+    def _build(self, lane: _Lane) -> tuple[list[_Group], list[list[int]]]:
+        """The lane's next step as columns (``COLUMNS`` order): verify rows first (so every
+        sequence's verify rows sit in the first slice even when a wide prefill gets
+        sliced), then prefill chunks up to ``chunk`` rows. Work per sequence, not per row:
+        list slices and ranges, one batched drafter call."""
+        cols: list[list[int]] = [[] for _ in COLUMNS]
         groups: list[_Group] = []
-
-        def add(seq: Sequence, toks: list[int], pos0: int, want: list[int], nxt: list[int], verify: bool) -> None:
-            groups.append(_Group(seq, len(cols["tokens"]), len(toks), pos0, verify))
-            pos = range(pos0, pos0 + len(toks))
-            for name, vals in (("tokens", toks), ("positions", pos), ("seq_ids", [seq.slot] * len(toks)),
-                               ("cells", [self.model.cell_for(seq.slot, p) for p in pos]), ("want", want),
-                               ("next_tokens", nxt)):
-                cols[name] += vals
-
-        clk = self.phase_clock
-        for seq in lane.seqs:
-            if seq.decoding:
-                k = min(self.k, seq.max_new - len(seq.generated) - 1)  # never draft past the limit
-                clk.mark("build")
-                drafts = self.drafter.propose(seq, k)
-                clk.mark("draft")
-                toks = [seq.tokens[-1]] + drafts
-                add(seq, toks, len(seq.tokens) - 1, [1] * len(toks), toks[1:] + [-1], True)
+        dec = [s for s in lane.seqs if s.decoding]
+        if dec:
+            self._verify_rows(cols, groups, dec)
         budget = self.chunk
         for seq in lane.seqs:
             n = min(budget, len(seq.prompt) - seq.prefilled)
-            if not seq.decoding and n > 0:
-                last = seq.prefilled + n == len(seq.prompt)
-                add(seq, list(seq.prompt[seq.prefilled:seq.prefilled + n]), seq.prefilled,
-                    [0] * (n - 1) + [int(last)], [-1] * n, False)
-                seq.prefilled += n
+            if n > 0 and not seq.decoding:
+                self._prompt_rows(cols, groups, seq, n)
                 budget -= n
         return groups, cols
 
-    def _launch(self, lane: _Lane, groups: list[_Group], cols: dict[str, list[int]]) -> _InFlight:
+    def _verify_rows(self, cols: list[list[int]], groups: list[_Group], dec: list[Sequence]) -> None:
+        """Every decoding sequence's last committed token then its drafts, each row asking
+        for a token and naming the draft after it."""
+        ks = [min(self.k, s.max_new - (len(s.tokens) - len(s.prompt)) - 1) for s in dec]  # never past the limit
+        kmax = max(ks)
+        clk = self.phase_clock
+        clk.mark("build")
+        drafts = self.drafter.propose(dec, kmax).tolist() if kmax > 0 else [[]] * len(dec)
+        clk.mark("draft")
+        toks, pos, sid, cells, want, nxt = cols
+        for s, k, d in zip(dec, ks, drafts):
+            p0, row0 = len(s.tokens) - 1, len(toks)
+            t = [s.tokens[-1], *d[:k]]
+            toks += t
+            nxt += t[1:]
+            nxt.append(-1)
+            pos += range(p0, p0 + k + 1)
+            sid += [s.slot] * (k + 1)
+            cells += self.model.cell_range(s.slot, p0, k + 1)
+            want += [1] * (k + 1)
+            groups.append(_Group(s, row0, k + 1, p0, True))
+
+    def _prompt_rows(self, cols: list[list[int]], groups: list[_Group], seq: Sequence, n: int) -> None:
+        """A prompt chunk of ``n`` rows; the chunk that ends the prompt asks for a token on
+        its last row (that row then ships the hidden state drafting starts from)."""
+        toks, pos, sid, cells, want, nxt = cols
+        p0, row0 = seq.prefilled, len(toks)
+        ends = p0 + n == len(seq.prompt)
+        toks += seq.prompt[p0:p0 + n]
+        pos += range(p0, p0 + n)
+        sid += [seq.slot] * n
+        cells += self.model.cell_range(seq.slot, p0, n)
+        want += [0] * (n - 1)
+        want.append(int(ends))
+        nxt += [-1] * n
+        seq.prefilled += n
+        groups.append(_Group(seq, row0, n, p0, False, ends))
+
+    def _launch(self, lane: _Lane, groups: list[_Group], cols: list[list[int]]) -> _InFlight:
         """Stage, step (asynchronous on CUDA), and queue the copy of the tokens to pinned
         memory behind it: ``outputs`` die at the next step, which another lane launches
         before this one is read. Phases stage, step, queue; on CUDA the device timer's
         events bracket ``rt.step``."""
         clk, dev = self.phase_clock, self._device_timer
-        T = len(cols["tokens"])
+        T = len(cols[0])
         if len(self.rt.plan(T)) == 1:
             inputs = self.rt.host_inputs(T)  # pinned staging of this step: fill in place, no packing
-            for name, v in cols.items():
-                inputs[name].numpy()[:] = v
+            for name, col in zip(COLUMNS, cols):
+                inputs[name].numpy()[:] = col
         else:  # a sliced step cannot use one staging view; the runtime packs each slice
-            inputs = {name: torch.tensor(v, dtype=torch.int64) for name, v in cols.items()}
+            inputs = {name: torch.tensor(col, dtype=torch.int64) for name, col in zip(COLUMNS, cols)}
         if dev is not None:
             dev.begin()
         clk.mark("stage")
@@ -533,7 +333,7 @@ class SpecRunner:
             done.record()
         self.steps += 1
         clk.mark("queue")
-        return _InFlight(groups, res.host_rows, tokens, done)
+        return _InFlight(groups, cols, res.host_rows, tokens, done)
 
     def _finish(self, lane: _Lane, fl: _InFlight) -> None:
         """The one wait of a step, then: committed tokens and rows per sequence, drafter
@@ -544,36 +344,11 @@ class SpecRunner:
         if fl.done is not None:
             fl.done.synchronize()  # covers the gather too: it ran earlier on the same stream
         clk.mark("wait")
-        idx, rows, tokens = fl.handle.indices().tolist(), fl.handle.rows(), fl.tokens.tolist()
-        j = 0
-        for g in fl.groups:
-            j0 = j
-            while j < len(idx) and idx[j] < g.row0 + g.n:
-                j += 1
-            got = idx[j0:j]
-            if g.verify:  # the longest matching draft prefix plus one row: row0 .. row0 + c - 1
-                ok = 1 <= len(got) <= g.n and got == list(range(g.row0, g.row0 + len(got)))
-            else:  # a prompt chunk: only the last row of the whole prompt asks for a token
-                ok = got == ([g.row0 + g.n - 1] if g.pos0 + g.n == len(g.seq.prompt) else [])
-            if not ok:
-                raise RuntimeError(f"sequence {g.seq.uid}: committed rows {got} do not fit its rows "
-                                   f"[{g.row0}, {g.row0 + g.n})")
-            if not got:
-                continue  # a prompt chunk that does not end the prompt commits nothing
-            first_pos = g.pos0 + (got[0] - g.row0)
-            g.seq.tokens += [tokens[i] for i in got]
-            clk.mark("read")
-            self.drafter.observe(g.seq, first_pos, rows[j0:j])
-            clk.mark("observe")
-            if self.record_rows:
-                g.seq.rows.append(rows[j0:j].clone())  # the slot is reused after release
-            self.tokens += len(got)
-            self.rows += len(got)
-            if g.verify:
-                self.hist[len(got) - 1] += 1
-                self.proposed += g.n - 1
-                self.accepted += len(got) - 1
+        c = self._committed(lane, fl)
         clk.mark("read")
+        if c is not None:
+            self.drafter.observe(c)
+        clk.mark("observe")
         fl.handle.release()
         for seq in [s for s in lane.seqs if s.done]:
             lane.seqs.remove(seq)
@@ -581,3 +356,50 @@ class SpecRunner:
             self.drafter.forget(seq)
             self.finished.append(seq)
         clk.mark("retire")
+
+    def _committed(self, lane: _Lane, fl: _InFlight) -> CommittedRows | None:
+        """Match the step's committed rows to its groups (RuntimeError when they do not
+        fit: a verify group commits a prefix of 1 .. n rows, a prompt chunk its last row
+        iff it ends the prompt), append the tokens, count, and record rows if asked.
+        Work per group (list slices), none per row in Python."""
+        idx = fl.handle.indices().tolist()
+        rows, out = fl.handle.rows(), fl.tokens.numpy()
+        committed = out[idx].tolist()
+        toks_in = fl.cols[0]
+        seqs, first, counts, group, fed, positions, j = [], [], [], [], [], [], 0
+        for g in fl.groups:
+            j0, end = j, g.row0 + g.n
+            while j < len(idx) and idx[j] < end:
+                j += 1
+            c = j - j0
+            if g.verify:  # the longest matching draft prefix plus one row: row0 .. row0 + c - 1
+                ok = 1 <= c <= g.n and idx[j0:j] == list(range(g.row0, g.row0 + c))
+            else:  # a prompt chunk: only the last row of the whole prompt asks for a token
+                ok = idx[j0:j] == ([end - 1] if g.ends else [])
+            if not ok:
+                raise RuntimeError(f"sequence {g.seq.uid}: committed rows {idx[j0:j]} do not fit its rows "
+                                   f"[{g.row0}, {end})")
+            if not c:
+                continue  # a prompt chunk that does not end the prompt commits nothing
+            g.seq.tokens += committed[j0:j]
+            if self.record_rows:  # the slot is reused after release
+                g.seq.rows.append(rows[j0:j].clone())
+            if g.verify:
+                self.hist[c - 1] += 1
+                self.proposed += g.n - 1
+                self.accepted += c - 1
+            r0 = idx[j0]  # the committed rows are consecutive: r0 .. r0 + c - 1 (checked above)
+            group += [len(seqs)] * c
+            fed += toks_in[r0:r0 + c]
+            positions += range(g.pos0 + r0 - g.row0, g.pos0 + r0 - g.row0 + c)
+            seqs.append(g.seq)
+            first.append(g.pos0 + r0 - g.row0)
+            counts.append(c)
+        if j != len(idx):
+            raise RuntimeError(f"committed rows {idx[j:]} lie past the step's {len(fl.cols[0])} rows")
+        self.tokens += len(idx)
+        self.rows += len(idx)
+        if not idx:
+            return None
+        arr = lambda v: np.array(v, np.int64)  # noqa: E731
+        return CommittedRows(seqs, arr(first), arr(counts), rows, arr(fed), arr(committed), arr(positions), arr(group))

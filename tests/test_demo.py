@@ -8,12 +8,16 @@ from __future__ import annotations
 import json
 import os
 import random
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 from cudagraph_rt import InputError, cli
 from cudagraph_rt.models import ToyConfig, ToyDecoder
+from cudagraph_rt.device_drafter import DeviceDrafter
+from cudagraph_rt.drafting import CommittedRows, DraftRule, controlled_drafts, controlled_drafts_py
 from cudagraph_rt.runner import PHASES, PhaseClock, Request, SpecRunner, ToyDrafter
 
 
@@ -37,9 +41,9 @@ def requests_for(rng: random.Random, model: ToyDecoder, n: int, max_new: int = 1
 
 def serve(model, reqs, *, p=0.5, seed=0, record_rows=False, spy=None, device="cpu", **kw):
     runner = SpecRunner(model, ToyDrafter(model, p, seed), graphs=device == "cuda", record_rows=record_rows, **kw)
-    if spy is not None:  # record every launched step: (T, groups)
+    if spy is not None:  # record every launched step: (T, [(uid, verify) per group])
         launch = runner._launch
-        runner._launch = lambda lane, groups, cols: (spy.append((len(cols["tokens"]), groups)),
+        runner._launch = lambda lane, groups, cols: (spy.append((len(cols[0]), [(g.seq.uid, g.verify) for g in groups])),
                                                      launch(lane, groups, cols))[1]
     runner.submit(reqs)
     return runner, runner.run()
@@ -103,11 +107,11 @@ def test_sequences_join_and_retire(rng):
     runner, _ = serve(model, reqs, p=0.6, seed=rng.randrange(1000), k=3, lanes=2, slots=4, chunk=24, spy=log)
     assert_greedy(model, runner, reqs)
     assert {s.slot for s in runner.finished} <= set(range(4))  # slots are reused
-    live = [{g.seq.uid for g in groups} for _, groups in log]
+    live = [{uid for uid, _ in groups} for _, groups in log]
     assert max(map(len, live)) <= 2  # 4 slots over 2 lanes
     # New prompts prefill in the same step as other sequences verify, after earlier ones retired.
-    mixed = [i for i, (_, groups) in enumerate(log) if {g.verify for g in groups} == {True, False}]
-    assert mixed and any(min(g.seq.uid for g in log[i][1] if not g.verify) >= 4 for i in mixed)
+    mixed = [i for i, (_, groups) in enumerate(log) if {v for _, v in groups} == {True, False}]
+    assert mixed and any(min(uid for uid, v in log[i][1] if not v) >= 4 for i in mixed)
     assert len({T for T, _ in log}) > 3  # the step width varies
 
 
@@ -147,22 +151,83 @@ def test_a_capped_run_continues(rng):
     assert_greedy(model, runner, reqs)
 
 
-def test_drafter_consumes_the_host_rows():
+@pytest.mark.parametrize("kind", ["host", "device"])
+def test_drafter_consumes_the_host_rows(kind):
     model = ToyDecoder(ToyConfig.tiny(), "cpu")
-    runner = SpecRunner(model, ToyDrafter(model, 1.0), k=2, record_rows=True)
+    make = (lambda: ToyDrafter(model, 1.0)) if kind == "host" else (lambda: DeviceDrafter(model, 1.0, k=2))
+    runner = SpecRunner(model, make(), k=2, record_rows=True)
     runner.submit([Request((5, 9, 11), 6)])
     runner.run()
     seq = runner.finished[0]
-    d = ToyDrafter(model, 1.0)
+    d = make()
     with pytest.raises(RuntimeError, match="before its committed rows"):
-        d.propose(seq, 2)
+        d.propose([seq], 2)
     rows = torch.cat(seq.rows)  # one row per committed token, positions 2 .. 7
-    d.observe(seq, len(seq.tokens) - 1 - rows.shape[0], rows)
-    assert len(d.propose(seq, 2)) == 2
+    d.observe(CommittedRows.of(seq, len(seq.tokens) - 1 - rows.shape[0], rows))
+    drafts = d.propose([seq], 2)
+    assert drafts.shape == (1, 2) and drafts[0, 0] == model.design_next(seq.tokens[-2], seq.tokens[-1])
     with pytest.raises(RuntimeError, match="host rows for"):
-        d.observe(seq, 2, rows[:-1])
-    with pytest.raises(RuntimeError, match="do not encode"):
-        d.observe(seq, 2, rows.flip(0))
+        d.observe(CommittedRows.of(seq, 2, rows[:-1]))
+    flipped = CommittedRows.of(seq, 2, rows.flip(0))
+    if kind == "host":
+        with pytest.raises(RuntimeError, match="do not encode"):
+            d.observe(flipped)
+    else:  # checked on the device, reported where its drafts are read
+        d.observe(flipped)
+        with pytest.raises(RuntimeError, match="do not encode"):
+            d.propose([seq], 2)
+
+
+def test_controlled_drafts_agree_in_numpy_and_torch_and_follow_the_rule(rng):
+    model = ToyDecoder(ToyConfig.tiny(vocab=120), "cpu")
+    G, k, p = rng.randint(1, 30), rng.randint(1, 6), rng.random()
+    rule_np = DraftRule.for_toy(model, p, rng.randrange(2**40))
+    rule_t = DraftRule.for_toy(model, p, rule_np and 0, device="cpu")
+    rule_t = DraftRule(rule_t.pi_a, rule_t.pi_b, rule_np.b, rule_np.vocab, rule_np.threshold, rule_np.seed_key)
+    cols = [np.array([rng.randrange(lo, hi) for _ in range(G)], np.int64) for lo, hi in ((0, 2**62), (2, 500), (0, 120),
+                                                                                         (0, 120))]
+    a = controlled_drafts(np, rule_np, *cols, k)
+    b = controlled_drafts(torch, rule_t, *(torch.from_numpy(c) for c in cols), k).numpy()
+    np.testing.assert_array_equal(a, b)
+    seqs = [SimpleNamespace(uid=int(u), tokens=[0] * (int(q) - 2) + [int(x), int(y)]) for u, q, x, y in zip(*cols)]
+    np.testing.assert_array_equal(a, np.array(controlled_drafts_py(rule_np, seqs, k)).reshape(G, k))
+    uid, pos, prev, cur = cols
+    for g in range(G):  # a draft is the rule's token after the drafts before it, or a wrong one
+        pv, cv = int(prev[g]), int(cur[g])
+        for j in range(k):
+            truth = model.design_next(pv, cv)
+            assert 0 <= a[g, j] < 120
+            pv, cv = cv, int(a[g, j])
+    always = DraftRule.for_toy(model, 1.0, 3)
+    never = DraftRule.for_toy(model, 0.0, 3)
+    t1 = controlled_drafts(np, always, *cols, 1)[:, 0]
+    t0 = controlled_drafts(np, never, *cols, 1)[:, 0]
+    want = np.array([model.design_next(int(x), int(y)) for x, y in zip(prev, cur)])
+    np.testing.assert_array_equal(t1, want)
+    assert (t0 != want).all()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_device_drafter_drafts_what_the_host_drafter_does(rng, device):
+    """Same seed, same coins: the device drafter (its own GraphRuntime; graphs and its own
+    stream on CUDA) accepts exactly what the host drafter does, and tokens stay greedy."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = ToyDecoder(ToyConfig.tiny(dtype=dtype), device)
+    reqs = requests_for(rng, model, 9, max_new=20)
+    seed, k, p = rng.randrange(1000), rng.randint(1, 5), rng.choice([0.3, 0.7])
+    reports = {}
+    for kind in ("host", "device"):
+        model.reset_cache()
+        drafter = ToyDrafter(model, p, seed) if kind == "host" else DeviceDrafter(
+            model, p, seed, k=k, graphs=device == "cuda")
+        runner = SpecRunner(model, drafter, k=k, lanes=2, slots=6, chunk=32, graphs=device == "cuda")
+        runner.submit(reqs)
+        reports[kind] = runner.run()
+        assert_greedy(model, runner, reqs)
+        if kind == "device" and device == "cuda":
+            assert sum(drafter.rt.stats().graph_replays.values()) > 0
+    assert reports["host"].accept_hist == reports["device"].accept_hist
+    assert 0 < reports["device"].accepted < reports["device"].proposed
 
 
 class _FakeClock:

@@ -60,8 +60,8 @@ def host_rows_problems(rng: random.Random, mode: str) -> list[str]:
     """Random chunks of one sequence through a host-row runtime; every shipped row is
     compared with the eager reference. Commit mode takes one-slice steps only."""
     model = ToyDecoder(device="cpu")
-    rt = GraphRuntime(model.step, model.inputs(), graphs=False, device="cpu",
-                      host_rows=HostRows(source="hidden", mode=mode))
+    hr = HostRows(source="hidden", mode=mode)
+    rt = GraphRuntime(model.step, model.inputs(), graphs=False, device="cpu", host_rows=hr)
     rt.capture()
     L = model.config.max_len - rng.randrange(8)
     tokens = [rng.randrange(model.config.vocab) for _ in range(L)]
@@ -71,7 +71,7 @@ def host_rows_problems(rng: random.Random, mode: str) -> list[str]:
     problems, pos = [], 0
     while pos < L:
         T = first if pos == 0 else min(rng.randint(1, 16), L - pos)
-        rows = sorted(rng.sample(range(T), rng.randint(1, T)))
+        rows = sorted(rng.sample(range(T), rng.randint(1, min(T, rt.dynamic_limit))))  # capacity: more is a CapacityError
         x = dict(tokens=tokens[pos:pos + T], positions=list(range(pos, pos + T)), seq_ids=[0] * T,
                  cells=[model.cell_for(0, p) for p in range(pos, pos + T)], want=[0] * T)
         if mode == "host":

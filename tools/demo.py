@@ -20,6 +20,7 @@ import torch
 from ..errors import CgrtError, InputError, expected
 from ..models import ToyConfig, ToyDecoder
 from ..models.hf import SIZES, build, parse_model
+from ..device_drafter import DeviceDrafter
 from ..runner import PHASES, ReferenceDrafter, Request, RunReport, SpecRunner, ToyDrafter
 from ..testing.checks import Tolerance
 
@@ -44,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="toy (default) | hf:llama | hf:qwen2 | hf:qwen3 | hf:mistral (transformers, random weights; "
                         "drafts follow the model's own greedy decoding, right with --accept-prob)")
     p.add_argument("--size", default="tiny", help="hf models: tiny (default, fp32, CPU) | 1b (Llama-3.2-1B shape, bf16)")
+    p.add_argument("--drafter", choices=("host", "gpu"), default="host",
+                   help="host: numpy drafter on the host (default); gpu: a small draft model in its own GraphRuntime "
+                        "on its own stream, fed the committed hidden rows (toy only; graphs as --graphs)")
     p.add_argument("--slots", type=int, default=None, help="sequences served at once (default: the model's max_seqs)")
     p.add_argument("--lanes", type=int, default=2, help="groups of sequences that take turns on the GPU (default 2)")
     p.add_argument("--chunk", type=int, default=128,
@@ -110,9 +114,17 @@ def check(model, runner: SpecRunner) -> dict:
             "rows_rule": f"normwise, fraction of {tol}" if hf else "max |err|"}
 
 
-def make_drafter(model, accept_prob: float, seed: int, requests: list[Request]):
-    """The toy's rule-based drafter, or for other models one that follows the model's own
-    greedy decoding (planned here, before timing)."""
+def make_drafter(model, accept_prob: float, seed: int, requests: list[Request], kind: str = "host", k: int = 4,
+                 graphs: bool = False):
+    """The toy's rule-based drafter (on the host, or ``kind="gpu"``: the device drafter,
+    its graphs captured here), or for other models one that follows the model's own greedy
+    decoding (planned here, before timing)."""
+    if kind == "gpu":
+        if not isinstance(model, ToyDecoder):
+            raise InputError(expected("--drafter", "host for transformers models (gpu drafts the toy)", kind))
+        d = DeviceDrafter(model, accept_prob, seed, k=max(k, 1), graphs=graphs)
+        d.capture()
+        return d
     if isinstance(model, ToyDecoder):
         return ToyDrafter(model, accept_prob, seed)
     drafter = ReferenceDrafter(model, accept_prob, seed)
@@ -128,11 +140,16 @@ def timing(rep: RunReport) -> dict:
             "device_seconds": rep.device_seconds, "gpu_busy": rep.gpu_busy}
 
 
-def serve(model, requests: list[Request], graphs: bool, args) -> dict:
-    """Capture, warm up on two short requests, then serve ``requests`` timed."""
+def serve(model, requests: list[Request], graphs: bool, args, plans=None) -> dict:
+    """Capture, warm up on two short requests, then serve ``requests`` timed. ``plans``:
+    served sequences whose tokens the reference drafter follows (``prepare_from``)."""
     model.reset_cache()
     warm = [Request(r.prompt, min(4, r.max_new)) for r in requests[:2]]
-    drafter = make_drafter(model, args.accept_prob, args.seed, requests + warm if args.k else [])
+    kind = getattr(args, "drafter", "host")
+    drafter = make_drafter(model, args.accept_prob, args.seed, (requests + warm if args.k else []) if plans is None
+                           else [], kind, args.k, graphs)
+    if plans is not None and isinstance(drafter, ReferenceDrafter):
+        drafter.prepare_from(plans)
     runner = SpecRunner(model, drafter, k=args.k, slots=args.slots,
                         lanes=args.lanes, chunk=args.chunk, graphs=graphs, record_rows=True)
     cap = runner.rt.capture()
@@ -145,8 +162,10 @@ def serve(model, requests: list[Request], graphs: bool, args) -> dict:
         torch.cuda.synchronize()
     rep: RunReport = runner.run(max_steps=args.rounds or None)
     st = runner.rt.stats()
+    if hasattr(drafter, "close"):
+        drafter.close()
     return {
-        "graphs": graphs, "steps": rep.steps, "tokens": rep.tokens, "seconds": rep.seconds,
+        "graphs": graphs, "drafter": kind, "steps": rep.steps, "tokens": rep.tokens, "seconds": rep.seconds,
         "tokens_per_s": rep.tokens_per_s, "steps_per_s": rep.steps_per_s, "capture_s": cap.seconds,
         "finished": len(runner.finished), "accept_hist": list(rep.accept_hist), "proposed": rep.proposed,
         "accepted": rep.accepted, "rows_consumed": rep.rows, **timing(rep),
@@ -155,6 +174,8 @@ def serve(model, requests: list[Request], graphs: bool, args) -> dict:
                    "dynamic_calls": dict(sorted(st.dynamic_calls.items())),
                    "padding_rows": st.padding_rows, "slices": st.slices},
         "check": check(model, runner),
+        "replans": getattr(drafter, "replans", 0), "replan_seconds": getattr(drafter, "replan_seconds", 0.0),
+        "finished_seqs": runner.finished,
     }
 
 
@@ -166,7 +187,8 @@ def _print(report: dict) -> None:
     out, c = make_console(), report["config"]
     out.print(f"cgrt demo: {c.get('model', 'toy')} {c['size']} ({c['dtype']}, {c['hidden']} hidden, {c['layers']} layers) on "
               f"{c['device']}; {c['sequences']} sequences ({c['slots']} at once, {c['lanes']} lanes), k={c['k']}, "
-              f"p={c['accept_prob']}, max-new {c['max_new']}, chunk {c['chunk']}", markup=False)
+              f"p={c['accept_prob']}, max-new {c['max_new']}, chunk {c['chunk']}, drafter {c.get('drafter', 'host')}",
+              markup=False)
     for note in report["notes"]:
         out.print(f"note: {note}", markup=False)
     t = Table()
@@ -249,6 +271,8 @@ def run(args) -> int:
     try:
         requests = make_requests(model.config, args.sequences, args.max_new, args.seed)
         runs = [serve(model, requests, g, args) for g in modes]
+        for r in runs:
+            r.pop("finished_seqs")
     except ValueError as e:  # a bad argument (InputError is a ValueError)
         print(f"cgrt demo: {e}", file=sys.stderr)
         return 2
@@ -260,7 +284,8 @@ def run(args) -> int:
                          "hidden": cfg.hidden, "layers": cfg.layers, "device": str(device),
                          "sequences": args.sequences, "slots": args.slots or cfg.max_seqs, "lanes": args.lanes,
                          "k": args.k, "accept_prob": args.accept_prob, "max_new": args.max_new,
-                         "chunk": args.chunk, "rounds": args.rounds, "seed": args.seed},
+                         "chunk": args.chunk, "rounds": args.rounds, "seed": args.seed,
+                         "drafter": args.drafter},
               "notes": notes, "runs": runs, "ok": all(r["check"]["ok"] for r in runs)}
     return publish(report, args.json)
 

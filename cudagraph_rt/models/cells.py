@@ -53,6 +53,14 @@ class CellPoolModel:
             raise InputError(expected("pos", f"in [0, {self.config.max_len})", pos))
         return seq * self.config.max_len + pos
 
+    def cell_range(self, seq: int, pos0: int, n: int) -> range:
+        """The cells of positions ``pos0 .. pos0 + n - 1`` of ``seq`` (consecutive in this
+        layout); one :class:`InputError` check for all of them."""
+        first = self.cell_for(seq, pos0)
+        if n > 1:
+            self.cell_for(seq, pos0 + n - 1)
+        return range(first, first + n)
+
     def inputs(self, verify: bool = False) -> dict[str, InputSpec]:
         """Per-row int64 inputs and their pad values (``next_tokens`` only for the verify step).
 
