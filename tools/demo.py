@@ -55,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="toy weights, prompts, limits and drafter RNG (default 0)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks (launch with torchrun --nproc-per-node N; default 1)")
+    p.add_argument("--profile", metavar="FILE", default=None,
+                   help="cProfile the timed run(s) only; the top functions by own time go to FILE "
+                        "(one section per run)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
@@ -160,7 +163,8 @@ def serve(model, requests: list[Request], graphs: bool, args, plans=None) -> dic
     runner.submit(requests)
     if model.device.type == "cuda":
         torch.cuda.synchronize()
-    rep: RunReport = runner.run(max_steps=args.rounds or None)
+    rep: RunReport = _profiled(lambda: runner.run(max_steps=args.rounds or None), getattr(args, "profile", None),
+                               f"graphs {'on' if graphs else 'off'}, drafter {kind}")
     st = runner.rt.stats()
     if hasattr(drafter, "close"):
         drafter.close()
@@ -177,6 +181,24 @@ def serve(model, requests: list[Request], graphs: bool, args, plans=None) -> dic
         "replans": getattr(drafter, "replans", 0), "replan_seconds": getattr(drafter, "replan_seconds", 0.0),
         "finished_seqs": runner.finished,
     }
+
+
+def _profiled(fn, path: str | None, title: str):
+    """``fn()``, under cProfile when ``path`` is given: its top 40 functions by own time
+    are appended to ``path`` under ``title``."""
+    if not path:
+        return fn()
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    out = prof.runcall(fn)
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(40)
+    with open(path, "a") as f:
+        f.write(f"==== {title}\n{buf.getvalue()}\n")
+    return out
 
 
 def _print(report: dict) -> None:
