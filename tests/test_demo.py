@@ -19,6 +19,7 @@ from cudagraph_rt.models import ToyConfig, ToyDecoder
 from cudagraph_rt.device_drafter import DeviceDrafter
 from cudagraph_rt.drafting import CommittedRows, DraftRule, controlled_drafts, controlled_drafts_py
 from cudagraph_rt.runner import PHASES, PhaseClock, Request, SpecRunner, ToyDrafter
+from cudagraph_rt.testing.checks import Tolerance
 
 
 @pytest.fixture(autouse=True)
@@ -228,6 +229,19 @@ def test_device_drafter_drafts_what_the_host_drafter_does(rng, device):
             assert sum(drafter.rt.stats().graph_replays.values()) > 0
     assert reports["host"].accept_hist == reports["device"].accept_hist
     assert 0 < reports["device"].accepted < reports["device"].proposed
+
+
+def test_half_precision_tolerance_holds_for_float32_copies():
+    """The demo compares fp32 copies of bf16 rows: the bound is bf16's (8 eps = 6.25%), not
+    fp32's (a 16-layer bf16 model's 2% was flagged as a 20,000-fold miss)."""
+    ref = torch.randn(4, 256)
+    got = ref * 1.02
+    err, bound = Tolerance.for_dtype(torch.bfloat16).errors(got, ref)
+    assert (err <= bound).all()
+    err, bound = Tolerance.for_dtype(torch.bfloat16).errors(ref * 1.1, ref)
+    assert (err > bound).all()  # 10 % is still caught
+    err, bound = Tolerance.for_dtype(torch.float32).errors(got, ref)
+    assert (err > bound).all()
 
 
 class _FakeClock:

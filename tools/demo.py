@@ -144,10 +144,12 @@ def timing(rep: RunReport) -> dict:
 
 
 def serve(model, requests: list[Request], graphs: bool, args, plans=None) -> dict:
-    """Capture, warm up on two short requests, then serve ``requests`` timed. ``plans``:
+    """Capture, warm up on the first wave's prompts, then serve ``requests`` timed. ``plans``:
     served sequences whose tokens the reference drafter follows (``prepare_from``)."""
     model.reset_cache()
-    warm = [Request(r.prompt, min(4, r.max_new)) for r in requests[:2]]
+    # Warm-up: the first wave's own prompts (as many as run at once), a few tokens each, so
+    # the timed run meets no first-time cost (the dynamic path's kernels, cuBLAS plans).
+    warm = [Request(r.prompt, min(4, r.max_new)) for r in requests[:args.slots or model.config.max_seqs]]
     kind = getattr(args, "drafter", "host")
     drafter = make_drafter(model, args.accept_prob, args.seed, (requests + warm if args.k else []) if plans is None
                            else [], kind, args.k, graphs)

@@ -69,7 +69,9 @@ class Tolerance:
             if dtype == torch.float32 and cuda and _tf32_matmuls():
                 return Tolerance(8.0, 2.0**-10)
             return Tolerance(256.0)
-        return Tolerance(8.0)
+        # The eps of the rows' own dtype, given explicitly: a check that compares fp32
+        # copies of half-precision rows must not be held to fp32's eps.
+        return Tolerance(8.0, float(torch.finfo(dtype).eps))
 
     def errors(self, got: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row of ``[T, H]`` rows: ``(||got - ref||_2, bound)`` in fp32 on ``got``'s
