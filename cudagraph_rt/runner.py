@@ -344,7 +344,7 @@ class SpecRunner:
         if fl.done is not None:
             fl.done.synchronize()  # covers the gather too: it ran earlier on the same stream
         clk.mark("wait")
-        c = self._committed(lane, fl)
+        c = self._committed(fl)
         clk.mark("read")
         if c is not None:
             self.drafter.observe(c)
@@ -357,7 +357,7 @@ class SpecRunner:
             self.finished.append(seq)
         clk.mark("retire")
 
-    def _committed(self, lane: _Lane, fl: _InFlight) -> CommittedRows | None:
+    def _committed(self, fl: _InFlight) -> CommittedRows | None:
         """Match the step's committed rows to its groups (RuntimeError when they do not
         fit: a verify group commits a prefix of 1 .. n rows, a prompt chunk its last row
         iff it ends the prompt), append the tokens, count, and record rows if asked.
