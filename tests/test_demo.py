@@ -78,6 +78,11 @@ def test_cli_demo_smoke(capsys):
     assert run["gpu_busy"] is None and run["device_seconds"] is None
 
 
+def test_cli_demo_refuses_the_device_drafter_with_tp(capsys):
+    assert cli.main(["demo", "--tp", "2", "--drafter", "gpu", "--device", "cpu"]) == 2
+    assert "--drafter" in capsys.readouterr().err
+
+
 def test_cli_demo_refuses_graphs_on_a_cpu(capsys):
     assert cli.main(["demo", "--graphs", "on", "--device", "cpu"]) == 2
     assert "CUDA graphs need a GPU" in capsys.readouterr().err

@@ -259,6 +259,10 @@ def _phase_table(runs: list[dict]):
 
 
 def run(args) -> int:
+    if getattr(args, "tp", 1) > 1 and getattr(args, "drafter", "host") != "host":
+        print("cgrt demo: --drafter: expected host with --tp (the device drafter runs on one GPU), got gpu",
+              file=sys.stderr)
+        return 2
     if getattr(args, "tp", 1) > 1:  # one process per rank, under torchrun
         from .demo_tp import run_tp
         return run_tp(args)
