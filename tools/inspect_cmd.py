@@ -66,15 +66,18 @@ def _hf_model(family: str, size: str):
     return build(family, size)
 
 
-def hf_target(graphs: bool, family: str = "llama", size: str = "tiny"):
+def hf_target(graphs: bool, family: str = "llama", size: str = "tiny", compile_mode: str | None = None):
     """``--model hf:<family>``: a transformers model with random weights (built once: the
     graphs-on and graphs-off runtimes share its weights, each with its own KV pool).
-    ``inputs(T)`` as :func:`_target`'s."""
+    ``compile_mode``: the graphs-on runtime captures ``compile_decoder(compile_mode)``
+    (the graphs-off reference stays eager). ``inputs(T)`` as :func:`_target`'s."""
     from cudagraph_rt.models.hf import HFDecoder
 
     base = _hf_model(family, size)
     model = HFDecoder(base.model, max_seqs=base.config.max_seqs, max_len=base.config.max_len, family=family,
                       size=size)
+    if compile_mode and graphs:
+        model.compile_decoder(compile_mode)
     return _target(model, graphs)
 
 
@@ -96,6 +99,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="toy", metavar="M",
                    help="toy (default) | hf:llama | hf:qwen2 | hf:qwen3 | hf:mistral (replaces --target)")
     p.add_argument("--size", default="tiny", help="hf models: tiny (default) | 1b (Llama-3.2-1B shape, bf16)")
+    p.add_argument("--compile", default=None, metavar="MODE", choices=("default", "max-autotune-no-cudagraphs"),
+                   help="hf models: capture the decoder through torch.compile(mode=MODE) (inductor kernels in "
+                        "the graphs; the graphs-off reference stays eager)")
     p.add_argument("--widths", type=_width_list, default=None, metavar="W,W,...",
                    help="inspect only these captured widths (default: all)")
     p.add_argument("--replays", type=int, default=20, help="event-timed replays per width (median)")
@@ -127,13 +133,16 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--model: expected toy when --target is given, got " + repr(args.model))
         if family is None and args.size != "tiny":
             raise ValueError(f"--size: expected tiny for the toy, got {args.size!r}")
+        if family is None and args.compile:
+            raise ValueError(f"--compile: expected an hf model (--model hf:...), got {args.model!r}")
         if family is not None and args.size not in SIZES:
             raise ValueError(f"--size: expected {' | '.join(SIZES)}, got {args.size!r}")
     except ValueError as exc:
         print(f"cgrt inspect: {exc}", file=sys.stderr)
         return 2
     try:
-        factory = (functools.partial(hf_target, family=family, size=args.size) if family is not None
+        factory = (functools.partial(hf_target, family=family, size=args.size, compile_mode=args.compile)
+                   if family is not None
                    else _load(args.target))
     except (ImportError, AttributeError, ValueError) as exc:
         print(f"cgrt inspect: --target {args.target}: {exc}", file=sys.stderr)
