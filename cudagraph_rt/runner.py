@@ -24,11 +24,12 @@ next drafts need that lane's last result -- the first verify row is the last com
 token and the drafter reads the committed rows -- so they cannot overlap its own step.
 Sequences are therefore split into ``lanes`` (default 2) that take turns: while the GPU
 verifies lane A, the host reads lane B's finished step, drafts for B, admits prompts and
-writes B's next inputs straight into the pinned staging of ``rt.host_inputs``. The host
-work is array work over all of a lane's sequences at once (numpy columns in buffers each
-lane owns, one batched drafter call each way), so it stays short beside a step. That needs
+writes B's next inputs straight into the pinned staging of ``rt.host_inputs``. That needs
 ``lanes`` host-row slots held at once (``HostRows.depth >= lanes``) and one pinned token
-buffer per lane, because a step's outputs die at the next step.
+buffer per lane, because a step's outputs die at the next step. The host work is per
+sequence, never per row in Python (list slices and ranges into six int columns, one
+batched drafter call each way), so it stays short beside a step: at 4 sequences a lane,
+plain lists beat numpy's per-call cost.
 
 Lifetimes: ``StepResult.outputs`` are valid until the next ``rt.step`` (the runner copies
 ``tokens`` to pinned memory right behind the step); host rows (``handle.rows()``) are
