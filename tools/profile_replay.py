@@ -24,6 +24,16 @@ def _model(name: str, size: str):
     return build(parse_model(name), size, device=torch.device("cuda"))
 
 
+def _sdpa(name: str | None):
+    from contextlib import nullcontext
+
+    if name is None:
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                        "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}[name])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m cudagraph_rt.tools.profile_replay", description=__doc__)
     p.add_argument("--model", default="hf:llama")
@@ -32,6 +42,9 @@ def main(argv=None) -> int:
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--compile", default=None, help="hf models: compile_decoder(MODE) before capture")
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--sdpa", default=None, choices=("flash", "efficient", "cudnn", "math"),
+                   help="capture under torch.nn.attention.sdpa_kernel(this backend) (an experiment: the "
+                        "backend is chosen when the graph is captured)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_replay: expected a CUDA device, got none", file=sys.stderr)
@@ -40,7 +53,8 @@ def main(argv=None) -> int:
     if a.compile:
         model.compile_decoder(a.compile)
     rt = GraphRuntime(model.step, model.inputs(), widths=(a.width,), graphs=True, device=model.device)
-    rt.capture()
+    with _sdpa(a.sdpa):
+        rt.capture()
     x = {name: torch.full((a.width,), spec.pad, dtype=torch.int64) for name, spec in model.inputs().items()}
     x["tokens"] = torch.randint(0, model.config.vocab, (a.width,))
     for _ in range(3):
@@ -60,7 +74,8 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
     events = [ev for ev in prof.key_averages() if ev.device_type.name == "CUDA" or getattr(ev, "self_device_time_total", 0)]
     total = sum(getattr(ev, "self_device_time_total", 0) for ev in events) or 1
-    print(f"{a.model} {a.size} width {a.width}{' compiled ' + a.compile if a.compile else ''}: step median "
+    print(f"{a.model} {a.size} width {a.width}{' compiled ' + a.compile if a.compile else ''}"
+          f"{' sdpa ' + a.sdpa if a.sdpa else ''}: step median "
           f"{statistics.median(times):.1f} us (events), profiled device time {total / a.replays:.1f} us per step")
     for ev in sorted(events, key=lambda ev: -getattr(ev, "self_device_time_total", 0))[:a.top]:
         t = getattr(ev, "self_device_time_total", 0)
