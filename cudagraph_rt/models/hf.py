@@ -184,23 +184,11 @@ def cell_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_
     kvh = k_pool.shape[0]
     g = heads // kvh
     mask = st.mask(sliding_window)  # [N, cells]
-    q = query.reshape(kvh, g * n, d)  # head h = kv * g + j: rows (j, i) of kv head kv
-    m = mask[None].expand(g, n, mask.shape[1]).reshape(1, g * n, mask.shape[1])
-    out = _pool_attention(q, k_pool, v_pool, m, d ** -0.5 if scaling is None else scaling)
+    q = query.reshape(1, kvh, g * n, d)  # head h = kv * g + j: rows (j, i) of kv head kv
+    m = mask[None].expand(g, n, mask.shape[1]).reshape(1, 1, g * n, mask.shape[1])
+    out = torch.nn.functional.scaled_dot_product_attention(q, k_pool[None], v_pool[None], attn_mask=m,
+                                                           scale=scaling)
     return out.reshape(1, heads, n, d).transpose(1, 2), None
-
-
-def _pool_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> Tensor:
-    """softmax(q k^T * scale, masked) v over every cell: q [kvh, rows, d], k/v [kvh, cells,
-    d], visible [1, rows, cells] -> [kvh, rows, d] in q's dtype, fp32 scores and softmax.
-
-    Plain batched matmuls, not scaled_dot_product_attention: with few query rows (a decode
-    step) the SDPA backends split their work mostly by (batch x heads) = kvh problems, about
-    8 thread blocks walking all cells each (on the H200 about 125 us a layer for a 4,097-cell
-    pool); a matmul spreads the cells over the whole GPU (see BENCHMARKS.md)."""
-    scores = torch.matmul(q.float(), k.float().transpose(1, 2)) * scale
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1)
-    return torch.matmul(probs, v.float()).to(q.dtype)
 
 
 _REGISTERED = False
