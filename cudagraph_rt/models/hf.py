@@ -184,11 +184,34 @@ def cell_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_
     kvh = k_pool.shape[0]
     g = heads // kvh
     mask = st.mask(sliding_window)  # [N, cells]
-    q = query.reshape(1, kvh, g * n, d)  # head h = kv * g + j: rows (j, i) of kv head kv
-    m = mask[None].expand(g, n, mask.shape[1]).reshape(1, 1, g * n, mask.shape[1])
-    out = torch.nn.functional.scaled_dot_product_attention(q, k_pool[None], v_pool[None], attn_mask=m,
-                                                           scale=scaling)
+    q = query.reshape(kvh, g * n, d)  # head h = kv * g + j: rows (j, i) of kv head kv
+    m = mask[None].expand(g, n, mask.shape[1]).reshape(g * n, mask.shape[1])
+    out = split_pool_attention(q, k_pool, v_pool, m, d ** -0.5 if scaling is None else scaling)
     return out.reshape(1, heads, n, d).transpose(1, 2), None
+
+
+CELL_CHUNK = 64  # cells per chunk of the split attention (the pool is allocated in whole chunks)
+
+
+def split_pool_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> Tensor:
+    """softmax(q k^T * scale over the visible cells) v: q [kvh, R, d], k/v [kvh, cells, d]
+    with ``cells`` a multiple of ``CELL_CHUNK``, visible [R, cells] -> [kvh, R, d].
+
+    Split over chunks of cells (flash-decoding's shape): a step has few query rows and only
+    ``kvh`` heads of them, so a kernel parallel over (batch x heads) leaves most of the GPU
+    idle while it walks the whole pool (every SDPA backend did, about 125 us a layer for a
+    4,097-cell pool on the H200, BENCHMARKS.md). Here each (head, chunk) is its own small
+    matmul, the softmax runs over all cells at once in fp32, and the chunks' outputs are
+    summed. Scores and probabilities are rounded to the pool's dtype for the matmuls, as a
+    flash kernel does for its second one."""
+    kvh, R, d = q.shape
+    C = k.shape[1] // CELL_CHUNK
+    kc = k.view(kvh, C, CELL_CHUNK, d)
+    s = torch.matmul(q.unsqueeze(1), kc.transpose(-1, -2))  # [kvh, C, R, CHUNK]
+    s = s.float().transpose(1, 2).reshape(kvh, R, C * CELL_CHUNK) * scale
+    p = torch.softmax(s.masked_fill(~visible, float("-inf")), -1).to(v.dtype)
+    p = p.view(kvh, R, C, CELL_CHUNK).transpose(1, 2)  # [kvh, C, R, CHUNK]
+    return torch.matmul(p, v.view(kvh, C, CELL_CHUNK, d)).sum(1, dtype=torch.float32).to(q.dtype)
 
 
 _REGISTERED = False
@@ -251,11 +274,13 @@ class HFDecoder(CellPoolModel):
         self.config = HFSpec(cfg.vocab_size, cfg.hidden_size, layers, max_seqs, max_len, dtype, family, size)
         self.num_cells = max_seqs * max_len
         self.scratch_cell = self.num_cells
-        shape = (layers, kvh, self.num_cells + 1, self.head_dim)
+        # Whole chunks of cells for the split attention (the cells past the scratch cell are
+        # never owned, so never visible).
+        shape = (layers, kvh, -(-(self.num_cells + 1) // CELL_CHUNK) * CELL_CHUNK, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.cell_owner = torch.empty(self.num_cells + 1, dtype=torch.int64, device=self.device)
-        self.cell_pos = torch.empty(self.num_cells + 1, dtype=torch.int64, device=self.device)
+        self.cell_owner = torch.empty(shape[2], dtype=torch.int64, device=self.device)
+        self.cell_pos = torch.empty(shape[2], dtype=torch.int64, device=self.device)
         self.reset_cache()
 
     # ----------------------------------------------------------------- public surface
