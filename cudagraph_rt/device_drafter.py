@@ -13,7 +13,7 @@ Overlap: ``observe`` stages the rows and launches the drafter's step on the draf
 CUDA stream (so it does not queue behind the target's step of another lane), then queues
 the copy of its drafts and flags into a pinned buffer; ``propose`` waits for that copy
 only. Pinned outputs rotate over ``depth`` buffers: a batch's drafts stay readable until
-``depth`` later ``observe`` calls (the runner needs ``lanes``).
+``depth`` later ``observe`` calls (``SpecRunner`` requires ``depth >= lanes + 1``).
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ class DeviceDrafter:
 
     ``model``: the target toy (its greedy rule, token codes and row width); ``hidden``:
     the head's width; ``graphs``: capture the drafter's widths (CUDA only); ``depth``: pinned
-    output buffers (>= the runner's lanes + 1). The drafter owns ``self.rt`` and its
+    output buffers (a runner refuses fewer than its lanes + 1). The drafter owns ``self.rt`` and its
     stream; ``close()`` frees them. Raises InputError for a bad ``accept_prob``, ``k`` or
     ``depth``; ``propose`` raises RuntimeError when a sequence's rows failed the device check
     or were not observed since its tokens changed.
@@ -59,7 +59,7 @@ class DeviceDrafter:
         self.model, self.p, self.seed, self.k, self.depth = model, accept_prob, seed, k, depth
         dev, cfg = model.device, model.config
         self.rule = DraftRule.for_toy(model, accept_prob, seed, device=dev)
-        g = torch.Generator().manual_seed(seed + 1)
+        g = torch.Generator().manual_seed((seed + 1) & (2**64 - 1))  # any int seed, as the host drafter
         width = model.hidden_width
         self._w1 = (torch.randn(width, hidden, generator=g) / width ** 0.5).to(dev, cfg.dtype)
         self._w2 = (torch.randn(hidden, cfg.vocab, generator=g) / hidden ** 0.5).to(dev, cfg.dtype)
@@ -93,6 +93,9 @@ class DeviceDrafter:
         """Stage ``c``'s rows and launch the drafter's step (asynchronous on CUDA)."""
         c.check_counts()
         n = c.rows.shape[0]
+        if n == 0:
+            self._seen.mark(c.seqs)
+            return
         batch = self._take(n)
         uids = np.fromiter((s.uid for s in c.seqs), np.int64, len(c.seqs))
         stream = torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
@@ -124,18 +127,19 @@ class DeviceDrafter:
         if i == len(self._batches):
             self._batches.append(_Batch(max(n, 64), self.k, self._pin))
         b = self._batches[i]
+        old = b
         if b.drafts.shape[0] < n:
             b = self._batches[i] = _Batch(max(n, 2 * b.drafts.shape[0]), self.k, self._pin)
-        if b.done is not None:
-            b.done.synchronize()  # a batch `depth` observes old: long finished in a runner
+        if old.done is not None:
+            old.done.synchronize()  # a batch `depth` observes old: long finished in a runner
         for uid, owner in list(self._where.items()):
-            if owner is b:
-                del self._where[uid]  # its drafts are about to be overwritten
+            if owner is b or owner is old:
+                del self._where[uid]  # its drafts are about to be overwritten (or dropped)
         return b
 
     def propose(self, seqs, k: int) -> np.ndarray:
-        if k > self.k:
-            raise InputError(expected("k", f"<= {self.k} (the drafter's k)", k))
+        if not 0 <= k <= self.k:
+            raise InputError(expected("k", f"in [0, {self.k}] (the drafter's k)", k))
         self._seen.require(seqs)
         out = np.empty((len(seqs), k), np.int64)
         for i, s in enumerate(seqs):

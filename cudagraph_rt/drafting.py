@@ -167,7 +167,7 @@ class CommittedRows:
     def check_counts(self) -> None:
         """RuntimeError unless there is one row per committed token of every sequence."""
         have = np.fromiter((len(s.tokens) for s in self.seqs), np.int64, len(self.seqs))
-        bad = np.flatnonzero(have - 1 - self.first_pos != self.counts)
+        bad = np.flatnonzero((have - 1 - self.first_pos != self.counts) | (self.counts < 1))
         if bad.size or self.rows.shape[0] != int(self.counts.sum()):
             g = int(bad[0]) if bad.size else 0
             raise RuntimeError(f"sequence {self.seqs[g].uid}: {int(self.counts[g])} host rows for "
@@ -288,11 +288,14 @@ class ReferenceDrafter:
             self._plans[tuple(s.prompt)] = list(s.tokens)
 
     def _plan(self, tokens: list[int], n: int) -> list[int]:
+        """``tokens`` and at least ``n`` greedy tokens after them (within ``max_len``): a
+        cached plan too short for ``n`` (a shorter request of the same prompt) is redone."""
         key = tuple(tokens)
-        if key not in self._plans:
-            n = max(0, min(n, self.model.config.max_len + 1 - len(tokens)))
-            self._plans[key] = list(tokens) + (self.model.greedy_generate(list(tokens), n) if n else [])
-        return self._plans[key]
+        n = max(0, min(n, self.model.config.max_len + 1 - len(tokens)))
+        plan = self._plans.get(key)
+        if plan is None or len(plan) < len(tokens) + n:
+            plan = self._plans[key] = list(tokens) + (self.model.greedy_generate(list(tokens), n) if n else [])
+        return plan
 
     def observe(self, c: CommittedRows) -> None:
         c.check_counts()
@@ -308,7 +311,7 @@ class ReferenceDrafter:
         return np.array([self._propose_one(s, k) for s in seqs], dtype=np.int64).reshape(len(seqs), k)
 
     def _propose_one(self, seq, k: int) -> list[int]:
-        rng = self._rng.setdefault(seq.uid, np.random.default_rng([self.seed, seq.uid]))
+        rng = self._rng.setdefault(seq.uid, np.random.default_rng([self.seed & (2**64 - 1), seq.uid]))
         toks = seq.tokens
         plan = self._cur.get(seq.uid) or self._plan(list(seq.prompt), seq.max_new)
         if plan[:len(toks)] != toks or len(plan) < min(len(toks) + k, len(seq.prompt) + seq.max_new):

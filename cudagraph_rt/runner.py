@@ -155,12 +155,17 @@ class SpecRunner:
 
     def __init__(self, model: ToyDecoder, drafter, *, k: int = 4, slots: int | None = None, lanes: int = 2,
                  chunk: int = 128, graphs: bool = False, record_rows: bool = False):
-        slots = slots or model.config.max_seqs
+        if slots is None:
+            slots = model.config.max_seqs
         if not (1 <= lanes <= slots <= model.config.max_seqs):
             raise InputError(expected("lanes, slots", f"1 <= lanes <= slots <= {model.config.max_seqs}",
                                       (lanes, slots)))
         if k < 0 or chunk < 1:
             raise InputError(expected("k, chunk", "k >= 0 and chunk >= 1", (k, chunk)))
+        depth = getattr(drafter, "depth", None)  # a drafter that holds results per observe
+        if depth is not None and depth < lanes + 1:
+            raise InputError(expected("drafter.depth", f">= lanes + 1 = {lanes + 1} (a lane's drafts must outlive "
+                                      "the other lanes' observes)", depth))
         self.model, self.drafter, self.k, self.chunk, self.record_rows = model, drafter, k, chunk, record_rows
         caps = [slots // lanes + (i < slots % lanes) for i in range(lanes)]
         # A step commits at most k + 1 rows per sequence; while one lane steps, every other
@@ -174,6 +179,7 @@ class SpecRunner:
         self.finished: list[Sequence] = []
         self._free_slots = list(range(slots))
         self._next_uid = 0
+        self._turn = 0  # the lane after the last one launched: a later run() starts there
         self.phase_clock = PhaseClock()  # replace it (PhaseClock(clock=...)) to time on another clock
         self._device_timer = DeviceTimer() if model.device.type == "cuda" else None
         self.reset_stats()
@@ -186,7 +192,8 @@ class SpecRunner:
             if not r.prompt or r.max_new < 1 or len(r.prompt) + r.max_new - 1 > cfg.max_len:
                 raise InputError(expected("request", f"a prompt and max_new >= 1 within {cfg.max_len} positions",
                                           (len(r.prompt), r.max_new)))
-            if not all(0 <= t < cfg.vocab for t in r.prompt):
+            if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < cfg.vocab
+                       for t in r.prompt):
                 raise InputError(expected("request.prompt", f"token ids in [0, {cfg.vocab})", r.prompt))
             self.waiting.append((self._next_uid, r))
             uids.append(self._next_uid)
@@ -202,12 +209,14 @@ class SpecRunner:
         ``phases`` (``self.phase_clock``); on CUDA ``gpu_busy`` from events around each
         step (read here, after the last wait)."""
         clk, dev = self.phase_clock, self._device_timer
-        t0, steps0 = clk.start(), self.steps
+        t0, steps0, tokens0 = clk.start(), self.steps, self.tokens
         if dev is not None:
             dev.reset()
+        L = len(self.lanes)
         while True:
             busy = False
-            for lane in self.lanes:
+            for i in [(self._turn + j) % L for j in range(L)]:  # turns continue across runs
+                lane = self.lanes[i]
                 if lane.inflight is not None:
                     self._finish(lane, lane.inflight)
                     lane.inflight = None
@@ -220,12 +229,13 @@ class SpecRunner:
                 clk.mark("build")
                 if groups:
                     lane.inflight = self._launch(lane, groups, cols)
+                    self._turn = (i + 1) % L
                     busy = True
             if not busy and all(lane.inflight is None for lane in self.lanes):
                 break
-        return self._report(t0, self.steps - steps0)
+        return self._report(t0, self.steps - steps0, self.tokens - tokens0)
 
-    def _report(self, t0: float, run_steps: int) -> RunReport:
+    def _report(self, t0: float, run_steps: int, run_tokens: int) -> RunReport:
         """The report of a run that started at ``t0`` (phase clock) and launched
         ``run_steps``; its last lap (this) is charged to ``loop``. Reading the device
         timer waits for the last step, which the run already waited for."""
@@ -234,7 +244,7 @@ class SpecRunner:
         seconds = self.phase_clock.mark("loop") - t0
         busy = dev / seconds if dev is not None and seconds > 0 else None
         return RunReport(self.steps, self.tokens, seconds, hist, self.proposed, self.accepted, self.rows,
-                         run_steps, dict(self.phase_clock.totals), dev, busy)
+                         run_steps, dict(self.phase_clock.totals), dev, busy, run_tokens)
 
     def reset_stats(self) -> None:
         """Zero the counters and forget finished sequences (e.g. after a warm-up)."""

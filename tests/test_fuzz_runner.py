@@ -40,7 +40,8 @@ def workloads(draw):
 
 def _serve(reqs, cfg, p, seed, piece, kind):
     MODEL.reset_cache()
-    drafter = ToyDrafter(MODEL, p, seed) if kind == "host" else DeviceDrafter(MODEL, p, seed, k=max(cfg["k"], 1))
+    drafter = ToyDrafter(MODEL, p, seed) if kind == "host" else DeviceDrafter(MODEL, p, seed, k=max(cfg["k"], 1),
+                                                                              depth=cfg["lanes"] + 1)
     runner = SpecRunner(MODEL, drafter, record_rows=True, **cfg)
     runner.submit(reqs)
     rep = runner.run(max_steps=piece)

@@ -64,6 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def make_requests(cfg: ToyConfig, n: int, max_new: int, seed: int) -> list[Request]:
     """``n`` random prompts of 1/16 .. 1/3 of ``max_len`` tokens (so that prompt and
     output fit), each with its own token limit in ``[max_new // 2, max_new]``."""
+    if max_new < 1:
+        raise ValueError(f"--max-new: expected at least 1, got {max_new}")
     rng = random.Random(seed)
     hi = min(cfg.max_len // 3, cfg.max_len + 1 - max_new)
     if hi < 1:
@@ -118,14 +120,14 @@ def check(model, runner: SpecRunner) -> dict:
 
 
 def make_drafter(model, accept_prob: float, seed: int, requests: list[Request], kind: str = "host", k: int = 4,
-                 graphs: bool = False):
+                 graphs: bool = False, lanes: int = 2):
     """The toy's rule-based drafter (on the host, or ``kind="gpu"``: the device drafter,
     its graphs captured here), or for other models one that follows the model's own greedy
     decoding (planned here, before timing)."""
     if kind == "gpu":
         if not isinstance(model, ToyDecoder):
             raise InputError(expected("--drafter", "host for transformers models (gpu drafts the toy)", kind))
-        d = DeviceDrafter(model, accept_prob, seed, k=max(k, 1), graphs=graphs)
+        d = DeviceDrafter(model, accept_prob, seed, k=max(k, 1), graphs=graphs, depth=max(3, lanes + 1))
         d.capture()
         return d
     if isinstance(model, ToyDecoder):
@@ -152,7 +154,7 @@ def serve(model, requests: list[Request], graphs: bool, args, plans=None) -> dic
     warm = [Request(r.prompt, min(4, r.max_new)) for r in requests[:args.slots or model.config.max_seqs]]
     kind = getattr(args, "drafter", "host")
     drafter = make_drafter(model, args.accept_prob, args.seed, (requests + warm if args.k else []) if plans is None
-                           else [], kind, args.k, graphs)
+                           else [], kind, args.k, graphs, args.lanes)
     if plans is not None and isinstance(drafter, ReferenceDrafter):
         drafter.prepare_from(plans)
     runner = SpecRunner(model, drafter, k=args.k, slots=args.slots,
@@ -162,6 +164,8 @@ def serve(model, requests: list[Request], graphs: bool, args, plans=None) -> dic
     runner.run()
     runner.reset_stats()
     runner.rt.reset_stats()
+    if isinstance(drafter, ReferenceDrafter):  # the warm-up's re-plans are not the timed run's
+        drafter.replans, drafter.replan_seconds = 0, 0.0
     runner.submit(requests)
     if model.device.type == "cuda":
         torch.cuda.synchronize()
