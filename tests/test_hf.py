@@ -406,3 +406,24 @@ def test_bench_quick_runs_every_section(tmp_path):
     assert r["greedy"]["rows"][0]["agree_with_eager"] == r["meta"]["new"]  # fp32: the same tokens as generate
     assert {g["goal"] for g in r["goals"]} and all(g["status"] in ("met", "missed", "n/a") for g in r["goals"])
     assert cli.main(["bench", "--model", "hf:gpt2"]) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_pool_attention_equals_sdpa(dtype):
+    """The split cell attention against torch's own SDPA on the same masked problem: random
+    q/k/v, a random visibility with at least one visible cell per row, pools of 1..3 chunks,
+    1..40 rows (fp32: reduction order only; bf16: rounded scores and probabilities)."""
+    from cudagraph_rt.models.hf import CELL_CHUNK, split_pool_attention
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    for _ in range(6):
+        kvh, R, d = int(torch.randint(1, 5, (), generator=g)), int(torch.randint(1, 41, (), generator=g)), 32
+        cells = CELL_CHUNK * int(torch.randint(1, 4, (), generator=g))
+        q, k, v = (torch.randn(kvh, n, d, generator=g).to(dtype) for n in (R, cells, cells))
+        vis = torch.rand(R, cells, generator=g) < 0.3
+        vis[torch.arange(R), torch.randint(0, cells, (R,), generator=g)] = True
+        want = torch.nn.functional.scaled_dot_product_attention(q.float()[None], k.float()[None], v.float()[None],
+                                                                attn_mask=vis[None, None], scale=d ** -0.5)[0]
+        got = split_pool_attention(q, k, v, vis, d ** -0.5).float()
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)

@@ -230,7 +230,8 @@ class HFDecoder(CellPoolModel):
 
     Lifetime: the wrapped ``model`` is shared, not copied (put it in eval mode, on one
     device, in its dtype before wrapping); the KV pool (``k_cache``, ``v_cache`` [layers,
-    kv_heads, cells + 1, head_dim], ``cell_owner``, ``cell_pos``) lives as long as the object
+    kv_heads, cells + 1 rounded up to whole CELL_CHUNKs, head_dim], ``cell_owner``, ``cell_pos``;
+    the cells past the scratch cell are never owned) lives as long as the object
     and is MUTATED BY EVERY :meth:`step` / :meth:`verify_step`, padding rows included (they
     write only :attr:`scratch_cell`). :meth:`reset_cache` frees every cell. Outputs are fresh
     tensors (graph-owned memory when replayed from a CUDA graph).
