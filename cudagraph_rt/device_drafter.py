@@ -102,7 +102,7 @@ class DeviceDrafter:
         with stream:
             inputs = self.rt.host_inputs(n) if len(self.rt.plan(n)) == 1 else None
             if inputs is None:  # a sliced step: the runtime packs each slice
-                inputs = {"hidden": c.rows.clone(), **{k: torch.empty(n, dtype=torch.int64) for k in
+                inputs = {"hidden": torch.empty_like(c.rows), **{k: torch.empty(n, dtype=torch.int64) for k in
                                                     ("fed", "cur", "uid", "pos")}}
             inputs["hidden"].copy_(c.rows)
             for name, v in (("fed", c.fed), ("cur", c.tokens), ("uid", uids[c.group]), ("pos", c.positions)):

@@ -19,7 +19,7 @@ in numpy and torch, on a CPU or a GPU: :class:`ToyDrafter` (numpy, on the host) 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -82,7 +82,7 @@ def controlled_drafts(xp, rule: "DraftRule", uid, pos, prev, cur, k: int):
 def controlled_drafts_py(rule: "DraftRule", seqs, k: int) -> list[list[int]]:
     """:func:`controlled_drafts` for the sequences ``seqs`` (uid, ``len(tokens)``, the last
     two tokens) in Python ints: the same drafts, faster than arrays for a few sequences."""
-    pa, pb, b, V, thr = rule.pi_a_list, rule.pi_b_list, rule.b, rule.vocab, rule.threshold
+    pa, pb, b, V, thr = rule.pi_a, rule.pi_b, rule.b, rule.vocab, rule.threshold
     out = []
     for s in seqs:
         key, pos, p, c = _mix32_int(s.uid ^ rule.seed_key), len(s.tokens), s.tokens[-2], s.tokens[-1]
@@ -101,8 +101,8 @@ def controlled_drafts_py(rule: "DraftRule", seqs, k: int) -> list[list[int]]:
 class DraftRule:
     """What a controlled drafter needs of the toy: its greedy rule as two permutation tables
     (``truth(prev, cur) = pi_a[cur // b] * b + pi_b[prev % b]``, ``ToyDecoder.design_next``),
-    and the coin's threshold and seed. ``pi_a``/``pi_b`` are numpy arrays or tensors, of the
-    kind the drafts are computed with."""
+    and the coin's threshold and seed. ``pi_a``/``pi_b`` are numpy arrays, tensors or lists,
+    of the kind the drafts are computed with."""
 
     pi_a: object
     pi_b: object
@@ -121,14 +121,6 @@ class DraftRule:
             pa, pb = torch.from_numpy(pa).to(device), torch.from_numpy(pb).to(device)
         return cls(pa, pb, b, model.config.vocab, int(round(accept_prob * 2**32)),
                    int(mix32(np.int64(seed & M32))))
-
-    @property
-    def pi_a_list(self) -> list[int]:
-        return np.asarray(self.pi_a.cpu() if isinstance(self.pi_a, Tensor) else self.pi_a).tolist()
-
-    @property
-    def pi_b_list(self) -> list[int]:
-        return np.asarray(self.pi_b.cpu() if isinstance(self.pi_b, Tensor) else self.pi_b).tolist()
 
     def truth(self, prev, cur):
         return self.pi_a[cur // self.b] * self.b + self.pi_b[prev % self.b]
@@ -214,10 +206,9 @@ class ToyDrafter:
 
     def __init__(self, model, accept_prob: float, seed: int = 0):
         self.model, self.p, self.seed = model, accept_prob, seed
-        self.rule = DraftRule.for_toy(model, accept_prob, seed)
-        # the permutation tables as lists, read per draft
-        self._rule_py = _PyRule(self.rule.pi_a_list, self.rule.pi_b_list, self.rule.b, self.rule.vocab,
-                                self.rule.threshold, self.rule.seed_key)
+        rule = DraftRule.for_toy(model, accept_prob, seed)
+        # the permutation tables as lists: read per draft with Python ints
+        self.rule = replace(rule, pi_a=rule.pi_a.tolist(), pi_b=rule.pi_b.tolist())
         self._emb = model.emb.float().cpu().numpy()  # host copy: the check runs on the host
         self._norm2 = (self._emb * self._emb).sum(1)
         self._seen = _Seen()
@@ -234,20 +225,10 @@ class ToyDrafter:
 
     def propose(self, seqs, k: int) -> np.ndarray:
         self._seen.require(seqs)
-        return np.array(controlled_drafts_py(self._rule_py, seqs, k), np.int64).reshape(len(seqs), k)
+        return np.array(controlled_drafts_py(self.rule, seqs, k), np.int64).reshape(len(seqs), k)
 
     def forget(self, seq) -> None:
         self._seen.at.pop(seq.uid, None)
-
-
-@dataclass(frozen=True)
-class _PyRule:
-    pi_a_list: list
-    pi_b_list: list
-    b: int
-    vocab: int
-    threshold: int
-    seed_key: int
 
 
 class ReferenceDrafter:
