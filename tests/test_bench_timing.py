@@ -14,7 +14,6 @@ Random call costs are fresh each run; the seed is printed.
 from __future__ import annotations
 
 import gc
-import random
 import time
 
 import pytest
@@ -23,6 +22,7 @@ from cudagraph_rt.cli import build_parser
 from cudagraph_rt.tools import bench_common, bench_steps
 from cudagraph_rt.tools.bench_context import Context
 from cudagraph_rt.widths import default_widths
+from seeds import seeded_rng
 
 WARM = 10**12  # ns of a warm-up call: if one is timed, every figure shows it
 PREP = 10**9  # ns of an untimed prepare
@@ -52,9 +52,7 @@ def clock(monkeypatch):
 
 @pytest.fixture
 def rng():
-    seed = random.SystemRandom().randrange(2**31)
-    print(f"bench timing seed {seed}")
-    return random.Random(seed)
+    return seeded_rng("BENCH_TIMING_TEST_SEED")
 
 
 def stats(ns: list[int]) -> dict:

@@ -6,7 +6,6 @@ random each run from a seed printed on failure (DEMO_TEST_SEED=<n> replays one).
 from __future__ import annotations
 
 import json
-import os
 import random
 from types import SimpleNamespace
 
@@ -20,6 +19,7 @@ from cudagraph_rt.device_drafter import DeviceDrafter
 from cudagraph_rt.drafting import CommittedRows, DraftRule, controlled_drafts, controlled_drafts_py
 from cudagraph_rt.runner import PHASES, PhaseClock, Request, SpecRunner, ToyDrafter
 from cudagraph_rt.testing.checks import Tolerance
+from seeds import seeded_rng
 
 
 @pytest.fixture(autouse=True)
@@ -29,9 +29,7 @@ def _single_thread(one_thread):  # see conftest.py
 
 @pytest.fixture
 def rng() -> random.Random:
-    seed = int(os.environ.get("DEMO_TEST_SEED", random.SystemRandom().randrange(2**31)))
-    print(f"DEMO_TEST_SEED={seed}")
-    return random.Random(seed)
+    return seeded_rng("DEMO_TEST_SEED")
 
 
 def requests_for(rng: random.Random, model: ToyDecoder, n: int, max_new: int = 16, max_prompt: int = 40):

@@ -7,7 +7,6 @@ run from a seed printed on failure (HF_TEST_SEED=<n> replays one).
 """
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -22,6 +21,7 @@ from cudagraph_rt.runner import ReferenceDrafter, Request, SpecRunner  # noqa: E
 from cudagraph_rt.testing import HFAdapter, run_sweep  # noqa: E402
 from cudagraph_rt.testing.checks import Tolerance  # noqa: E402
 from models_for_tests import python_acceptance  # noqa: E402
+from seeds import seeded_rng
 
 FAMILIES = hf.FAMILIES
 # fp32: the packed step and the one-sequence forward differ by reduction order only.
@@ -35,9 +35,7 @@ def _single_thread(one_thread):  # see conftest.py
 
 @pytest.fixture
 def rng() -> random.Random:
-    seed = int(os.environ.get("HF_TEST_SEED", random.SystemRandom().randrange(2**31)))
-    print(f"HF_TEST_SEED={seed}")
-    return random.Random(seed)
+    return seeded_rng("HF_TEST_SEED")
 
 
 _MODELS: dict = {}

@@ -34,6 +34,7 @@ from cudagraph_rt.runner import Request, SpecRunner, ToyDrafter
 from cudagraph_rt.testing import ToyAdapter, run_sweep
 from cudagraph_rt.testing.checks import Tolerance
 from planting import plan_one_width_wider, plant
+from seeds import seeded_rng
 
 TOL = Tolerance.for_dtype(torch.float32)
 
@@ -45,9 +46,7 @@ def _single_thread(one_thread):  # see conftest.py
 
 @pytest.fixture
 def rng() -> random.Random:
-    seed = random.SystemRandom().randrange(2**31)
-    print(f"planted-bug check seed {seed}")
-    return random.Random(seed)
+    return seeded_rng("PLANTED_TEST_SEED")
 
 
 # ----------------------------------------------------------------------------- the checks

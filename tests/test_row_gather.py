@@ -26,13 +26,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import random  # noqa: E402
 
 import pytest  # noqa: E402
 
 from cudagraph_rt.errors import InputError  # noqa: E402
 from cudagraph_rt.kernels import row_gather as rg  # noqa: E402
 from models_for_tests import warm_and_capture  # noqa: E402
+from seeds import seeded_rng  # noqa: E402
 
 MODE = rg.kernel_mode()
 if MODE == "interpreter":
@@ -65,10 +65,7 @@ POISON_META = -7
 def rng():
     """A seeded python RNG plus torch's global seed: fresh each run, reproducible on
     demand (CGRT_TEST_SEED=<n>)."""
-    seed = int(os.environ.get("CGRT_TEST_SEED", random.SystemRandom().randrange(2**31)))
-    print(f"CGRT_TEST_SEED={seed}")
-    torch.manual_seed(seed)
-    return random.Random(seed)
+    return seeded_rng("CGRT_TEST_SEED", torch_too=True)
 
 
 def _skip_unsupported(dtype):

@@ -5,7 +5,6 @@ replay one). A small host runner below builds padded steps from chunks of sequen
 """
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -14,6 +13,7 @@ import torch
 from cudagraph_rt.errors import InputError
 from cudagraph_rt.models import ToyConfig, ToyDecoder
 from models_for_tests import python_acceptance
+from seeds import seeded_rng
 
 DTYPES = [torch.float32, torch.bfloat16]
 # Hidden rows are O(1..4): fp32 differs by reduction order only; bf16 by a few ulps (1/64 at 2..4).
@@ -22,10 +22,7 @@ ATOL = {torch.float32: 1e-4, torch.bfloat16: 0.07}
 
 @pytest.fixture
 def rng() -> random.Random:
-    seed = int(os.environ.get("TOY_TEST_SEED", random.SystemRandom().randrange(2**31)))
-    print(f"TOY_TEST_SEED={seed}")
-    torch.manual_seed(seed)
-    return random.Random(seed)
+    return seeded_rng("TOY_TEST_SEED", torch_too=True)
 
 
 def model_for(dtype=torch.float32, device="cpu", **kw) -> ToyDecoder:
@@ -341,9 +338,7 @@ def test_bad_inputs_raise_before_writing():
 # --------------------------------------------------------------------------- GPU
 @pytest.mark.cuda
 def test_bench_config_on_cuda_matches_reference():
-    seed = int(os.environ.get("TOY_TEST_SEED", random.SystemRandom().randrange(2**31)))
-    print(f"TOY_TEST_SEED={seed}")
-    rng = random.Random(seed)
+    rng = seeded_rng("TOY_TEST_SEED")
     m = ToyDecoder(ToyConfig.bench(), "cuda")
     seqs, steps = random_schedule(rng, m, n_seqs=6, max_chunk=10, max_len=96)
     bad, worst = deviations(m, seqs, run_schedule(m, rng, seqs, steps))
@@ -352,9 +347,7 @@ def test_bench_config_on_cuda_matches_reference():
 
 @pytest.mark.cuda
 def test_step_replays_from_a_cuda_graph():
-    seed = int(os.environ.get("TOY_TEST_SEED", random.SystemRandom().randrange(2**31)))
-    print(f"TOY_TEST_SEED={seed}")
-    rng = random.Random(seed)
+    rng = seeded_rng("TOY_TEST_SEED")
     m, width = model_for(torch.bfloat16, "cuda"), 64
     static = build(m, [], width, verify=True)
     stream = torch.cuda.Stream()
