@@ -16,6 +16,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import StepFunctionError, expected
+from .launch import GraphLaunch
 from .widths import Slice
 
 
@@ -141,14 +142,16 @@ class DynamicSlice(EagerSlice):
 
 class GraphSlice:
     """A captured graph of one width. Fed graphs copy their own host rows in (one node at
-    the start of the graph), so a replay costs the host no copy call. Outputs are the
-    graph's static tensors: the same objects every replay, cut once per T."""
+    the start of the graph), so a replay costs the host no copy call; ``launch`` starts
+    the graph (see GraphLaunch). Outputs are the graph's static tensors: the same objects
+    every replay, cut once per T (``cut``)."""
 
     def __init__(self, width: int, graph, static_out: Any, inputs, counters: Counters,
                  replaying: Callable[[], None]):
         self.width, self.graph, self.static_out = width, graph, static_out
         self._inputs, self._counters, self._replaying = inputs, counters, replaying
         self._fed = inputs.fed
+        self.launch = GraphLaunch(graph, inputs.device)
         self._cuts: dict[int, Any] = {}
 
     def run(self, prep, s: Slice, control) -> Any:
@@ -158,14 +161,20 @@ class GraphSlice:
             self._inputs.write(prep, s.start, s.length, self.width, control)
         self._counters.replays[self.width] += 1
         self._replaying()
-        self.graph.replay()
+        self.launch()
         return self.static_out
+
+    def cut(self, T: int, layout: OutputLayout) -> Any:
+        """The static outputs cut to ``T`` rows: made once per T, the same objects after
+        (a dict is copied by the caller, who hands it out)."""
+        cut = self._cuts.get(T)
+        if cut is None:
+            cut = self._cuts[T] = layout.cut(self.static_out, T)
+        return cut
 
     def outputs(self, prep, s: Slice, control, layout: OutputLayout) -> Any:
         self.run(prep, s, control)
-        cut = self._cuts.get(s.length)
-        if cut is None:
-            cut = self._cuts[s.length] = layout.cut(self.static_out, s.length)
+        cut = self.cut(s.length, layout)
         return cut.copy() if type(cut) is dict else cut
 
 
