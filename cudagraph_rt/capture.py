@@ -76,6 +76,11 @@ class WatchedTensors:
     def _now(self):
         return None if self._watch is None else [(t.data_ptr(), tuple(t.shape)) for t in self._watch()]
 
+    @property
+    def watching(self) -> bool:
+        """Whether any tensors are watched (else ``check`` never raises)."""
+        return self._watch is not None
+
     def remember(self) -> None:
         self._seen = self._now()
 

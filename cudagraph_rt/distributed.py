@@ -309,10 +309,10 @@ class DistributedRuntime(GraphRuntime):
             self._send(("step", {k: _portable(v) for k, v in inputs.items()}))
         return self._step_all(rows, inputs)
 
-    def host_inputs(self, T: int):
+    def host_inputs(self, T: int, *, numpy: bool = False):
         if self.inputs_from is not None:
             self._ready_for("host_inputs")
-        return super().host_inputs(T)
+        return super().host_inputs(T, numpy=numpy)
 
     def commit(self, result: StepResult, rows: Any) -> HostRowsHandle | None:
         """As GraphRuntime.commit on the shipping rank; None on the others (local, not collective)."""

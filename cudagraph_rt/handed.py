@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .errors import InputError, expected
+from .errors import BusyError, InputError, expected
 from .executor import GraphSlice
 
 
@@ -50,21 +50,36 @@ class HandedBuffers:
             self._inputs.unfeed()
             return self._inputs.views(width)
 
-    def host_inputs(self, T: int) -> dict[str, torch.Tensor]:
+    def host_inputs(self, T: int, *, numpy: bool = False) -> dict[str, Any]:
         """Zero-copy host path, the fastest way in: pinned rows ``[:T]`` of the staging
-        arena the next step will use. Fill them in place (numpy on ``.numpy()`` is cheapest)
-        and pass the same view objects, unchanged, to the next ``step``: it recognises them
-        by identity, skips every check and the packing, and one host-to-device copy remains.
+        arena the next step will use. Fill them in place and pass the same objects,
+        unchanged, to the next ``step``: it recognises them by identity, skips every check
+        and the packing, and one host-to-device copy remains (none on the host, for a
+        graph step: the graph copies its rows in). ``numpy=True`` hands out the same rows
+        as numpy arrays (no ``.numpy()`` per step: the cheapest to fill; bfloat16 and
+        other dtypes numpy lacks stay tensors); pass those to ``step`` instead. Rows
+        written in place are taken as they are: numpy converts what you assign into the
+        input's dtype without a word (1.7 into int64 is 1; out-of-range values wrap), where
+        ``step`` with a list or array of another dtype raises InputError.
 
         Lifetime: good for the next step only, from this thread. Views kept past it, or
         cut, are refused with InputError (their arena may hold an older step's rows by
         then). Captures first if ``capture()`` was not called (a capture would reset the
         rows handed out). Refused with BusyError while another thread is inside ``step``."""
-        with self._exclusive("host_inputs"):
-            s = self._single_slice(T, "host_inputs")
-            if not self._ready:
-                self.capture()
-            return self._inputs.host_views(T, fed=isinstance(self._executor(s), GraphSlice))
+        if not self._lock.acquire(blocking=False):  # not _exclusive: a generator costs µs here
+            raise BusyError("GraphRuntime.host_inputs: another thread is inside step() or commit() of this runtime")
+        try:
+            self._check_open("host_inputs")
+            direct = self._direct
+            fed = direct is not None and direct.runs(T)
+            if not fed:
+                s = self._single_slice(T, "host_inputs")
+                if not self._ready:
+                    self.capture()
+                fed = isinstance(self._executor(s), GraphSlice)
+            return self._inputs.host_views(T, fed=fed, numpy=numpy)
+        finally:
+            self._lock.release()
 
     def device_inputs(self, T: int) -> dict[str, torch.Tensor]:
         """Zero-copy device path: rows ``[:T]`` of the static device arena. Write them with

@@ -19,6 +19,7 @@ from .capture import CaptureReport, CaptureSettings, WatchedTensors, WidthCaptur
 from .config import RuntimeConfig, StepFn
 from .digest import StateDigest, runtime_digest
 from .errors import BusyError, CapacityError, CgrtError, InputError, expected
+from .direct_step import DirectStep
 from .executor import Counters, GraphSlice, OutputLayout, StepBody, eager_executors
 from .handed import HandedBuffers
 from .host_rows import HostRows, HostRowsHandle, make_rows_mode
@@ -75,6 +76,7 @@ class GraphRuntime(HandedBuffers):
         self._capturer = WidthCapturer(CaptureSettings(self.device, cfg.warmup, cfg.keep_graphs, cfg.on_capture_error))
         self._ready, self.capture_report = False, None
         self._counters = Counters()
+        self._direct: DirectStep | None = None  # the common step's short path, once captured
         self._eager_executors()
 
     # -- public ----------------------------------------------------------------------
@@ -112,6 +114,9 @@ class GraphRuntime(HandedBuffers):
             reports, pool = self._capture_graphs(calls) if self.graphs else ([], 0)
         self.capture_report = CaptureReport(tuple(reports), time.perf_counter() - t0, pool, calls[0])
         self._ready = True
+        if self._inputs.fed and self._rows_mode is None:
+            self._direct = DirectStep(self._inputs, self._by_width.get, self._planner, self._layout, self._counters,
+                                      self._token, self._watch)
         return self.capture_report
 
     def recapture(self) -> CaptureReport:
@@ -128,6 +133,7 @@ class GraphRuntime(HandedBuffers):
         with self._lock:
             self._drop_graphs()
             self._inputs, self._by_width, self._dynamic, self._body = None, {}, None, None
+            self._direct = None
             if self._rows_mode is not None:
                 self._rows_mode.close()
 
@@ -148,6 +154,11 @@ class GraphRuntime(HandedBuffers):
         if not self._lock.acquire(blocking=False):  # not _exclusive: a generator costs µs here
             raise BusyError("GraphRuntime.step: another thread is inside step() or commit() of this runtime")
         try:
+            direct = self._direct
+            if direct is not None and rows is None:
+                res = direct(inputs)
+                if res is not None:
+                    return res
             self._check_open("step")
             return self._execute(self._plan_step(rows, inputs))
         finally:
@@ -298,6 +309,7 @@ class GraphRuntime(HandedBuffers):
             return ()
 
     def _drop_graphs(self) -> None:
+        self._direct = None
         self._eager_executors()
         if self._rows_mode is not None:
             self._rows_mode.drop_graphs()

@@ -65,11 +65,10 @@ class StaticInputs:
         host = [b for b in [self.arena, *(a.buf for a in self._arenas)] if not b.is_cuda]
         dev = [self.arena, self.feed.mirror] if self.fed else [self.arena] if cuda else []
         self.validator = Validator(self.specs, device, _ranges(host), _ranges(dev))
-        self._names = self.specs.keys()
-        self._host_views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        self._device_views: dict[int, dict[str, torch.Tensor]] = {}
-        self._handed_host: tuple | None = None  # (arena id, views, Prepared, thread id)
-        self._handed_device: tuple | None = None  # (None, views, Prepared, None)
+        self._hands: dict[tuple, _Handed] = {}  # per (arena id, T): the same objects every time
+        self._handed_host: _Handed | None = None  # host views handed out for the next step ...
+        self._handed_thread: int | None = None  # ... to this thread
+        self._handed_device: _Handed | None = None
 
     @property
     def staging(self) -> list[torch.Tensor]:
@@ -85,15 +84,16 @@ class StaticInputs:
         """A fixed-size control block in the device arena (host-row indices, counts)."""
         return self._full[name]
 
-    def host_views(self, T: int, fed: bool = False) -> dict[str, torch.Tensor]:
+    def host_views(self, T: int, fed: bool = False, numpy: bool = False) -> dict[str, Any]:
         """Host rows ``[:T]`` the next step will use (the feed when ``fed``: that step
         replays a fed graph): write the next step's rows here in place and pass these views
-        to ``step`` to skip the packing. The same tensor objects come back for the same
-        arena and ``T``; should the step take another path after all, its rows are copied
-        from them. They belong to the calling thread until a step consumes them: another
-        thread's ``host_views`` meanwhile raises BusyError, its step with them InputError."""
+        to ``step`` to skip the packing. The same tensor objects (numpy arrays with
+        ``numpy``: views of the same rows) come back for the same arena and ``T``; should
+        the step take another path after all, its rows are copied from them. They belong to
+        the calling thread until a step consumes them: another thread's ``host_views``
+        meanwhile raises BusyError, its step with them InputError."""
         h, me = self._handed_host, threading.get_ident()
-        if h is not None and h[3] != me and self._live(h):
+        if h is not None and self._handed_thread != me and self._live(h):
             raise BusyError("host_inputs: the rows handed out by host_inputs() to another thread are "
                             "not stepped yet (one thread at a time fills and steps them)")
         if fed and self.fed:
@@ -102,42 +102,62 @@ class StaticInputs:
         else:
             k = self.stager.next
             self.stager.wait(k)
-        views = self._handed_cache(self._host_views, (k, T), self._arenas[k].views, T)
+        hand = self._hands.get((k, T))
+        if hand is None:
+            hand = self._hand(k, T)
         self._arenas[k].mark(T)  # the caller may fill rows [:T] and then step with fewer
-        ptrs = {name: v.data_ptr() for name, v in views.items()}
-        self._handed_host = (k, views, Prepared(T, views, frozenset(), ptrs), me)
-        return dict(views)  # the caller may change its dict, never ours
+        self._handed_host, self._handed_thread = hand, me
+        return dict(hand.arrays if numpy else hand.views)  # the caller may change its dict, never ours
+
+    def _hand(self, k: int | None, T: int) -> "_Handed":
+        """The views of arena ``k`` (None: the device arena) handed out for steps of T rows."""
+        if k is None:
+            views = {name: self._full[name][:T] for name in self.specs}
+            hand = _Handed(None, views, {}, Prepared(T, views, frozenset(self.specs), {}))
+        else:
+            a = self._arenas[k]
+            views = {name: a.views[name][:T] for name in self.specs}
+            arrays = {name: a.np[name][:T] if a.np[name] is not None else views[name] for name in self.specs}
+            ptrs = {name: v.data_ptr() for name, v in views.items()}
+            hand = _Handed(k, views, arrays, Prepared(T, views, frozenset(), ptrs))
+        if len(self._hands) < 8 * self.rows:  # bounded, whatever T a caller asks for
+            self._hands[(k, T)] = hand
+        return hand
 
     def device_views(self, T: int) -> dict[str, torch.Tensor]:
         """Rows ``[:T]`` of the device arena, for a runner that writes them in place with
         its own device ops (``device_inputs``); recognised by identity like host_views."""
-        views = self._handed_cache(self._device_views, T, self._full, T)
-        self._handed_device = (None, views, Prepared(T, views, frozenset(self.specs), {}), None)
-        return dict(views)
+        hand = self._hands.get((None, T)) or self._hand(None, T)
+        self._handed_device = hand
+        return dict(hand.views)
 
-    def _handed_cache(self, cache: dict, key, src: Mapping, T: int) -> dict[str, torch.Tensor]:
-        views = cache.get(key)
-        if views is None:
-            views = {name: src[name][:T] for name in self.specs}
-            if len(cache) < 4 * self.rows:  # bounded, whatever T a caller asks for
-                cache[key] = views
-        return views
-
-    def _live(self, handed: tuple) -> bool:
+    def _live(self, hand: "_Handed") -> bool:
         """Handed views not consumed yet: device views, the feed, or the next arena."""
-        return handed[0] in (None, FEED, self.stager.next)
+        return hand.arena in (None, FEED, self.stager.next)
+
+    def handed_rows(self, inputs: Mapping[str, Any]) -> int | None:
+        """T when ``inputs`` are exactly the feed views ``host_views`` handed to this thread
+        for the next step, else None. Changes nothing (``consume_fed`` uses them up)."""
+        h = self._handed_host
+        if h is None or h.arena != FEED or self._handed_thread != threading.get_ident() or not h.matches(inputs):
+            return None
+        return h.prepared.T
+
+    def consume_fed(self) -> None:
+        """A fed graph's replay is written: feed views handed out are used up."""
+        self._consume(FEED)
 
     # -- validation (writes nothing) -----------------------------------------------------
     def prepare(self, inputs: Mapping[str, Any]) -> Prepared:
         """Check names, rows, per-row shapes, dtypes and devices of one step's inputs
         (handed views, unchanged, skip the checks). Raises InputError; writes nothing."""
         self.validator.names(inputs)
-        for handed in (self._handed_host, self._handed_device):
-            if handed is not None and self._live(handed) and all(inputs[n] is handed[1][n] for n in self._names):
-                if handed[3] is not None and handed[3] != threading.get_ident():
+        for hand, thread in ((self._handed_host, self._handed_thread), (self._handed_device, None)):
+            if hand is not None and self._live(hand) and hand.matches(inputs):
+                if thread is not None and thread != threading.get_ident():
                     raise InputError(expected("step inputs", "views host_inputs() handed to this thread",
                                               "the views handed to another thread"))
-                return handed[2]
+                return hand.prepared
         return self.validator.check(inputs, self._owned)
 
     def _owned(self, name: str, t: torch.Tensor) -> bool | None:
@@ -146,7 +166,7 @@ class StaticInputs:
         (device_inputs(), static_inputs(): zero copy), None for anything else (refused:
         another pinned view may hold a step's stale rows)."""
         h = self._handed_host
-        if h is not None and self._live(h) and h[1][name] is t and h[3] == threading.get_ident():
+        if h is not None and self._live(h) and h.views[name] is t and self._handed_thread == threading.get_ident():
             return False
         c = self._full[name]
         if t.data_ptr() == c.data_ptr() and t.dtype == c.dtype and t.device == c.device and t.stride() == c.stride():
@@ -177,7 +197,7 @@ class StaticInputs:
     def _consume(self, k: int) -> None:
         """Handed host views of arena ``k`` are good for one step."""
         h = self._handed_host
-        if h is not None and h[0] == k:
+        if h is not None and h.arena == k:
             self._handed_host = None
 
     def unfeed(self) -> None:
@@ -212,4 +232,31 @@ class StaticInputs:
     def digest_parts(self) -> tuple[list, list]:
         """(the arena, the host arenas and their bookkeeping) for ``StateDigest``."""
         return [self.arena], [*(a.buf for a in self._arenas), self.stager.next, [a.dirty for a in self._arenas],
-                              getattr(self.feed, "_flags", None)]
+                              getattr(self.feed, "_flags", None), getattr(self.feed, "all_host", None)]
+
+
+class _Handed:
+    """Views of one arena handed out for steps of ``T`` rows (made once per arena and T):
+    the tensors, the same rows as numpy arrays (``host_inputs(numpy=True)``), and the
+    Prepared a step passed exactly these objects uses without checking them again."""
+
+    __slots__ = ("arena", "views", "arrays", "prepared")
+
+    def __init__(self, arena: int | None, views: dict, arrays: dict, prepared: Prepared):
+        self.arena, self.views, self.arrays, self.prepared = arena, views, arrays, prepared
+
+    def matches(self, inputs: Mapping[str, Any]) -> bool:
+        """``inputs`` are exactly these views, or exactly these arrays (by identity)."""
+        if len(inputs) != len(self.views):
+            return False
+        for name, v in self.views.items():
+            if inputs.get(name) is not v:
+                break
+        else:
+            return True
+        if not self.arrays:  # device views have none
+            return False
+        for name, v in self.arrays.items():
+            if inputs.get(name) is not v:
+                return False
+        return True

@@ -8,6 +8,7 @@ wait on the feed event (the last replay's copy has left the feed) before writing
 """
 from __future__ import annotations
 
+from ctypes import memmove
 from typing import Any, Mapping
 
 import torch
@@ -31,12 +32,15 @@ class Feed:
         self._word_src = layout.input_of_word().to(arena.device)
         self._arena_words, self._mirror_words = arena.view(torch.int32), self.mirror.view(torch.int32)
         self._flags = [True] * len(layout.specs)  # host copy of the feed's per-input flags
+        self.all_host = True  # every flag set: the graphs take every input from the feed
+        self._rows = [(n, self.host.ptr[n], layout.row_bytes[n]) for n in layout.specs]
 
     def write(self, prep: Prepared, start: int, length: int, width: int, control) -> None:
         """Host rows (and control blocks) into the feed, which the graph copies itself;
         device rows into the arena (rows ``[length, width)`` padded), flagged so that the
         graph keeps them."""
         self.event.synchronize()  # the last replay's copy has left the feed
+        self.all_host = False  # first: an interrupted write leaves the short path off (it keeps no flags)
         h, flags_np, flags, dev = self.host, self.host.np[SRC], self._flags, []
         ptrs = prep.host_ptrs
         for i, (name, t) in enumerate(prep.tensors.items()):
@@ -49,6 +53,7 @@ class Feed:
                 if flags[i]:
                     flags_np[i] = flags[i] = False
                 dev.append(name)
+        self.all_host = not dev
         if control:
             h.set_control(control)
         for name in dev:
@@ -57,12 +62,41 @@ class Feed:
             if width > length:
                 self._full[name][length:width].fill_(self.layout.specs[name].pad)
 
+    def write_rows(self, ptrs: list[int] | None, T: int) -> None:
+        """``write`` for host rows only (``all_host``): ``ptrs`` (spec order) point at T
+        contiguous rows of each input, or None for rows already written in place (the
+        views ``host_inputs`` handed out, after waiting on the feed event itself); rows a
+        wider step left are padded."""
+        h = self.host
+        dirty = h.dirty
+        if ptrs is not None:
+            self.event.synchronize()  # the last replay's copy has left the feed
+            for (name, dst, nb), p in zip(self._rows, ptrs):
+                d = dirty[name]
+                if d < T:  # raised first: an interrupted copy leaves no untracked rows
+                    dirty[name] = T
+                memmove(dst, p, T * nb)
+                if d > T:
+                    h.fill_pad(name, T, d)
+                    dirty[name] = T
+            return
+        synced = False
+        for name, _, _ in self._rows:
+            d = dirty[name]
+            if d > T:  # handed rows [:d], T of them stepped: the rest become padding
+                if not synced:  # (a graph replayed by hand since may still read the feed)
+                    self.event.synchronize()
+                    synced = True
+                h.fill_pad(name, T, d)
+                dirty[name] = T
+
     def unfeed(self) -> None:
         """Graphs keep every input's arena rows until the next step (which feeds again):
         for a caller that writes the arena itself and replays a graph directly."""
         if not any(self._flags):
             return
         self.event.synchronize()
+        self.all_host = False  # first, as in write
         self.host.np[SRC][:len(self._flags)] = False
         self._flags = [False] * len(self._flags)
 
@@ -79,4 +113,5 @@ class Feed:
         self.layout.fill_pads(self.host.views, control)
         self.host.views[SRC].fill_(True)
         self._flags = [True] * len(self._flags)
+        self.all_host = True
         self.host.dirty = {n: 0 for n in self.layout.specs}

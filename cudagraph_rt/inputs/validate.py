@@ -41,6 +41,10 @@ class Validator:
         self._host_ranges, self._device_ranges = host_ranges, device_ranges
         self._checks = [(n, s, s.ndim1, torch.Size(s.shape), s.dtype) for n, s in self.specs.items()]
         self._first = next(iter(self.specs))
+        self._host_checks = [(n, nd, sh, dt) for n, _, nd, sh, dt in self._checks]
+        # one span around our host buffers: most tensors fall outside it in one comparison
+        self._host_span = (min(lo for lo, _ in host_ranges), max(hi for _, hi in host_ranges)) if host_ranges \
+            else (0, 0)
 
     def names(self, inputs: Mapping[str, Any]) -> None:
         if inputs.keys() != self.specs.keys():
@@ -85,6 +89,39 @@ class Validator:
         if T <= 0:
             raise InputError(expected("step inputs", "at least one row", "0 rows"))
         return Prepared(T, tensors, frozenset(zero_copy), host_ptrs)
+
+    def host_rows(self, inputs: Mapping[str, Any]) -> tuple[int, list[int]] | None:
+        """``check``'s common case in few operations: every input a contiguous CPU tensor
+        of its declared dtype and per-row shape, outside our buffers, one T for all.
+        ``(T, data pointers in spec order)``, or None for anything else (``check`` then
+        decides, and raises where it must). Writes nothing."""
+        if len(inputs) != len(self._host_checks):
+            return None
+        T, ptrs, ranges = -1, [], self._host_ranges
+        span_lo, span_hi = self._host_span
+        try:
+            for name, ndim, shape, dtype in self._host_checks:
+                t = inputs[name]
+                # is_neg: a lazy negation's bytes hold the other sign (check resolves it)
+                if type(t) is not torch.Tensor or t.dtype is not dtype or not t.is_cpu or t.is_neg() \
+                        or not t.is_contiguous():
+                    return None
+                sh = t.shape
+                if len(sh) != ndim or (ndim > 1 and sh[1:] != shape):
+                    return None
+                if sh[0] != T:
+                    if T >= 0:
+                        return None
+                    T = sh[0]
+                p = t.data_ptr()
+                if span_lo <= p < span_hi:
+                    for lo, hi in ranges:
+                        if lo <= p < hi:
+                            return None
+                ptrs.append(p)
+        except (KeyError, RuntimeError):  # a missing name; a tensor without sizes or storage
+            return None
+        return T, ptrs
 
     def _place(self, name: str, t: torch.Tensor) -> tuple[torch.Tensor, list]:
         """The tensor (detached on the device) and the ranges of our buffers on its side."""
