@@ -324,9 +324,9 @@ class SpecRunner:
         clk, dev = self.phase_clock, self._device_timer
         T = len(cols[0])
         if len(self.rt.plan(T)) == 1:
-            inputs = self.rt.host_inputs(T)  # pinned staging of this step: fill in place, no packing
+            inputs = self.rt.host_inputs(T, numpy=True)  # pinned staging of this step: fill in place
             for name, col in zip(COLUMNS, cols):
-                inputs[name].numpy()[:] = col
+                inputs[name][:] = col
         else:  # a sliced step cannot use one staging view; the runtime packs each slice
             inputs = {name: torch.tensor(col, dtype=torch.int64) for name, col in zip(COLUMNS, cols)}
         if dev is not None:

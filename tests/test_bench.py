@@ -66,12 +66,12 @@ def test_host_overhead_case_on_a_cpu_runtime_times_host_inputs_in_the_whole_step
         host = [ctx.rows.host(ctx.rows.rows(w)) for _ in range(N_SETS)]
         variants = bench_steps.overhead_variants(rt, lambda: None, host, names, w)
         log, real = [], rt.host_inputs
-        rt.host_inputs = lambda T: (log.append(("host_inputs", T)), real(T))[1]
+        rt.host_inputs = lambda T, **kw: (log.append(("host_inputs", T, kw)), real(T, **kw))[1]
         whole, prep = variants["zero_copy_whole"]
         assert prep is None  # nothing of the whole step is left untimed
         before = rt.stats().steps
         whole(5)
-        assert log == [("host_inputs", w)] and rt.stats().steps == before + 1
+        assert log == [("host_inputs", w, {"numpy": True})] and rt.stats().steps == before + 1
         kw = {"repeats": 3, "warmup": 1, "sync": ctx.sync}
         acc: dict = {}
         medians = [bench_steps._overhead_repeat(variants, kw, acc) for _ in range(2)]

@@ -212,11 +212,12 @@ class FakeOverheadRuntime:
     def __init__(self, clock: FakeClock, names: list[str]):
         self.clock, self.names, self.log = clock, names, []
 
-    def host_inputs(self, w: int):
+    def host_inputs(self, w: int, numpy: bool = False):
         import torch
         self.clock.advance(HOST_INPUTS)
         self.log.append("host_inputs")
-        return {n: torch.zeros(w, dtype=torch.int64) for n in self.names}
+        views = {n: torch.zeros(w, dtype=torch.int64) for n in self.names}
+        return {n: v.numpy() for n, v in views.items()} if numpy else views
 
     def step(self, **inputs):
         self.clock.advance(STEP)
@@ -281,10 +282,11 @@ def test_goal_status_only_where_the_repeats_agree():
     assert bench_report.spread_status(1.6, 1.9, 1.5) is False
     assert bench_report.spread_status(1.4, 1.6, 1.5) == "unclear"
 
-    def row(inputs, w, whole, step, d):
+    def row(inputs, w, whole, step, d, lat=(1.01, 1.02, 1.02)):
         sp = lambda xs: {"median": sorted(xs)[len(xs) // 2], "min": min(xs), "max": max(xs), "repeats": xs}
         return {"inputs": inputs, "width": w, "zero_copy_whole_over_bare_host": sp(whole),
-                "step_over_bare_host": sp(step), "step_overhead_host_us": sorted(d)[1],
+                "step_over_bare_host": sp(step), "step_over_bare_latency": sp(list(lat)),
+                "step_overhead_host_us": sorted(d)[1],
                 "step_overhead_host_repeats_us": d, "zero_copy_overhead_host_us": 5.0,
                 "zero_copy_whole_overhead_host_us": 9.0, "step_overhead_latency_us": 20.0}
 
@@ -292,6 +294,10 @@ def test_goal_status_only_where_the_repeats_agree():
                                     row(4, 64, [1.2, 1.3, 1.4], [2.0, 2.1, 2.2], [10.0, 11.0, 12.0]),
                                     row(5, 1, [1.4, 1.45, 1.49], [3.0, 3.0, 3.0], [1.0, 1.0, 1.0])]}
     gs = {g["goal"]: g for g in bench_report.goals({"host_overhead": sec})}
+    lat = "latency of step() (fresh CPU tensors) vs replay()"
+    assert gs[lat]["status"] == "met" and "latency" in gs[lat]["target"]
+    sec["rows"][2]["step_over_bare_latency"]["max"] = 1.04  # one repeat of 5 inputs over 1.03
+    assert {g["goal"]: g for g in bench_report.goals({"host_overhead": sec})}[lat]["status"] == "unclear"
     assert gs["host overhead of step(), 4 host inputs, T=1"]["status"] == "unclear"  # 13..16 around 15
     assert gs["whole zero-copy step (host_inputs + fill + step) vs replay()"]["status"] == "met"
     step_goal = gs["step() with four fresh CPU tensors vs replay()"]  # 5 inputs do not count here

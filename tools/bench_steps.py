@@ -163,33 +163,35 @@ def _four_input_step(model):
 OVERHEAD_REPEATS = 5  # interleaved repeats of section 3: each goal's spread comes from these
 
 
-def _fill(views: dict, rows: dict, names: list[str]) -> None:
-    """Write one input set into ``host_inputs`` views in place (the runner's own writes)."""
+def _fill(arrays: dict, rows: dict, names: list[str]) -> None:
+    """Write one input set (numpy rows) into ``host_inputs(numpy=True)`` arrays in place
+    (the runner's own writes)."""
     for n in names:
-        views[n].numpy()[:] = rows[n].numpy()
+        arrays[n][:] = rows[n]
 
 
 def overhead_variants(rt, replay, host: list[dict], names: list[str], w: int) -> dict:
     """Section 3's variants at T = w, as ``time_interleaved`` takes them (call, untimed
     prepare): bare = ``replay()`` (inputs placed by a step before, untimed); step =
     ``step(**pageable CPU tensors)``; zero_copy = ``step(**views)`` after an untimed
-    ``host_inputs(w)`` and fill (the old figure: step() alone); zero_copy_whole =
-    ``host_inputs(w)``, fill and ``step(**views)`` all timed, what every zero-copy step
-    costs (views are good for one step). ``host``: N_SETS dicts of CPU rows per name.
-    The views of zero_copy live in a dict of this closure until its next fill."""
+    ``host_inputs(w, numpy=True)`` and fill (the old figure: step() alone); zero_copy_whole
+    = ``host_inputs(w, numpy=True)``, fill and ``step(**arrays)`` all timed, what every
+    zero-copy step costs (views are good for one step). ``host``: N_SETS dicts of CPU rows
+    per name. The arrays of zero_copy live in a dict of this closure until its next fill."""
     views: dict = {}
+    rows_np = [{n: t.numpy() for n, t in h.items()} for h in host]  # a runner's rows: numpy or lists
 
     def place(i):
         rt.step(**host[i % N_SETS])
 
     def fill(i):
         views.clear()
-        views.update(rt.host_inputs(w))
-        _fill(views, host[i % N_SETS], names)
+        views.update(rt.host_inputs(w, numpy=True))
+        _fill(views, rows_np[i % N_SETS], names)
 
     def whole(i):
-        v = rt.host_inputs(w)
-        _fill(v, host[i % N_SETS], names)
+        v = rt.host_inputs(w, numpy=True)
+        _fill(v, rows_np[i % N_SETS], names)
         rt.step(**v)
 
     return {"bare": (lambda i: replay(), place), "step": (place, None),
@@ -272,8 +274,9 @@ OVERHEAD_METHOD = (
     "returns (host time to issue it); *_latency: until a synchronize after it. {R} repeats; each repeat times "
     "every case in turn, each case {per} calls of each variant, interleaved call by call, {n} random input sets. "
     "bare = replay() of the runtime's own graph for that width (inputs placed untimed by a step before); "
-    "step = step(**pageable CPU tensors); zero_copy = step(**views) after host_inputs(T) and filling the pinned "
-    "views in place (both untimed); zero_copy_whole = host_inputs(T) + fill + step(**views), all timed (what "
+    "step = step(**pageable CPU tensors); zero_copy = step(**arrays) after host_inputs(T, numpy=True) and filling "
+    "the pinned arrays in place from numpy rows (both untimed); zero_copy_whole = host_inputs(T, numpy=True) + fill "
+    "+ step(**arrays), all timed (what "
     "every zero-copy step pays). Pooled over the repeats: summaries, overhead = median(variant) - median(bare), "
     "*_paired_us = median over rounds of (variant - bare). Per repeat: *_repeats_us and *_over_bare_* "
     "(ratio of the repeat's medians; median, min, max); a goal's status is met or missed only when every "
