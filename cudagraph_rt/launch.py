@@ -34,40 +34,20 @@ class GraphLaunch:
         self.graph, self.device_index = graph, device.index if device.index is not None else torch.cuda.current_device()
         self.raw: bool | None = None
         self._rt = cudart()
-        self._exec: Any = None
+        self._exec: Any = None  # set once the first launch found the graph draws no random numbers
         self._streams: dict[int, Any] = {}
         self._ok = self._rt.cudaError_t.cudaSuccess if self._rt is not None else None
         self._launch_exec = self._rt.cudaGraphLaunch if self._rt is not None else None
-        self._launch = self._first
+        # (no bound method of self is kept on self: that cycle would leave the graph, and
+        # its pool, to the garbage collector, which may free it during a later capture)
 
     def __call__(self) -> None:
-        self._launch()
-
-    def _first(self) -> None:
-        gen = torch.cuda.default_generators[self.device_index]
-        try:
-            before = gen.get_offset()
-        except RuntimeError:  # a stream is capturing (torch refuses the read): decide later
-            self.graph.replay()
+        if self._exec is None:
+            if self.raw is None:
+                self._first()
+            else:
+                self.graph.replay()
             return
-        self.graph.replay()
-        drew = gen.get_offset() != before
-        self._exec = None if drew else self._raw_exec()
-        self.raw = self._exec is not None
-        self._launch = self._direct if self.raw else self.graph.replay
-
-    def _raw_exec(self) -> Any:
-        get = getattr(self.graph, "raw_cuda_graph_exec", None)
-        if self._rt is None or get is None:
-            return None
-        try:
-            handle = get()
-        except RuntimeError:  # an older torch that keeps the executable private
-            return None
-        exec_t = self._rt.cudaGraphExec_t
-        return handle if isinstance(handle, exec_t) else exec_t(init_value=int(handle))
-
-    def _direct(self) -> None:
         if torch._C._cuda_getDevice() != self.device_index:
             # cudaGraphLaunch on stream 0 means the current device's default stream:
             # replay() enters the graph's device first
@@ -82,3 +62,26 @@ class GraphLaunch:
         err, = self._launch_exec(self._exec, stream)
         if err != self._ok:
             raise CgrtError(f"cudaGraphLaunch of a captured graph failed: {err!r}")
+
+    def _first(self) -> None:
+        gen = torch.cuda.default_generators[self.device_index]
+        try:
+            before = gen.get_offset()
+        except RuntimeError:  # a stream is capturing (torch refuses the read): decide later
+            self.graph.replay()
+            return
+        self.graph.replay()
+        drew = gen.get_offset() != before
+        self._exec = None if drew else self._raw_exec()
+        self.raw = self._exec is not None
+
+    def _raw_exec(self) -> Any:
+        get = getattr(self.graph, "raw_cuda_graph_exec", None)
+        if self._rt is None or get is None:
+            return None
+        try:
+            handle = get()
+        except RuntimeError:  # an older torch that keeps the executable private
+            return None
+        exec_t = self._rt.cudaGraphExec_t
+        return handle if isinstance(handle, exec_t) else exec_t(init_value=int(handle))

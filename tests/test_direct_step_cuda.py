@@ -79,7 +79,7 @@ def test_every_form_and_width_reads_its_own_rows_with_the_plans_counters():
     st = rt.stats()
     assert st.steps == steps and dict(st.graph_replays) == want_replays and dict(st.dynamic_calls) == want_dyn
     assert st.padding_rows == want_pad and not st.eager_calls
-    assert sum(spy.took) > 50 and not all(spy.took)  # both paths ran
+    assert sum(spy.took) > 20 and not all(spy.took)  # both paths ran (about 1 step in 5 takes the short one)
     assert all(e.launch.raw for e in rt._by_width.values())  # echo draws no random numbers
 
 
@@ -143,3 +143,25 @@ def test_a_launch_from_another_current_device_goes_through_replay(monkeypatch):
     out = rt.step(a=[7], b=[[1.0, 2, 3]], h=torch.zeros(1, 2).bfloat16()).outputs
     monkeypatch.undo()
     assert replays == [1] and int(out["a"][0]) == 7
+
+
+@pytest.mark.parametrize("steps", [0, 1, 3])
+def test_del_frees_the_graphs_without_the_garbage_collector(steps):
+    """A graph left to the cyclic collector may be freed in the middle of a later capture,
+    which that capture does not survive ("operation not permitted when stream is
+    capturing"): dropping the runtime frees its graphs at once, launched or not."""
+    import gc
+    import weakref
+    gc.collect()
+    gc.disable()
+    try:
+        rt = GraphRuntime(_echo, ECHO, widths=(1, 4))
+        rt.capture()
+        for _ in range(steps):
+            rt.step(a=[1], b=[[0.0, 1, 2]], h=torch.zeros(1, 2).bfloat16())
+            rt.step(**rt.host_inputs(3, numpy=True))
+        refs = [weakref.ref(g) for g in rt.graphs_captured.values()]
+        del rt
+        assert all(r() is None for r in refs)
+    finally:
+        gc.enable()

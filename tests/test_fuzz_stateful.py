@@ -54,6 +54,13 @@ COMMIT_KEEPS_VIEWS = True
 FORMS = st.sampled_from(["tensor", "numpy", "list", "mixed", "cast", "strided", "big_endian"])
 
 
+def _rows_at(t) -> tuple:
+    """Where handed rows lie and how many: a tensor view or its numpy array alike."""
+    if isinstance(t, np.ndarray):
+        return t.__array_interface__["data"][0], t.shape
+    return t.data_ptr(), tuple(t.shape)
+
+
 class Boom(RuntimeError):
     """What the step function raises when a rule makes it fail."""
 
@@ -251,29 +258,29 @@ class RuntimeMachine(RuleBasedStateMachine):
         self.run_step(x, T, rows, lambda: self.rt.step(**kw, **given), hold)
 
     @precondition(lambda self: not self.closed)
-    @rule(T=T_ONE, how=st.sampled_from(["none", "some"]), hold=st.booleans())
-    def host_views_fill_step(self, T, how, hold):
-        v = self.rt.host_inputs(T)
+    @rule(T=T_ONE, how=st.sampled_from(["none", "some"]), hold=st.booleans(), as_np=st.booleans())
+    def host_views_fill_step(self, T, how, hold, as_np):
+        v = self.rt.host_inputs(T, numpy=as_np)
         self.probed = True  # host_inputs captures first
         x = self.inputs(T)
         for k, t in x.items():
-            v[k].numpy()[:] = t.numpy()
+            (v[k] if as_np else v[k].numpy())[:] = t.numpy()
         self.views = (v, x)
         rows = self.draw_rows(T, how)
         kw = {"rows": rows} if rows is not None else {}
         self.run_step(x, T, rows, lambda: self.rt.step(**kw, **v), hold)
 
     @precondition(lambda self: not self.closed)
-    @rule(T=T_ONE)
-    def host_views_fill_only(self, T):
+    @rule(T=T_ONE, as_np=st.booleans())
+    def host_views_fill_only(self, T, as_np):
         """Views handed and filled, stepped by a later rule (other calls may come first)."""
         if self.views is not None:
             self.stale.append(self.views[0])  # newer views replace them
-        v = self.rt.host_inputs(T)
+        v = self.rt.host_inputs(T, numpy=as_np)
         self.probed = True
         x = self.inputs(T)
         for k, t in x.items():
-            v[k].copy_(t)
+            (v[k] if as_np else v[k].numpy())[:] = t.numpy()
         self.views = (v, x)
 
     @precondition(lambda self: not self.closed and self.views is not None)
@@ -344,8 +351,8 @@ class RuntimeMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 5))
     def stale_views_refused(self, i):
         v = self.stale[i % len(self.stale)]
-        if self.views is not None and all(v[k] is self.views[0][k] for k in v):
-            return  # host_inputs(T) hands the same objects out again for the same T: live
+        if self.views is not None and all(_rows_at(v[k]) == _rows_at(self.views[0][k]) for k in v):
+            return  # host_inputs(T) hands the same rows out again for the same T (views or arrays): live
         self.refused(lambda: self.rt.step(**v), InputError, r"expected memory apart from the runtime's static")
 
     @precondition(lambda self: not self.closed and self.views is not None)
@@ -429,12 +436,12 @@ class RuntimeMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: not self.closed and self.mode == "commit" and bool(self.pending))
     @rule(i=st.integers(0, 5), stride=st.integers(1, 4), hold=st.booleans(),
-          views=st.sampled_from([None, "fill", "fill_step"]), T=T_ONE)
-    def commit(self, i, stride, hold, views, T):
+          views=st.sampled_from([None, "fill", "fill_step"]), T=T_ONE, as_np=st.booleans())
+    def commit(self, i, stride, hold, views, T, as_np):
         """A commit, optionally between filling the next step's host views and stepping
         them (a commit-mode runner's order: fill step k+1, commit step k, step k+1)."""
         if views is not None:
-            self.host_views_fill_only(T)
+            self.host_views_fill_only(T, as_np)
         self._commit(i, stride, hold)
         if views == "fill_step" and self.views is not None:
             self.step_pending_views(hold=False)
