@@ -86,7 +86,9 @@ class GraphRuntime(HandedBuffers):
 
     @property
     def graphs_captured(self) -> Mapping[int, torch.cuda.CUDAGraph]:
-        """Captured graph per width (empty with graphs off)."""
+        """Captured graph per width (empty with graphs off). The runtime's own: replay them by
+        hand if you like (see ``static_inputs``), but never ``reset()`` one — steps launch
+        its executable directly and would launch a destroyed one; ``recapture()`` instead."""
         return MappingProxyType({w: e.graph for w, e in self._by_width.items() if isinstance(e, GraphSlice)})
 
     @property
