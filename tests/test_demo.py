@@ -22,9 +22,7 @@ from cudagraph_rt.testing.checks import Tolerance
 from seeds import seeded_rng
 
 
-@pytest.fixture(autouse=True)
-def _single_thread(one_thread):  # see conftest.py
-    yield
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 @pytest.fixture

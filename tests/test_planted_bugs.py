@@ -39,9 +39,7 @@ from seeds import seeded_rng
 TOL = Tolerance.for_dtype(torch.float32)
 
 
-@pytest.fixture(autouse=True)
-def _single_thread(one_thread):  # see conftest.py
-    yield
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 @pytest.fixture
