@@ -66,6 +66,8 @@ class HandedBuffers:
         cut, are refused with InputError (their arena may hold an older step's rows by
         then). Captures first if ``capture()`` was not called (a capture would reset the
         rows handed out). Refused with BusyError while another thread is inside ``step``."""
+        if numpy is not True and numpy is not False:
+            raise InputError(expected("host_inputs(numpy=)", "True or False", repr(numpy)))
         if not self._lock.acquire(blocking=False):  # not _exclusive: a generator costs µs here
             raise BusyError("GraphRuntime.host_inputs: another thread is inside step() or commit() of this runtime")
         try:

@@ -135,6 +135,11 @@ def test_numpy_host_inputs_are_filled_in_place_and_good_for_one_step():
         stale = arrs
     with pytest.raises(InputError, match="expected memory apart"):
         rt.step(**stale)  # kept past its step
+    before = rt.state_digest()
+    for bad in ("yes", 1, None):
+        with pytest.raises(InputError, match=r"host_inputs\(numpy=\): expected True or False"):
+            rt.host_inputs(2, numpy=bad)
+    assert rt.state_digest() == before  # refused before any buffer was handed out or marked
     views, arrs = rt.host_inputs(2), rt.host_inputs(2, numpy=True)
     with pytest.raises(InputError, match="expected memory apart"):
         rt.step(a=views["a"], b=arrs["b"])  # half of each: not what was handed out
