@@ -100,13 +100,14 @@ class DeviceDrafter:
         uids = np.fromiter((s.uid for s in c.seqs), np.int64, len(c.seqs))
         stream = torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
         with stream:
-            inputs = self.rt.host_inputs(n) if len(self.rt.plan(n)) == 1 else None
+            inputs = self.rt.host_inputs(n, numpy=True) if len(self.rt.plan(n)) == 1 else None
             if inputs is None:  # a sliced step: the runtime packs each slice
-                inputs = {"hidden": torch.empty_like(c.rows), **{k: torch.empty(n, dtype=torch.int64) for k in
+                inputs = {"hidden": torch.empty_like(c.rows), **{k: np.empty(n, np.int64) for k in
                                                     ("fed", "cur", "uid", "pos")}}
-            inputs["hidden"].copy_(c.rows)
+            hidden = inputs["hidden"]  # an array for float32 rows, a tensor for bfloat16
+            (torch.from_numpy(hidden) if isinstance(hidden, np.ndarray) else hidden).copy_(c.rows)
             for name, v in (("fed", c.fed), ("cur", c.tokens), ("uid", uids[c.group]), ("pos", c.positions)):
-                inputs[name].numpy()[:] = v
+                inputs[name][:] = v
             out = self.rt.step(**inputs).outputs
             batch.drafts[:n].copy_(out["drafts"], non_blocking=True)
             batch.ok[:n].copy_(out["ok"], non_blocking=True)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from cudagraph_rt import InputError
 from cudagraph_rt.device_drafter import DeviceDrafter
-from cudagraph_rt.drafting import DraftRule, controlled_drafts, controlled_drafts_py
+from cudagraph_rt.drafting import CommittedRows, DraftRule, controlled_drafts, controlled_drafts_py
 from cudagraph_rt.models import ToyConfig, ToyDecoder
 from cudagraph_rt.runner import ReferenceDrafter, Request, SpecRunner, ToyDrafter
 from cudagraph_rt.tools import demo
@@ -116,6 +116,33 @@ def test_reference_drafter_takes_a_negative_seed_like_the_other_drafters():
     runner.submit([Request((3, 17, 42), 8)])
     runner.run()
     assert _greedy_ok(runner)
+
+
+@pytest.mark.parametrize("n", [2, 300])
+def test_device_drafter_observes_more_rows_than_one_graph_step(n):
+    """observe stages its rows in the drafter runtime's host_inputs arrays when the step is
+    one slice, else in arrays of its own that the runtime slices (n > its dynamic limit):
+    both must draft what ToyDrafter drafts, and rows that stop encoding their token are
+    caught either way."""
+    rng = np.random.default_rng()
+    tokens = [int(x) for x in rng.integers(0, MODEL.config.vocab, n + 1)]
+    seq = SimpleNamespace(uid=int(rng.integers(0, 2**31)), tokens=tokens)
+    fed = torch.as_tensor(tokens[:n])
+    rows = torch.randn(n, MODEL.hidden_width) * 0.01
+    rows[:, :MODEL.emb.shape[1]] += MODEL.emb.float().cpu()[fed]  # rows that encode their fed tokens
+    d = DeviceDrafter(MODEL, 0.5, 7, k=3)
+    if n > 2:
+        assert len(d.rt.plan(n)) > 1, "not a sliced step: the test misses the path it is for"
+    host = ToyDrafter(MODEL, 0.5, 7)
+    for drafter in (host, d):
+        drafter.observe(CommittedRows.of(seq, 0, rows))
+    assert np.array_equal(d.propose([seq], 3), host.propose([seq], 3))
+    bad = rows.clone()
+    bad[int(rng.integers(0, n))] = 0.0
+    d.observe(CommittedRows.of(seq, 0, bad))
+    with pytest.raises(RuntimeError, match="do not encode"):
+        d.propose([seq], 3)
+    d.close()
 
 
 # ----------------------------------------------------------------------------- ReferenceDrafter
