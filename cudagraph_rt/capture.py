@@ -2,7 +2,9 @@
 any failure into a CaptureError that leaves the CUDA context usable."""
 from __future__ import annotations
 
+import gc
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -199,6 +201,22 @@ def _warm_up(width: int, run: Callable[[], Any], side: torch.cuda.Stream, warmup
         ) from e
 
 
+@contextmanager
+def _no_collection():
+    """No automatic garbage collection while a stream captures: a collection may free
+    unreachable cycles holding another runtime's graphs and pool (an exception kept in a
+    local, a runtime referenced from its own step function), and freeing CUDA memory or
+    destroying a graph while this thread captures invalidates the capture ('operation not
+    permitted when stream is capturing'). Collection resumes afterwards, where it was."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def capture_width(
     width: int,
     run: Callable[[], Any],
@@ -224,7 +242,7 @@ def capture_width(
     graph = torch.cuda.CUDAGraph(keep_graph=True) if keep_graph else torch.cuda.CUDAGraph()
     release_blas_workspaces()  # the capture allocates its own, inside the pool
     try:
-        with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
+        with _no_collection(), torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
             outputs = run()
         if keep_graph:
             graph.instantiate()

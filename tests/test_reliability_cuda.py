@@ -240,6 +240,52 @@ def test_capture_fault_eager_fallback(fault):
     torch.testing.assert_close(rt.step(**x).outputs["hidden"], want, **TOL)
 
 
+class DropsGarbageModel(SlotModel):
+    """SlotModel that, while its step is being captured, lets go of ``garbage`` (runtimes
+    with captured graphs) inside a fresh reference cycle, then allocates enough objects for
+    the garbage collector to run: a user's cycle (a kept exception, a runtime its own step
+    references) falling to the collector in the middle of another runtime's capture."""
+
+    garbage: list = []
+
+    def __call__(self, x):
+        if self.garbage and torch.cuda.is_current_stream_capturing():
+            loop = [self.garbage.pop()]
+            loop.append(loop)
+            del loop
+            assert len([[] for _ in range(20_000)]) == 20_000  # past the young generations' thresholds
+        return super().__call__(x)
+
+
+def test_capture_survives_garbage_collection_of_other_graphs():
+    """Freeing another runtime's graphs and pool while a stream captures invalidates the
+    capture ('operation not permitted when stream is capturing'): seen on the H200 as a
+    CaptureError at a width with no fault, after earlier tests left runtimes in cycles.
+    Every width must capture and replay like graphs off, and the garbage is freed after."""
+    import weakref
+    gen = fresh_gen()
+    old = []
+    for seed in (3, 4):
+        g = SlotModel("cuda", seed=seed)
+        rt_g = GraphRuntime(g, g.specs())
+        rt_g.capture()
+        old.append(weakref.ref(rt_g))
+        DropsGarbageModel.garbage.append(rt_g)
+        del rt_g
+    m, off = DropsGarbageModel("cuda", seed=5), SlotModel("cuda", seed=5)
+    rt = GraphRuntime(m, m.specs(), warmup=0)
+    rt_off = GraphRuntime(off, off.specs(), graphs=False, device="cuda")
+    try:
+        rep = rt.capture()
+    finally:
+        DropsGarbageModel.garbage.clear()
+    assert not any(w.error for w in rep.widths), [(w.width, w.error) for w in rep.widths]
+    assert set(rt.graphs_captured) == set(rt.widths)
+    _same_steps(m, rt, off, rt_off, [1, 2, 5, 8, 33, 64, 97] + [int(t) for t in torch.randint(1, 130, (20,), generator=gen)], gen)
+    gc.collect()
+    assert all(r() is None for r in old), "the garbage runtimes were never freed"
+
+
 # ======================================================================================
 # Stale addresses: watch() catches a replay over moved tensors; recapture() fixes it.
 # ======================================================================================
