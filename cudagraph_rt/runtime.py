@@ -104,7 +104,10 @@ class GraphRuntime(HandedBuffers):
         (one eager call that checks the outputs and sizes the ring); else nothing.
         Raises CaptureError (see the class docstring); widths captured before still replay.
         The step function runs on padding rows only (``step_fn_calls`` in the report); the
-        arena is put back afterwards, even on failure.
+        arena is put back afterwards, even on failure. Python's automatic garbage
+        collection is paused while each width captures (it could free another runtime's
+        graphs then, which invalidates a capture); an explicit ``gc.collect()`` in the step
+        function is still the caller's to avoid.
         """
         self._check_open("capture")
         if self._ready:
