@@ -1,8 +1,24 @@
 """Small step functions the runtime tests share (a few layers and a slot-indexed state),
-and the hand capture the GPU tests use outside the runtime."""
+a model that fails on demand, and the hand capture the GPU tests use outside the runtime."""
 import torch
 
 from cudagraph_rt import InputSpec
+
+
+class Boom(RuntimeError):
+    """What a ``failing`` model's step function raises."""
+
+
+def failing(cls):
+    """``cls`` whose call raises Boom while ``fail`` is set (before it writes any state)."""
+    class Failing(cls):
+        fail = False
+
+        def __call__(self, x):
+            if self.fail:
+                raise Boom("step function failed on purpose")
+            return super().__call__(x)
+    return Failing
 
 
 class SlotModel:

@@ -48,6 +48,18 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().view(-1).view(torch.uint8).clone()
 
 
+def commit_turn(model, res) -> int | None:
+    """The commit-window turn a commit-mode step took: ``model.one_slice_steps`` before it
+    (then advanced) for a one-slice step, which must carry a snapshot; None for a sliced
+    step, which keeps none and takes no turn (README: "Commit within the window")."""
+    if len(res.slices) != 1:
+        assert res.snapshot is None
+        return None
+    assert res.snapshot is not None
+    model.one_slice_steps += 1
+    return model.one_slice_steps - 1
+
+
 def fresh_gen() -> torch.Generator:
     """A generator on a fresh seed, printed (pytest shows it for a failing test)."""
     seed = torch.seed() % 2**31

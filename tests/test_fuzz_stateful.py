@@ -40,8 +40,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from cudagraph_rt import (BusyError, CapacityError, CgrtError, GraphRuntime, HostRows, InputError,
                           StaleRowsError)
 from cudagraph_rt.testing.internals import poison_next_slot
-from models_for_tests import SlotModel
-from reliability_harness import ScaleChooser, bits, chosen_by_scale
+from models_for_tests import Boom, SlotModel, failing
+from reliability_harness import ScaleChooser, bits, chosen_by_scale, commit_turn
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)  # default widths, dynamic limit 96, rows 96
@@ -61,20 +61,6 @@ def _rows_at(t) -> tuple:
     return t.data_ptr(), tuple(t.shape)
 
 
-class Boom(RuntimeError):
-    """What the step function raises when a rule makes it fail."""
-
-
-def failing(cls):
-    """``cls`` whose call raises Boom while ``fail`` is set (before it writes any state)."""
-    class Failing(cls):
-        fail = False
-
-        def __call__(self, x):
-            if self.fail:
-                raise Boom("step function failed on purpose")
-            return super().__call__(x)
-    return Failing
 
 
 def plan(T: int) -> list[tuple[str, int, int]]:
@@ -235,13 +221,7 @@ class RuntimeMachine(RuleBasedStateMachine):
         else:
             assert res.host_rows is None
         if self.mode == "commit":
-            turn = None
-            if len(res.slices) == 1:
-                turn = self.one_slice_steps
-                self.one_slice_steps += 1
-                assert res.snapshot is not None
-            else:
-                assert res.snapshot is None
+            turn = commit_turn(self, res)
             self.pending = (self.pending + [(res, want["hidden"].clone(), turn)])[-6:]
         if self.views is not None:  # a step consumes the views handed out before it
             self.stale.append(self.views[0])

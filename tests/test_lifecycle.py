@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cudagraph_rt import GraphRuntime, HostRows, InputSpec, StaleRowsError, StateDigest, StepFunctionError
-from models_for_tests import SlotModel
+from models_for_tests import Boom, SlotModel, failing
 
 
 def seeded() -> torch.Generator:
@@ -62,17 +62,8 @@ def test_capture_report_counts_the_step_function_calls():
 
 
 # ---- R10: a failed step does not use up a turn of the commit window ----------------------
-class FailOnce(SlotModel):
-    fail = False
-
-    def __call__(self, x):
-        if self.fail:
-            raise RuntimeError("step function failed")
-        return super().__call__(x)
-
-
 def test_a_failed_step_keeps_the_commit_windows_turn():
-    m, ref = FailOnce("cpu", seed=6), SlotModel("cpu", seed=6)
+    m, ref = failing(SlotModel)("cpu", seed=6), SlotModel("cpu", seed=6)
     rt = GraphRuntime(m, m.specs(), graphs=False, device="cpu",
                       host_rows=HostRows(source="hidden", mode="commit", depth=2))
     gen = seeded()
@@ -80,7 +71,7 @@ def test_a_failed_step_keeps_the_commit_windows_turn():
     r0 = rt.step(**x0)
     want0 = ref(x0)["hidden"]
     m.fail = True
-    with pytest.raises(RuntimeError, match="step function failed"):
+    with pytest.raises(Boom, match="step function failed"):
         rt.step(**m.random_inputs(3, gen=gen))
     m.fail = False
     x1 = m.random_inputs(7, gen=gen)

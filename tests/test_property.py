@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
 from cudagraph_rt import CapacityError, DeviceRowIndexError, InputError, StaleRowsError
-from reliability_harness import TOL, Rig, chosen_by_scale
+from reliability_harness import TOL, Rig, chosen_by_scale, commit_turn
 
 DEPTH, CAPACITY = 2, 48
 WIDEST, LIMIT = 64, 96
@@ -164,14 +164,7 @@ def test_random_step_sequences_against_reference(mode, ops, seed):
             else:
                 assert res.host_rows is None
             if mode == "commit":
-                snap = None
-                if len(res.slices) == 1:
-                    snap = model.one_slice_steps
-                    model.one_slice_steps += 1
-                    assert res.snapshot is not None
-                else:
-                    assert res.snapshot is None
-                model.pending.append((res, want["hidden"], snap))
+                model.pending.append((res, want["hidden"], commit_turn(model, res)))
                 model.pending = model.pending[-6:]
         elif kind == "release":
             if model.held:
