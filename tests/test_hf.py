@@ -146,6 +146,27 @@ def test_sliding_window_is_applied(rng):
     assert (hidden[20:] - no_window[20:]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_no_mask_tensor_reaches_the_attention(family):
+    """transformers builds no mask for the registered attention (none is passed): every
+    layer's call gets ``attention_mask=None``, and the pool's state, not a mask, decides."""
+    from transformers import AttentionInterface
+
+    m = model_for(family)
+    seen = []
+
+    def spy(module, query, key, value, attention_mask, **kw):
+        seen.append(attention_mask)
+        return hf.cell_attention(module, query, key, value, attention_mask, **kw)
+
+    AttentionInterface.register(hf.ATTENTION, spy)
+    try:
+        m.step(rows_to_inputs(m, [(1, 0, 0, 1, -1), (2, 1, 0, 1, -1)], width=4))
+    finally:
+        AttentionInterface.register(hf.ATTENTION, hf.cell_attention)
+    assert len(seen) == m.config.layers and all(x is None for x in seen), seen
+
+
 def test_padding_rows_write_only_the_scratch_cell(rng):
     m = model_for("qwen3")
     m.reset_cache()
