@@ -432,7 +432,12 @@ def prefix_cache_run(model, rng: random.Random, graphs: bool) -> None:
         for p in range(a_next, min(a_next + k, len(a_tokens))):
             a_rows[p] = got[(a_seq, p)]
         a_next = min(a_next + k, len(a_tokens))
-    assert b_tokens[P:] == model.greedy_generate(prompt, n_new + 1)
+    want, got = model.greedy_generate(prompt, n_new + 1), b_tokens[P:]
+    if got != want:  # only a near-tie of random weights may round the other way (transformers models)
+        i = next(j for j, (x, y) in enumerate(zip(got, want)) if x != y)
+        logits = model.reference_logits(b_tokens[:P + i])[0]
+        assert hasattr(model, "clear_positions") and not model.clear_positions(logits)[-1], (
+            f"B left greedy decoding at a clear token: {got} vs {want}")
     _check_rows(model, b_tokens[P + 1:], b_rows, b_tokens[:-1], P)
     a_pos = sorted(a_rows)
     _check_rows(model, [a_rows[p][0] for p in a_pos], [a_rows[p][1] for p in a_pos], a_tokens[:a_pos[-1] + 1], r)
