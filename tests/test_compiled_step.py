@@ -278,6 +278,22 @@ def test_modes_with_their_own_cuda_graphs_are_refused(mode, options):
         CompiledRows(lambda x: x, mode=mode, options=options)
 
 
+@pytest.mark.skipif(not HAVE_HF, reason="needs transformers")
+def test_hfdecoder_compiles_its_rows_and_refuses_modes_with_cuda_graphs():
+    """HFDecoder.compile_decoder: InputError before anything changes; a CompiledRows
+    (nothing compiled yet) for a mode without graphs; None and eager again for None."""
+    from cudagraph_rt.models import hf
+
+    m = hf.build("llama", "tiny")
+    for bad in ("reduce-overhead", "max-autotune"):
+        with pytest.raises(attention_op.InputError, match="mode"):
+            m.compile_decoder(bad)
+        assert m._rows == m._step_rows
+    rows = m.compile_decoder("max-autotune-no-cudagraphs")
+    assert isinstance(rows, CompiledRows) and rows.graphs == 0 and m._rows is rows
+    assert m.compile_decoder(None) is None and m._rows == m._step_rows
+
+
 def test_compiling_is_lazy_and_per_width_when_asked():
     """Nothing compiles when built; ``dynamic=False`` compiles each width once."""
     def rows(x, y):

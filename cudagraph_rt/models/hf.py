@@ -37,6 +37,7 @@ from torch import Tensor
 from ..errors import InputError, expected
 from .cells import ROW_INPUTS as _INPUTS, CellPoolModel
 from .accept import greedy_accept
+from .compiled import CompiledRows
 
 ATTENTION = "cgrt_cells"  # the registered attention function's name
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
@@ -262,7 +263,7 @@ class HFDecoder(CellPoolModel):
             raise InputError(expected("max_len", f"<= max_position_embeddings {cfg.max_position_embeddings}", max_len))
         self.model = model.eval()
         self.decoder, self.head = model.get_decoder(), model.get_output_embeddings()
-        self._decoder = self.decoder  # what step() calls: see compile_decoder
+        self._rows = self._step_rows  # what step() calls: see compile_decoder
         p = next(model.parameters())
         self.device, dtype = _device(p.device), p.dtype
         attn = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "head_dim")]
@@ -296,29 +297,37 @@ class HFDecoder(CellPoolModel):
         ``want == 1``, else -1) and ``hidden`` [N, hidden] (the model's last hidden state,
         after its final norm: what the LM head reads). Logits of all N rows, masked."""
         t, pos, seq, cells, want = self._take(inputs, _INPUTS)
-        h = self.forward_cells(t, pos, seq, cells)
+        with self._cell_attention():
+            return self._rows(t, pos, seq, cells, want)
+
+    def _step_rows(self, tokens, positions, seq_ids, cells, want):
+        h = self.forward_cells(tokens, positions, seq_ids, cells)
         greedy = self.head(h).argmax(-1).masked_fill(want != 1, -1)
         return {"tokens": greedy, "hidden": h}
 
     def forward_cells(self, tokens: Tensor, positions: Tensor, seq_ids: Tensor, cells: Tensor) -> Tensor:
         """The model's decoder over N packed rows on the pool: [N, hidden]. Owners and
-        positions are written first, so every layer's mask sees all rows of this step."""
+        positions are written first, so every layer's mask sees all rows of this step.
+        Runs inside :meth:`step`, which selects the cell attention around it (outside the
+        compiled code)."""
         self.cell_owner.index_copy_(0, cells, seq_ids)
         self.cell_pos.index_copy_(0, cells, positions)
         visible = (self.cell_owner[None, :] == seq_ids[:, None]) & (self.cell_pos[None, :] <= positions[:, None])
         state = _CellStep(self, cells, positions, visible)
-        with self._cell_attention():
-            out = self._decoder(input_ids=tokens[None], position_ids=positions[None],
-                                attention_mask=visible[None, None], use_cache=False, cgrt_cells=state)
+        out = self.decoder(input_ids=tokens[None], position_ids=positions[None],
+                           attention_mask=visible[None, None], use_cache=False, cgrt_cells=state)
         return out.last_hidden_state[0]
 
-    def compile_decoder(self, mode: str | None = "default", **kwargs) -> None:
-        """Run the decoder of :meth:`step` through ``torch.compile(mode=mode, **kwargs)`` from
-        now on (``mode=None``: back to eager). Inductor fuses the kernels; the runtime still
-        owns the graphs, so use a mode without CUDA graphs ("default" or
-        "max-autotune-no-cudagraphs"). Compilation happens at the first step of each new
-        width (the runtime's warm-up), not here. :meth:`reference` stays eager."""
-        self._decoder = self.decoder if mode is None else torch.compile(self.decoder, mode=mode, **kwargs)
+    def compile_decoder(self, mode: str | None = "default", **kwargs):
+        """Run the step's rows (decoder, head, argmax) through ``torch.compile`` from now on
+        (``mode=None``: back to eager) and return the :class:`~.compiled.CompiledRows`
+        (``graphs``, ``compile_s``). The row dimension is dynamic: one graph serves widths 2
+        and up, one width 1; both compile at the first steps of those widths (the
+        runtime's warm-up), not here. The runtime owns the CUDA graphs: "reduce-overhead"
+        and "max-autotune" are refused with InputError (``kwargs``: CompiledRows's).
+        :meth:`reference` and ``generate()`` stay eager."""
+        self._rows = self._step_rows if mode is None else CompiledRows(self._step_rows, mode=mode, **kwargs)
+        return None if mode is None else self._rows
 
     def verify_step(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
         """:meth:`step` plus greedy speculative acceptance on the device (no host sync), by
