@@ -42,7 +42,7 @@ class MergedWeights:
         with torch.no_grad():
             self.weight = torch.cat([m.weight for m in linears])
             self.bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
-        self._pending = None  # (input, its version, outputs, members still to take theirs)
+        self._pending = None  # (input, its version, outputs, how many members may still take theirs)
 
     def rows(self, index: int) -> slice:
         start = sum(self.sizes[:index])
@@ -52,13 +52,11 @@ class MergedWeights:
         """Member ``index``'s ``F.linear`` of ``x``, from one merged product per input."""
         version = None if torch.compiler.is_compiling() else x._version  # traced code: no in-place between
         p = self._pending
-        if p is not None and p[0] is x and p[1] == version and index in p[3]:
-            left = p[3] - {index}
-            self._pending = (p[0], p[1], p[2], left) if left else None
+        if p is not None and p[0] is x and p[1] == version:
+            self._pending = (x, version, p[2], p[3] - 1) if p[3] > 1 else None
             return p[2][index]
         outs = F.linear(x, self.weight, self.bias).split(self.sizes, -1)
-        left = frozenset(range(len(self.sizes))) - {index}
-        self._pending = (x, version, outs, left) if left else None
+        self._pending = (x, version, outs, len(self.sizes) - 1)  # the others' turns still to come
         return outs[index]
 
     def convert(self, fn) -> None:
