@@ -65,6 +65,9 @@ def _parse(argv):
                    help="the position of each profiled row, live rows of distinct sequences (default 128, or half "
                         "the model's max_len if less)")
     p.add_argument("--compile", default=None, help="hf models: compile_decoder(MODE) before capture")
+    p.add_argument("--static-widths", action="store_true",
+                   help="compile each width on its own (compile_decoder(dynamic=False)): what the dynamic row "
+                        "dimension costs, at --width 2 or more")
     p.add_argument("--fuse", action="store_true", help="hf models: merge q/k/v and gate/up weights (models/fused.py)")
     p.add_argument("--capture-widths", choices=("one", "default"), default="one",
                    help="capture --width only (default) or every default width, timing warm-up and capture")
@@ -82,7 +85,8 @@ def _runtime(a):
     if a.fuse:
         from cudagraph_rt.models.fused import fuse_projections
         fuse_projections(model.model)
-    compiled = model.compile_decoder(a.compile) if a.compile else None
+    kw = {"dynamic": False} if a.static_widths else {}
+    compiled = model.compile_decoder(a.compile, **kw) if a.compile else None
     widths = None if a.capture_widths == "default" else (a.width,)
     rt = GraphRuntime(model.step, model.inputs(), widths=widths, graphs=True, device=model.device)
     with _sdpa(a.sdpa):
@@ -135,6 +139,7 @@ def _kernels(rt, x, replays: int) -> list[dict]:
 def _print(a, step_us: float, cap: dict, rows: list[dict]) -> None:
     total = sum(r["us"] for r in rows) or 1.0
     print(f"{a.model} {a.size} width {a.width} at position {a.context}{' compiled ' + a.compile if a.compile else ''}"
+          f"{' (static widths)' if a.static_widths else ''}"
           f"{' fused' if a.fuse else ''}{' sdpa ' + a.sdpa if a.sdpa else ''}: step median {step_us:.1f} us "
           f"(events), profiled device time {total:.1f} us per step, {sum(r['calls'] for r in rows):.0f} kernels")
     print(f"capture of widths {cap['widths']}: warm-up {cap['warmup_s_incl_compile']:.1f} s (compiling included"
