@@ -36,7 +36,9 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError, expected
+from . import attention_op
 from .cells import ROW_INPUTS as _INPUTS, CellPoolModel, resolve_device
+from .compiled import CompiledRows
 from .pool import DEFAULT_BLOCK_SIZE, KVPool, default_cells
 
 ATTENTION = "cgrt_cells"  # the registered attention function's name
@@ -118,11 +120,12 @@ def hf_config(family: str, size: str = "tiny", **overrides):
 
 def build(family: str, size: str = "tiny", *, dtype: torch.dtype | None = None, device=None, seed: int = 0,
           max_seqs: int | None = None, max_len: int | None = None, cells: int | None = None,
-          path: str | None = None) -> HFDecoder:
+          path: str | None = None, fuse: bool = False) -> HFDecoder:
     """An :class:`HFDecoder` for the CLI: random weights from ``hf_config(family, size)``
     (seeded), or ``from_pretrained(path)`` of a local directory (never a download).
     Defaults: tiny fp32 with 8 sequences x 128 positions; 1b bf16 with 16 x 256; the pool
-    ``cells`` defaults to ``max_seqs * max_len`` (whole blocks per sequence)."""
+    ``cells`` defaults to ``max_seqs * max_len`` (whole blocks per sequence). ``fuse``:
+    merge q/k/v and gate/up first (:func:`~.fused.fuse_projections`, same weights)."""
     dtype = dtype or (torch.float32 if size == "tiny" else torch.bfloat16)
     dev = resolve_device(device)
     if path is not None:
@@ -137,6 +140,9 @@ def build(family: str, size: str = "tiny", *, dtype: torch.dtype | None = None, 
         with torch.device(dev):  # initialise on the device: a 1b model inits in seconds there
             model = tf.AutoModelForCausalLM.from_config(cfg)
         model = model.to(dtype)
+    if fuse:
+        from .fused import fuse_projections
+        fuse_projections(model)
     defaults = (8, 128) if size == "tiny" else (16, 256)
     return HFDecoder(model, max_seqs=max_seqs or defaults[0], max_len=max_len or defaults[1], cells=cells,
                      family=family, size=size if path is None else "local")
@@ -145,10 +151,10 @@ def build(family: str, size: str = "tiny", *, dtype: torch.dtype | None = None, 
 # ------------------------------------------------------------------------------ attention
 @dataclass(frozen=True)
 class _CellStep:
-    """What one step hands every attention call (through the model's kwargs): the pool and
-    the rows' sequence ids, positions and cells ([N] int64 each). Lives for one model call."""
+    """What one step hands every attention call (through the model's kwargs): the pool's
+    registry id and the rows' sequence ids, positions and cells ([N] int64 each). Lives for one model call."""
 
-    pool: KVPool
+    pool_id: int  # attention_op's registry id of the model's KVPool
     seq_ids: Tensor
     positions: Tensor
     cells: Tensor
@@ -166,9 +172,9 @@ def cell_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_
     if cgrt_cells is None:
         raise RuntimeError(f"attention {ATTENTION!r} runs only inside HFDecoder.step (no cell state was passed)")
     st, d = cgrt_cells, query.shape[-1]
-    out = st.pool.attend(module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
-                         value[0].transpose(0, 1), st.seq_ids, st.positions, st.cells,
-                         scale=d ** -0.5 if scaling is None else scaling, window=sliding_window)
+    out = attention_op.attend(st.pool_id, module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
+                              value[0].transpose(0, 1), st.seq_ids, st.positions, st.cells,
+                              scale=d ** -0.5 if scaling is None else scaling, window=sliding_window)
     return out[None], None
 
 
@@ -221,7 +227,7 @@ class HFDecoder(CellPoolModel):
         cells = default_cells(max_seqs, max_len, block_size) if cells is None else cells
         self.model = model.eval()
         self.decoder, self.head = model.get_decoder(), model.get_output_embeddings()
-        self._decoder = self.decoder  # what step() calls: see compile_decoder
+        self._rows = self._step_rows  # what step() calls: see compile_decoder
         p = next(model.parameters())
         self.device, dtype = resolve_device(p.device), p.dtype
         attn = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "head_dim")]
@@ -233,6 +239,7 @@ class HFDecoder(CellPoolModel):
         self.head_dim = attn[0].head_dim
         self.pool = KVPool(layers=layers, kv_heads=kvh, head_dim=self.head_dim, dtype=dtype, device=self.device,
                            cells=cells, max_seqs=max_seqs, max_seq_len=max_len, block_size=block_size)
+        self.pool_id = attention_op.pool_id(self.pool)  # what the attention op fetches the pool by
         self.config = HFSpec(cfg.vocab_size, cfg.hidden_size, layers, max_seqs, max_len, dtype, family, size,
                              cells, block_size)
 
@@ -248,25 +255,32 @@ class HFDecoder(CellPoolModel):
         ``want == 1``, else -1) and ``hidden`` [N, hidden] (the model's last hidden state,
         after its final norm: what the LM head reads). Logits of all N rows, masked."""
         t, pos, seq, cells, want = self._take(inputs, _INPUTS)
-        h = self.forward_cells(t, pos, seq, cells)
+        with self._cell_attention():
+            return self._rows(t, pos, seq, cells, want)
+
+    def _step_rows(self, tokens, positions, seq_ids, cells, want):
+        h = self.forward_cells(tokens, positions, seq_ids, cells)
         greedy = self.head(h).argmax(-1).masked_fill(want != 1, -1)
         return {"tokens": greedy, "hidden": h}
 
     def forward_cells(self, tokens: Tensor, positions: Tensor, seq_ids: Tensor, cells: Tensor) -> Tensor:
-        """The model's decoder over N packed rows on the pool: [N, hidden]."""
-        state = _CellStep(self.pool, seq_ids, positions, cells)
-        with self._cell_attention():
-            out = self._decoder(input_ids=tokens[None], position_ids=positions[None], use_cache=False,
-                                cgrt_cells=state)
+        """The model's decoder over N packed rows on the pool: [N, hidden]. Runs inside
+        :meth:`step`, which selects the cell attention around it (outside the compiled code)."""
+        state = _CellStep(self.pool_id, seq_ids, positions, cells)
+        out = self.decoder(input_ids=tokens[None], position_ids=positions[None], use_cache=False,
+                           cgrt_cells=state)
         return out.last_hidden_state[0]
 
-    def compile_decoder(self, mode: str | None = "default", **kwargs) -> None:
-        """Run the decoder of :meth:`step` through ``torch.compile(mode=mode, **kwargs)`` from
-        now on (``mode=None``: back to eager). Inductor fuses the kernels; the runtime still
-        owns the graphs, so use a mode without CUDA graphs ("default" or
-        "max-autotune-no-cudagraphs"). Compilation happens at the first step of each new
-        width (the runtime's warm-up), not here. :meth:`reference` stays eager."""
-        self._decoder = self.decoder if mode is None else torch.compile(self.decoder, mode=mode, **kwargs)
+    def compile_decoder(self, mode: str | None = "default", **kwargs):
+        """Run the step's rows (decoder, head, argmax) through ``torch.compile`` from now on
+        (``mode=None``: back to eager) and return the :class:`~.compiled.CompiledRows`
+        (``graphs``, ``compile_s``). The row dimension is dynamic: one graph serves widths 2
+        and up, one width 1; both compile at the first steps of those widths (the
+        runtime's warm-up), not here. The runtime owns the CUDA graphs: "reduce-overhead"
+        and "max-autotune" are refused with InputError (``kwargs``: CompiledRows's).
+        :meth:`reference` and ``generate()`` stay eager."""
+        self._rows = self._step_rows if mode is None else CompiledRows(self._step_rows, mode=mode, **kwargs)
+        return None if mode is None else self._rows
 
     # ----------------------------------------------------------------- eager reference
     @torch.no_grad()
