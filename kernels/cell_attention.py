@@ -180,12 +180,12 @@ if triton is not None:
         return rows, inside, seq, pos, lo
 
     @triton.jit
-    def _split_range(lo_min, hi_max, split, splits, TILE_N: tl.constexpr, MIN_CHUNK: tl.constexpr):
+    def _split_range(lo_min, hi_max, split, splits, min_chunk, TILE_N: tl.constexpr):
         """Split ``split``'s share [start, end) of the positions [lo_min, hi_max]: tiles
-        aligned to TILE_N from below lo_min, ``max(span / splits, MIN_CHUNK)`` positions
+        aligned to TILE_N from below lo_min, ``max(span / splits, min_chunk)`` positions
         rounded up to whole tiles each; the splits past the end are empty (start >= end)."""
         first = (lo_min // TILE_N) * TILE_N
-        per = tl.maximum(tl.cdiv(hi_max + 1 - first, splits), MIN_CHUNK)
+        per = tl.maximum(tl.cdiv(hi_max + 1 - first, splits), min_chunk)
         chunk = tl.cdiv(per, TILE_N) * TILE_N
         start = first + split * chunk
         end = tl.minimum(start + chunk, hi_max + 1)
@@ -220,15 +220,15 @@ if triton is not None:
         return m_new, l * alpha + tl.sum(p, 1), acc
 
     @triton.jit
-    def _attend_group(q, m, l, acc, grp, pos, lo, slope2, seq_k, split, splits, bt_ptr, s_bt, k_head, v_head,
-                      bias_shift, scale2, num_blocks, s_kc, s_vc,
+    def _attend_group(q, m, l, acc, grp, pos, lo, slope2, seq_k, split, splits, min_chunk, bt_ptr, s_bt, k_head,
+                      v_head, bias_shift, scale2, num_blocks, s_kc, s_vc,
                       D: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                      MIN_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr):
+                      HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr):
         """This split's share of one group's context (the union of its rows' ranges), read
         once for all the group's lanes."""
         hi_max = tl.max(tl.where(grp, pos, -1), 0)
         lo_min = tl.min(tl.where(grp, lo, 2147483647), 0)
-        start, end = _split_range(lo_min, hi_max, split, splits, TILE_N, MIN_CHUNK)
+        start, end = _split_range(lo_min, hi_max, split, splits, min_chunk, TILE_N)
         bt_row = bt_ptr + seq_k.to(tl.int64) * s_bt
         for t in range(start, end, TILE_N):
             m, l, acc = _attend_tile(q, m, l, acc, k_head, v_head, bt_row, t, lo_min, hi_max, pos, lo, grp,
@@ -258,22 +258,13 @@ if triton is not None:
         tl.store(pacc_ptr + at[:, None] * D + d[None, :], acc, mask=seen[:, None] & (d < D)[None, :])
 
     @triton.jit
-    def _cell_attention_kernel(
-        q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, pos_ptr, slope_ptr, out_ptr, pm_ptr, pl_ptr, pacc_ptr,
-        N, Hq, splits, num_blocks, scale2, bias_shift, window,
-        s_qn, s_qh, s_kc, s_kh, s_vc, s_vh, s_bt, s_seq, s_pos, s_on, s_oh,
-        G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr,
-        R: tl.constexpr, BLOCK_R: tl.constexpr, P: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        MIN_CHUNK: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr,
-        DOT_PREC: tl.constexpr,
-    ):
-        tile, p = tl.program_id(0) // P, tl.program_id(0) % P
-        kvh, split = tl.program_id(1), tl.program_id(2)
-        s_row, leader, rank = _tile_groups(seq_ptr, s_seq, tile, N, R, BLOCK_R)
-        rows, inside, seq, pos, lo = _tile_lanes(seq_ptr, pos_ptr, s_seq, s_pos, tile, N, window,
-                                                 R, BLOCK_M, BLOCK_G, HAS_WINDOW)
-        heads = kvh * G + tl.arange(0, BLOCK_M) % BLOCK_G
-        lanes = inside & (heads < kvh * G + G)
+    def _serve_groups(q_ptr, k_ptr, v_ptr, bt_ptr, slope_ptr, rows, heads, lanes, seq, pos, lo, s_row, leader, rank,
+                      p, kvh, split, splits, min_chunk, num_blocks, scale2, bias_shift,
+                      s_qn, s_qh, s_kc, s_kh, s_vc, s_vh, s_bt,
+                      D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, P: tl.constexpr,
+                      TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr):
+        """Groups p, p + P, ... of the tile, one after the other, into one set of lanes.
+        Returns (m, l, acc) and the lanes served."""
         d = tl.arange(0, BLOCK_D)
         q = tl.load(q_ptr + rows.to(tl.int64)[:, None] * s_qn + heads[:, None] * s_qh + d[None, :],
                     mask=(lanes & (seq >= 0))[:, None] & (d < D)[None, :], other=0.0).to(k_ptr.dtype.element_ty)
@@ -283,20 +274,46 @@ if triton is not None:
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        mine = lanes & (seq < 0) & (rows * 0 + p == 0)  # padding rows: program 0 of the tile writes 0s
+        mine = lanes & (seq < -1)  # no lane yet
         k_head, v_head = k_ptr + kvh.to(tl.int64) * s_kh, v_ptr + kvh.to(tl.int64) * s_vh
-        for k in range(p, tl.max(rank, 0), P):  # this program's groups: p, p + P, ...
-            seq_k = tl.max(tl.where(leader & (rank == k + 1), s_row, -1), 0)
+        for k in range(p, tl.max(rank, 0), P):
+            seq_k = tl.max(tl.where(leader & (rank == k + 1), s_row, -1), 0)  # group k's sequence
             grp = lanes & (seq == seq_k)
-            m, l, acc = _attend_group(q, m, l, acc, grp, pos, lo, slope2, seq_k, split, splits, bt_ptr, s_bt,
-                                      k_head, v_head, bias_shift, scale2, num_blocks, s_kc, s_vc, D, BLOCK_D,
-                                      TILE_N, BLOCK_SIZE, MIN_CHUNK, HAS_BIAS, DOT_PREC)
+            m, l, acc = _attend_group(q, m, l, acc, grp, pos, lo, slope2, seq_k, split, splits, min_chunk, bt_ptr,
+                                      s_bt, k_head, v_head, bias_shift, scale2, num_blocks, s_kc, s_vc, D, BLOCK_D,
+                                      TILE_N, BLOCK_SIZE, HAS_BIAS, DOT_PREC)
             mine = mine | grp
-        if DIRECT:
-            _store_rows(out_ptr, acc, l, rows, heads, mine, s_on, s_oh, D, BLOCK_D)
-        else:
-            _store_split(pm_ptr, pl_ptr, pacc_ptr, m, l, acc, rows, heads, mine & (seq >= 0), split, splits, Hq,
-                         D, BLOCK_D)
+        return m, l, acc, mine
+
+    @triton.jit
+    def _cell_attention_kernel(
+        q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, pos_ptr, slope_ptr, out_ptr, pm_ptr, pl_ptr, pacc_ptr,
+        N, Hq, splits, min_chunk, num_blocks, scale2, bias_shift, window,
+        s_qn, s_qh, s_kc, s_kh, s_vc, s_vh, s_bt, s_seq, s_pos, s_on, s_oh,
+        G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr,
+        R: tl.constexpr, BLOCK_R: tl.constexpr, P: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
+    ):
+        tile, p = tl.program_id(0) // P, tl.program_id(0) % P
+        kvh, split = tl.program_id(1), tl.program_id(2)
+        s_row, leader, rank = _tile_groups(seq_ptr, s_seq, tile, N, R, BLOCK_R)
+        rows, inside, seq, pos, lo = _tile_lanes(seq_ptr, pos_ptr, s_seq, s_pos, tile, N, window,
+                                                 R, BLOCK_M, BLOCK_G, HAS_WINDOW)
+        heads = kvh * G + tl.arange(0, BLOCK_M) % BLOCK_G
+        lanes = inside & (heads < kvh * G + G)
+        pad = lanes & (seq < 0) & (rows * 0 + p == 0)  # padding rows: program 0 of the tile writes 0s
+        if p < tl.max(rank, 0):  # a program without a group reads nothing more
+            m, l, acc, mine = _serve_groups(q_ptr, k_ptr, v_ptr, bt_ptr, slope_ptr, rows, heads, lanes, seq, pos, lo,
+                                            s_row, leader, rank, p, kvh, split, splits, min_chunk, num_blocks,
+                                            scale2, bias_shift, s_qn, s_qh, s_kc, s_kh, s_vc, s_vh, s_bt,
+                                            D, BLOCK_D, BLOCK_M, P, TILE_N, BLOCK_SIZE, HAS_BIAS, DOT_PREC)
+            if DIRECT:
+                _store_rows(out_ptr, acc, l, rows, heads, mine | pad, s_on, s_oh, D, BLOCK_D)
+            else:
+                _store_split(pm_ptr, pl_ptr, pacc_ptr, m, l, acc, rows, heads, mine, split, splits, Hq, D, BLOCK_D)
+        elif DIRECT:
+            _store_rows(out_ptr, tl.zeros([BLOCK_M, BLOCK_D], tl.float32), tl.zeros([BLOCK_M], tl.float32), rows,
+                        heads, pad, s_on, s_oh, D, BLOCK_D)
 
     @triton.jit
     def _merge_splits_kernel(out_ptr, pm_ptr, pl_ptr, pacc_ptr, seq_ptr, s_seq, s_on, s_oh, Hq, splits,
@@ -450,6 +467,19 @@ def _device_scope(t: Tensor):
     return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
+def kernel_constants(plan: AttentionPlan, Hq: int, Hkv: int, D: int, block_size: int, cache_dtype: torch.dtype,
+                     has_window: bool, has_bias: bool) -> dict:
+    """The attention kernel's compile-time constants for a launch (one compiled kernel per
+    distinct dict): the lane tile (rows x padded G, at least 16 for the tensor cores), the
+    padded D, the plan's tile shape, the block size and the optional features."""
+    block_g = _next_pow2(Hq // Hkv)
+    return dict(G=Hq // Hkv, D=D, BLOCK_D=max(16, _next_pow2(D)), BLOCK_G=block_g,
+                BLOCK_M=max(16, _next_pow2(plan.rows_per_tile) * block_g), R=plan.rows_per_tile,
+                BLOCK_R=_next_pow2(plan.rows_per_tile), P=plan.programs_per_tile, TILE_N=plan.config.tile_n,
+                BLOCK_SIZE=block_size, HAS_WINDOW=has_window, HAS_BIAS=has_bias, DIRECT=plan.splits == 1,
+                DOT_PREC="ieee" if cache_dtype == torch.float32 else "tf32")
+
+
 def _launch_options(config: AttentionConfig, device: torch.device) -> dict:
     if device.type != "cuda":
         return {}
@@ -480,28 +510,24 @@ def cell_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tab
     if N == 0:
         return out
     plan = plan or plan_attention(N, Hq, Hkv, D, splits=splits)
-    block_g, block_d, rows = _next_pow2(Hq // Hkv), max(16, _next_pow2(D)), plan.rows_per_tile
-    direct, cfg = plan.splits == 1, plan.config
-    if direct:  # no scratch: the kernel never touches these pointers
+    meta = kernel_constants(plan, Hq, Hkv, D, block_size, k_cache.dtype, window is not None, slopes is not None)
+    if meta["DIRECT"]:  # no scratch: the kernel never touches these pointers
         pm = pl = pacc = out
     else:
         pm, pl = (torch.empty((N, Hq, plan.splits), device=q.device) for _ in range(2))
         pacc = torch.empty((N, Hq, plan.splits, D), device=q.device)
-    grid = (-(-N // rows) * plan.programs_per_tile, Hkv, plan.splits)
+    grid = (-(-N // plan.rows_per_tile) * plan.programs_per_tile, Hkv, plan.splits)
     with _device_scope(q):
         _cell_attention_kernel[grid](
             q, k_cache, v_cache, block_table, seq_ids, positions, q if slopes is None else slopes, out, pm, pl, pacc,
-            N, Hq, plan.splits, k_cache.shape[0] // block_size, float(scale) * LOG2E, int(bias_shift),
-            int(window or 0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-            v_cache.stride(1), block_table.stride(0), seq_ids.stride(0), positions.stride(0), out.stride(0),
-            out.stride(1), G=Hq // Hkv, D=D, BLOCK_D=block_d, BLOCK_G=block_g,
-            BLOCK_M=max(16, _next_pow2(rows) * block_g), R=rows, BLOCK_R=_next_pow2(rows),
-            P=plan.programs_per_tile, TILE_N=cfg.tile_n, BLOCK_SIZE=block_size, MIN_CHUNK=cfg.min_chunk,
-            HAS_WINDOW=window is not None, HAS_BIAS=slopes is not None, DIRECT=direct,
-            DOT_PREC="ieee" if k_cache.dtype == torch.float32 else "tf32", **_launch_options(cfg, q.device))
-        if not direct:
+            N, Hq, plan.splits, max(1, plan.config.min_chunk), k_cache.shape[0] // block_size, float(scale) * LOG2E,
+            int(bias_shift), int(window or 0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+            v_cache.stride(0), v_cache.stride(1), block_table.stride(0), seq_ids.stride(0), positions.stride(0),
+            out.stride(0), out.stride(1), **meta, **_launch_options(plan.config, q.device))
+        if not meta["DIRECT"]:
             _merge_splits_kernel[(N, Hq)](out, pm, pl, pacc, seq_ids, seq_ids.stride(0), out.stride(0), out.stride(1),
-                                          Hq, plan.splits, D=D, BLOCK_D=block_d, BLOCK_S=_next_pow2(plan.splits))
+                                          Hq, plan.splits, D=D, BLOCK_D=meta["BLOCK_D"],
+                                          BLOCK_S=_next_pow2(plan.splits))
     return out
 
 
