@@ -87,7 +87,7 @@ class AttentionConfig:
 
     tile_n: int = 64
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 3  # the block-table load, then the K/V tiles it addresses, then the math
     min_chunk: int = 256
 
 
@@ -122,8 +122,10 @@ def _next_pow2(n: int) -> int:
 
 
 def _default_config(rows: int, block_d: int, block_g: int) -> AttentionConfig:
-    """The rule behind the table: 64 cells a step for D <= 64, else 32 (registers)."""
-    return AttentionConfig(tile_n=64 if block_d <= 64 else 32)
+    """The rule behind the table: about 16 KB of K and V per step of the loop (64 cells of
+    D 64 in bf16, 32 of D 128), which keeps three stages in flight within the shared
+    memory of any GPU Triton targets, fp32 included."""
+    return AttentionConfig(tile_n=64 if block_d <= 64 else 32 if block_d <= 128 else 16)
 
 
 def plan_attention(N: int, Hq: int, Hkv: int, D: int, *, splits: int | None = None) -> AttentionPlan:
@@ -151,20 +153,22 @@ def plan_attention(N: int, Hq: int, Hkv: int, D: int, *, splits: int | None = No
 if triton is not None:
 
     @triton.jit
-    def _tile_groups(seq_ptr, s_seq, tile, N, R: tl.constexpr, BLOCK_R: tl.constexpr):
+    def _tile_groups(seq_ptr, s_seq, tile, N, num_seqs, R: tl.constexpr, BLOCK_R: tl.constexpr):
         """The tile's rows grouped by sequence, per row slot: its sequence (-1 outside N or
         padding), whether it is the first row of its sequence in the tile (a group's
-        leader), and the running count of leaders (group k's leader has rank k + 1)."""
+        leader), and the running count of leaders (group k's leader has rank k + 1). A
+        sequence id past the block table counts as padding."""
         ri = tl.arange(0, BLOCK_R)
         rows = tile * R + ri
         s = tl.load(seq_ptr + rows.to(tl.int64) * s_seq, mask=(ri < R) & (rows < N), other=-1)
+        s = tl.where(s < num_seqs, s, -1)
         earlier = (s[:, None] == s[None, :]) & (ri[None, :] < ri[:, None])
         leader = (s >= 0) & (tl.max(earlier.to(tl.int32), 1) == 0)
         rank = tl.cumsum(leader.to(tl.int32), 0)
         return s, leader, rank
 
     @triton.jit
-    def _tile_lanes(seq_ptr, pos_ptr, s_seq, s_pos, tile, N, window,
+    def _tile_lanes(seq_ptr, pos_ptr, s_seq, s_pos, tile, N, num_seqs, window,
                     R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, HAS_WINDOW: tl.constexpr):
         """The tile as lanes (row slot lane // BLOCK_G, head lane % BLOCK_G): each lane's
         row, sequence (-1 outside N), position and window start."""
@@ -172,6 +176,7 @@ if triton is not None:
         rows = tile * R + i
         inside = (i < R) & (rows < N)
         seq = tl.load(seq_ptr + rows.to(tl.int64) * s_seq, mask=inside, other=-1)
+        seq = tl.where(seq < num_seqs, seq, -1)
         pos = tl.load(pos_ptr + rows.to(tl.int64) * s_pos, mask=inside, other=0).to(tl.int32)
         if HAS_WINDOW:
             lo = tl.maximum(pos - window + 1, 0)
@@ -193,16 +198,16 @@ if triton is not None:
 
     @triton.jit
     def _attend_tile(q, m, l, acc, k_head, v_head, bt_row, t, lo_min, hi_max, pos, lo, lane, slope2,
-                     bias_shift, scale2, num_blocks, s_kc, s_vc,
+                     bias_shift, scale2, num_blocks, table_width, s_kc, s_vc,
                      D: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                      HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr):
         """One step of the online softmax over the TILE_N positions from t: gather their
         cells through the block table, score the lanes given, fold into (m, l, acc)."""
         j = t + tl.arange(0, TILE_N)
         d = tl.arange(0, BLOCK_D)
-        wanted = (j >= lo_min) & (j <= hi_max)
+        wanted = (j >= lo_min) & (j <= hi_max) & (j // BLOCK_SIZE < table_width)
         blk = tl.load(bt_row + j // BLOCK_SIZE, mask=wanted, other=0).to(tl.int64)
-        wanted = wanted & (blk >= 0) & (blk < num_blocks)  # a bad table entry reads nothing
+        wanted = wanted & (blk >= 0) & (blk < num_blocks)  # a bad table entry reads nothing either
         cell = blk * BLOCK_SIZE + j % BLOCK_SIZE  # int64: cell * stride passes 2**31
         kv_mask = wanted[:, None] & (d < D)[None, :]
         k = tl.load(k_head + cell[:, None] * s_kc + d[None, :], mask=kv_mask, other=0.0)
@@ -221,7 +226,7 @@ if triton is not None:
 
     @triton.jit
     def _attend_group(q, m, l, acc, grp, pos, lo, slope2, seq_k, split, splits, min_chunk, bt_ptr, s_bt, k_head,
-                      v_head, bias_shift, scale2, num_blocks, s_kc, s_vc,
+                      v_head, bias_shift, scale2, num_blocks, table_width, s_kc, s_vc,
                       D: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                       HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr):
         """This split's share of one group's context (the union of its rows' ranges), read
@@ -232,7 +237,7 @@ if triton is not None:
         bt_row = bt_ptr + seq_k.to(tl.int64) * s_bt
         for t in range(start, end, TILE_N):
             m, l, acc = _attend_tile(q, m, l, acc, k_head, v_head, bt_row, t, lo_min, hi_max, pos, lo, grp,
-                                     slope2, bias_shift, scale2, num_blocks, s_kc, s_vc,
+                                     slope2, bias_shift, scale2, num_blocks, table_width, s_kc, s_vc,
                                      D, BLOCK_D, TILE_N, BLOCK_SIZE, HAS_BIAS, DOT_PREC)
         return m, l, acc
 
@@ -259,7 +264,7 @@ if triton is not None:
 
     @triton.jit
     def _serve_groups(q_ptr, k_ptr, v_ptr, bt_ptr, slope_ptr, rows, heads, lanes, seq, pos, lo, s_row, leader, rank,
-                      p, kvh, split, splits, min_chunk, num_blocks, scale2, bias_shift,
+                      p, kvh, split, splits, min_chunk, num_blocks, table_width, scale2, bias_shift,
                       s_qn, s_qh, s_kc, s_kh, s_vc, s_vh, s_bt,
                       D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, P: tl.constexpr,
                       TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr):
@@ -280,7 +285,8 @@ if triton is not None:
             seq_k = tl.max(tl.where(leader & (rank == k + 1), s_row, -1), 0)  # group k's sequence
             grp = lanes & (seq == seq_k)
             m, l, acc = _attend_group(q, m, l, acc, grp, pos, lo, slope2, seq_k, split, splits, min_chunk, bt_ptr,
-                                      s_bt, k_head, v_head, bias_shift, scale2, num_blocks, s_kc, s_vc, D, BLOCK_D,
+                                      s_bt, k_head, v_head, bias_shift, scale2, num_blocks, table_width, s_kc, s_vc,
+                                      D, BLOCK_D,
                                       TILE_N, BLOCK_SIZE, HAS_BIAS, DOT_PREC)
             mine = mine | grp
         return m, l, acc, mine
@@ -288,7 +294,7 @@ if triton is not None:
     @triton.jit
     def _cell_attention_kernel(
         q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, pos_ptr, slope_ptr, out_ptr, pm_ptr, pl_ptr, pacc_ptr,
-        N, Hq, splits, min_chunk, num_blocks, scale2, bias_shift, window,
+        N, Hq, splits, min_chunk, num_seqs, num_blocks, table_width, scale2, bias_shift, window,
         s_qn, s_qh, s_kc, s_kh, s_vc, s_vh, s_bt, s_seq, s_pos, s_on, s_oh,
         G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr,
         R: tl.constexpr, BLOCK_R: tl.constexpr, P: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -296,8 +302,8 @@ if triton is not None:
     ):
         tile, p = tl.program_id(0) // P, tl.program_id(0) % P
         kvh, split = tl.program_id(1), tl.program_id(2)
-        s_row, leader, rank = _tile_groups(seq_ptr, s_seq, tile, N, R, BLOCK_R)
-        rows, inside, seq, pos, lo = _tile_lanes(seq_ptr, pos_ptr, s_seq, s_pos, tile, N, window,
+        s_row, leader, rank = _tile_groups(seq_ptr, s_seq, tile, N, num_seqs, R, BLOCK_R)
+        rows, inside, seq, pos, lo = _tile_lanes(seq_ptr, pos_ptr, s_seq, s_pos, tile, N, num_seqs, window,
                                                  R, BLOCK_M, BLOCK_G, HAS_WINDOW)
         heads = kvh * G + tl.arange(0, BLOCK_M) % BLOCK_G
         lanes = inside & (heads < kvh * G + G)
@@ -305,7 +311,7 @@ if triton is not None:
         if p < tl.max(rank, 0):  # a program without a group reads nothing more
             m, l, acc, mine = _serve_groups(q_ptr, k_ptr, v_ptr, bt_ptr, slope_ptr, rows, heads, lanes, seq, pos, lo,
                                             s_row, leader, rank, p, kvh, split, splits, min_chunk, num_blocks,
-                                            scale2, bias_shift, s_qn, s_qh, s_kc, s_kh, s_vc, s_vh, s_bt,
+                                            table_width, scale2, bias_shift, s_qn, s_qh, s_kc, s_kh, s_vc, s_vh, s_bt,
                                             D, BLOCK_D, BLOCK_M, P, TILE_N, BLOCK_SIZE, HAS_BIAS, DOT_PREC)
             if DIRECT:
                 _store_rows(out_ptr, acc, l, rows, heads, mine | pad, s_on, s_oh, D, BLOCK_D)
@@ -316,7 +322,7 @@ if triton is not None:
                         heads, pad, s_on, s_oh, D, BLOCK_D)
 
     @triton.jit
-    def _merge_splits_kernel(out_ptr, pm_ptr, pl_ptr, pacc_ptr, seq_ptr, s_seq, s_on, s_oh, Hq, splits,
+    def _merge_splits_kernel(out_ptr, pm_ptr, pl_ptr, pacc_ptr, seq_ptr, s_seq, s_on, s_oh, Hq, splits, num_seqs,
                              D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
         """out[row, head] from its splits: the largest running max M, every split's sum
         and accumulator rescaled by exp2(m - M), summed, divided. Padding rows get 0."""
@@ -324,7 +330,8 @@ if triton is not None:
         head = tl.program_id(1)
         d = tl.arange(0, BLOCK_D)
         ptr = out_ptr + row * s_on + head * s_oh + d
-        if tl.load(seq_ptr + row * s_seq) < 0:
+        seq = tl.load(seq_ptr + row * s_seq)
+        if (seq < 0) | (seq >= num_seqs):
             tl.store(ptr, tl.zeros([BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty), mask=d < D)
             return
         s = tl.arange(0, BLOCK_S)
@@ -497,9 +504,10 @@ def cell_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tab
     the split scratch comes from ``torch.empty`` (the graph's pool during capture). The
     first launch of each specialisation compiles: make it outside capture. Returns ``out``
     (or a new tensor), valid once the stream reaches it. Raises InputError before
-    launching anything when an argument breaks the contract; a position past the block
-    table or a block id outside the caches is undefined (it reads nothing, never out of
-    bounds)."""
+    launching anything when an argument breaks the contract. Device values outside the
+    contract give undefined numbers but never an access out of bounds: a sequence id past
+    the block table reads nothing (its row comes out 0), and positions past the table's
+    width or blocks outside the caches read nothing."""
     _check_attention_args(q, k_cache, v_cache, block_table, seq_ids, positions, block_size, window, slopes,
                           out, splits)
     if kernel_mode() == "unavailable":
@@ -520,13 +528,15 @@ def cell_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tab
     with _device_scope(q):
         _cell_attention_kernel[grid](
             q, k_cache, v_cache, block_table, seq_ids, positions, q if slopes is None else slopes, out, pm, pl, pacc,
-            N, Hq, plan.splits, max(1, plan.config.min_chunk), k_cache.shape[0] // block_size, float(scale) * LOG2E,
+            N, Hq, plan.splits, max(1, plan.config.min_chunk), block_table.shape[0], k_cache.shape[0] // block_size,
+            block_table.shape[1],
+            float(scale) * LOG2E,
             int(bias_shift), int(window or 0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
             v_cache.stride(0), v_cache.stride(1), block_table.stride(0), seq_ids.stride(0), positions.stride(0),
             out.stride(0), out.stride(1), **meta, **_launch_options(plan.config, q.device))
         if not meta["DIRECT"]:
             _merge_splits_kernel[(N, Hq)](out, pm, pl, pacc, seq_ids, seq_ids.stride(0), out.stride(0), out.stride(1),
-                                          Hq, plan.splits, D=D, BLOCK_D=meta["BLOCK_D"],
+                                          Hq, plan.splits, block_table.shape[0], D=D, BLOCK_D=meta["BLOCK_D"],
                                           BLOCK_S=_next_pow2(plan.splits))
     return out
 

@@ -200,6 +200,19 @@ def test_splits_with_contexts_shorter_than_the_splits(rng):
 
 
 @needs_kernel
+def test_sequence_ids_past_the_block_table_read_nothing(rng):
+    """Outside the contract, but never out of bounds: a row of sequence S (the table has S
+    rows) comes out 0 like padding, in its own tile and beside a good row, split or not."""
+    pb = Problem(rng, [(1, 20), (4, 9), (0, 5)], S=4)
+    outs = [pb.kernel(small(rows=2, programs=1, splits=splits), scale=0.3) for splits in (1, 3)]
+    pb.seq_ids[1] = -1  # what the oracle should see
+    want = loop_attention(pb, scale=0.3).float()
+    for got in outs:
+        assert (got[1] == 0).all()
+        torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
+
+
+@needs_kernel
 def test_sliding_window_skips_blocks_outside_it(rng, monkeypatch):
     """A window of 9 at positions 200 and 201 (one row per tile): each loop starts at the
     tile of 16 holding the window's first position (192), not at 0; the row at 7 with no

@@ -177,10 +177,11 @@ class Timer:
         return statistics.median(a.elapsed_time(b) * 1e3 for a, b in zip(starts, ends))
 
 
-def sdpa_fn(wl: Workload):
-    """The best-case torch baseline over exactly the live cells: the first SDPA variant
-    that runs (GQA in SDPA, else K/V expanded to the query heads; a lower-right causal
-    bias for rows of a verify step). Returns (fn, variant, its output per layer)."""
+def sdpa_variants(wl: Workload):
+    """The torch baselines over exactly the live cells, contiguous (the best case): SDPA
+    with GQA, and SDPA over K/V expanded to the query heads; a lower-right causal bias for
+    the rows of a verify step. Yields (name, fn); each fn writes ``out`` [layers, seqs,
+    Hq, rows, D], returned first."""
     import torch.nn.functional as F
     q, k, v = wl.contiguous()
     G, L = wl.shape.Hq // wl.shape.Hkv, wl.shape.layers
@@ -188,16 +189,24 @@ def sdpa_fn(wl: Workload):
     if wl.per > 1:
         from torch.nn.attention.bias import causal_lower_right
         mask = causal_lower_right(wl.per, wl.extent)
-    tries = [("sdpa enable_gqa", k, v, dict(enable_gqa=True)),
-             ("sdpa expanded kv", k.repeat_interleave(G, 2), v.repeat_interleave(G, 2), {})]
     out = torch.empty_like(q)
-    for name, kk, vv, extra in tries:
+    yield out
+    for name, kk, vv, extra in (("sdpa enable_gqa", k, v, dict(enable_gqa=True)),
+                                ("sdpa expanded kv", k.repeat_interleave(G, 2), v.repeat_interleave(G, 2), {})):
         def run(kk=kk, vv=vv, extra=extra):
             for i in range(L):
                 out[i] = F.scaled_dot_product_attention(q[i], kk[i], vv[i], attn_mask=mask, scale=wl.scale, **extra)
+        yield name, run
+
+
+def sdpa_reference(wl: Workload) -> torch.Tensor:
+    """SDPA's output for the workload (the first variant that runs), to check kernels by."""
+    variants = sdpa_variants(wl)
+    out = next(variants)
+    for _, run in variants:
         try:
             run()
-            return run, name, out
+            return out.clone()
         except (RuntimeError, TypeError, ValueError):
             continue
     raise RuntimeError("no SDPA variant runs here")
@@ -232,28 +241,42 @@ class Bench:
             res["status"] = "ok" if res["max_err"] < 6e-2 else "WRONG"
         return res
 
+    def sdpa(self, wl: Workload) -> tuple[float, str, dict, torch.Tensor | None]:
+        """The fastest SDPA variant that runs (time, name, every variant's result) and its output."""
+        variants = sdpa_variants(wl)
+        out = next(variants)
+        results, best, want = {}, (float("inf"), "none"), None
+        for name, run in variants:
+            try:
+                us = self.timer(run)
+            except Exception as e:  # a baseline that does not run here is reported, not fatal
+                results[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+                continue
+            results[name] = us
+            if us < best[0]:
+                best, want = (us, name), out.clone()
+        return best[0], best[1], results, want
+
     def extents(self) -> list[dict]:
         rows = []
         for extent in self.sizes.extents:
             for width in self.sizes.widths:
                 wl = self.workload(width, 1, extent)
-                run, variant, want = sdpa_fn(wl)
-                sdpa_us = self.timer(run)
+                sdpa_us, variant, variants, want = self.sdpa(wl)
                 k = self.kernel(wl, want=want)
                 best = min(sdpa_us, k.get("us", float("inf")))
                 rows.append({"extent": extent, "width": width, "floor_us": wl.floor_us(), "kernel": k,
-                             "sdpa_us": sdpa_us, "sdpa_variant": variant, "kernel_rel_best": k.get("us", 0) / best,
+                             "sdpa_us": sdpa_us, "sdpa_variant": variant, "sdpa_variants": variants, "kernel_rel_best": k.get("us", 0) / best,
                              "sdpa_rel_best": sdpa_us / best, "kernel_over_floor": k.get("us", 0) / wl.floor_us()})
         return rows
 
     def many(self) -> dict:
         seqs, extent = self.sizes.many
         wl = self.workload(seqs, seqs, extent)
-        run, variant, want = sdpa_fn(wl)
-        sdpa_us = self.timer(run)
+        sdpa_us, variant, variants, want = self.sdpa(wl)
         k = self.kernel(wl, want=want)
         return {"width": seqs, "extent": extent, "floor_us": wl.floor_us(), "kernel": k, "sdpa_us": sdpa_us,
-                "sdpa_variant": variant, "kernel_over_floor": k.get("us", 0) / wl.floor_us()}
+                "sdpa_variant": variant, "sdpa_variants": variants, "kernel_over_floor": k.get("us", 0) / wl.floor_us()}
 
     def pool(self) -> list[dict]:
         rows = []
@@ -268,43 +291,54 @@ class Bench:
         return rows
 
     def candidates(self) -> list[dict]:
-        out = []
-        for name, width, seqs, extent in self.sizes.cases:
-            out.append(self.sweep(name, width, seqs, extent))
-        return out
+        """Every case's cheap knobs first (no recompile), then the compiling ones case by
+        case until the budget ends, then each case's winners together."""
+        cases = [self.case(*c) for c in self.sizes.cases]
+        for cheap in (True, False):
+            for c in cases:
+                for knob, value, plan in self.variants(c["base"], c["width"], cheap):
+                    c["tried"].append(self.try_one(c["wl"], knob, value, plan, c["want"]))
+                if not cheap:
+                    self.block_sizes(c)
+        for c in cases:
+            combined = self.combine(c["base"], c["tried"])
+            if combined != c["base"]:
+                c["tried"].append(self.try_one(c["wl"], "combined", None, combined, c["want"]))
+            c["floor_us"] = c.pop("wl").floor_us()
+            del c["want"], c["base"]
+        return cases
 
-    def sweep(self, name, width, seqs, extent) -> dict:
-        """One case: the default, each knob's values around it, then the winners together."""
+    def case(self, name, width, seqs, extent) -> dict:
         wl = self.workload(width, seqs, extent)
-        _, _, want = sdpa_fn(wl)
+        want = sdpa_reference(wl)
         base = self.default_plan(wl)
-        tried = [{"knob": "default", "value": None, **self.kernel(wl, base, want)}]
-        for knob, value, plan in self.variants(base, width):
-            tried.append(self.try_one(wl, knob, value, plan, want))
+        return {"case": name, "width": width, "seqs": seqs, "extent": extent, "wl": wl, "want": want, "base": base,
+                "tried": [{"knob": "default", "value": None, **self.kernel(wl, base, want)}]}
+
+    def block_sizes(self, c: dict) -> None:
         for bs in self.sizes.knobs.get("block_size", ()):
-            if bs == self.sizes.block_size:
-                continue
-            other = self.workload(width, seqs, extent, block_size=bs)
-            tried.append(self.try_one(other, "block_size", bs, base, sdpa_fn(other)[2]))
-            del other
-        combined = self.combine(base, tried)
-        if combined != base:
-            tried.append(self.try_one(wl, "combined", None, combined, want))
-        return {"case": name, "width": width, "seqs": seqs, "extent": extent, "floor_us": wl.floor_us(),
-                "tried": tried}
+            if bs != self.sizes.block_size:
+                other = self.workload(c["width"], c["seqs"], c["extent"], block_size=bs)
+                c["tried"].append(self.try_one(other, "block_size", bs, c["base"], sdpa_reference(other)))
+                del other
 
     def try_one(self, wl, knob, value, plan, want) -> dict:
         if time.monotonic() > self.deadline:
             return {"knob": knob, "value": value, "plan": asdict(plan), "status": "skipped (time budget)"}
         return {"knob": knob, "value": value, **self.kernel(wl, plan, want)}
 
-    def variants(self, base, width):
-        """(knob, value, plan) around ``base``: the cheap knobs (no recompile) first."""
+    def variants(self, base, width, cheap: bool):
+        """(knob, value, plan) around ``base``: the knobs that need no new kernel (splits
+        other than 1, min chunk), or those that do."""
         knobs, cfg = self.sizes.knobs, base.config
         for s in knobs.get("splits", ()):
-            yield "splits", s, replace(base, splits=s)
+            if cheap == ((s == 1) == (base.splits == 1)) and s != base.splits:
+                yield "splits", s, replace(base, splits=s)
         for c in knobs.get("min_chunk", ()):
-            yield "min_chunk", c, replace(base, config=replace(cfg, min_chunk=c))
+            if cheap and c != cfg.min_chunk:
+                yield "min_chunk", c, replace(base, config=replace(cfg, min_chunk=c))
+        if cheap:
+            return
         for key in ("tile_n", "num_warps", "num_stages"):
             for val in knobs.get(key, ()):
                 if val != getattr(cfg, key):
@@ -364,8 +398,29 @@ def print_tables(res: dict) -> None:
         base = next((t for t in case["tried"] if t["knob"] == "default"), {})
         best = min(ok, key=lambda t: t["us"]) if ok else {}
         bad = [f"{t['knob']}={t['value']}: {t['status']}" for t in case["tried"] if t.get("status") != "ok"]
-        print(f"{case['case']:>7}: default {_us(base)} us, best {_us(best)} us ({best.get('knob')}={best.get('value')}) "
-              f"{json.dumps(best.get('plan'))}" + (f"; not ok: {bad}" if bad else ""))
+        print(f"{case['case']:>7}: default {_us(base)} us, best {_us(best)} us ({best.get('knob')}={best.get('value')}), "
+              f"floor {case['floor_us']:.1f} us" + (f"; not ok: {bad}" if bad else ""))
+    if res.get("suggested"):
+        print("suggested (fastest measured per case; the plan rule is plan_attention's, the config TUNED_CONFIGS'):")
+        for line in res["suggested"]:
+            print("  " + line)
+
+
+def suggestions(res: dict) -> list[str]:
+    """Per case, the fastest correct plan as a plan rule and a TUNED_CONFIGS entry."""
+    shape, lines = res["meta"]["shape"], []
+    block_d = max(16, 1 << (shape["D"] - 1).bit_length())
+    block_g = 1 << (shape["Hq"] // shape["Hkv"] - 1).bit_length()
+    for case in res.get("candidates", []):
+        ok = [t for t in case["tried"] if t.get("status") == "ok" and t["knob"] != "block_size"]
+        if not ok:
+            continue
+        best = min(ok, key=lambda t: t["us"])
+        p, c = best["plan"], best["plan"]["config"]
+        lines.append(f"{case['case']}: rows/programs {p['rows_per_tile']}/{p['programs_per_tile']}, splits "
+                     f"{p['splits']}; ({p['rows_per_tile']}, {block_d}, {block_g}): AttentionConfig(tile_n={c['tile_n']}, "
+                     f"num_warps={c['num_warps']}, num_stages={c['num_stages']}, min_chunk={c['min_chunk']})")
+    return lines
 
 
 def main(argv=None) -> int:
@@ -396,6 +451,7 @@ def main(argv=None) -> int:
             res[section] = getattr(bench, section)()
             print(f"bench_attention: {section} done at {time.monotonic() - t0:.0f} s", file=sys.stderr)
     res["meta"]["seconds"] = time.monotonic() - t0
+    res["suggested"] = suggestions(res)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
