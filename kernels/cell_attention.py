@@ -286,8 +286,7 @@ if triton is not None:
             grp = lanes & (seq == seq_k)
             m, l, acc = _attend_group(q, m, l, acc, grp, pos, lo, slope2, seq_k, split, splits, min_chunk, bt_ptr,
                                       s_bt, k_head, v_head, bias_shift, scale2, num_blocks, table_width, s_kc, s_vc,
-                                      D, BLOCK_D,
-                                      TILE_N, BLOCK_SIZE, HAS_BIAS, DOT_PREC)
+                                      D, BLOCK_D, TILE_N, BLOCK_SIZE, HAS_BIAS, DOT_PREC)
             mine = mine | grp
         return m, l, acc, mine
 
@@ -402,7 +401,7 @@ def _check_tensor(name: str, t, dims: int, dtypes, device=None) -> None:
     if t.dtype not in dtypes:
         raise InputError(expected(name, f"dtype in {[str(x) for x in dtypes]}", t.dtype))
     if device is not None and t.device != device:
-        raise InputError(expected(name, f"a tensor on {device} (q's device)", t.device))
+        raise InputError(expected(name, f"a tensor on {device} (the rows' device)", t.device))
 
 
 def _check_caches(rows: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
@@ -449,6 +448,16 @@ def _check_attention_args(q, k_cache, v_cache, block_table, seq_ids, positions, 
                                   _desc(out)))
     if splits is not None and (not isinstance(splits, int) or splits < 1):
         raise InputError(expected("splits", "None or an int >= 1", splits))
+
+
+def _check_plan(plan) -> None:
+    """A plan given explicitly (tests, tuning) must describe a kernel that can exist."""
+    c = getattr(plan, "config", None)
+    if not isinstance(plan, AttentionPlan) or not isinstance(c, AttentionConfig) or plan.rows_per_tile < 1 \
+            or not 1 <= plan.programs_per_tile <= plan.rows_per_tile or plan.splits < 1 or c.tile_n < 16 \
+            or c.tile_n & (c.tile_n - 1) or c.num_warps < 1 or c.num_stages < 1:
+        raise InputError(expected("plan", "None or an AttentionPlan with 1 <= programs <= rows, splits >= 1, a "
+                                  "power-of-two tile_n >= 16, warps and stages >= 1", plan))
 
 
 def _check_write_args(k, v, k_cache, v_cache, cells) -> None:
@@ -517,13 +526,15 @@ def cell_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tab
     out = torch.empty_like(q) if out is None else out
     if N == 0:
         return out
-    plan = plan or plan_attention(N, Hq, Hkv, D, splits=splits)
+    if plan is None:
+        plan = plan_attention(N, Hq, Hkv, D, splits=splits)
+    _check_plan(plan)
     meta = kernel_constants(plan, Hq, Hkv, D, block_size, k_cache.dtype, window is not None, slopes is not None)
     if meta["DIRECT"]:  # no scratch: the kernel never touches these pointers
         pm = pl = pacc = out
     else:
-        pm, pl = (torch.empty((N, Hq, plan.splits), device=q.device) for _ in range(2))
-        pacc = torch.empty((N, Hq, plan.splits, D), device=q.device)
+        pm, pl = (torch.empty((N, Hq, plan.splits), dtype=torch.float32, device=q.device) for _ in range(2))
+        pacc = torch.empty((N, Hq, plan.splits, D), dtype=torch.float32, device=q.device)
     grid = (-(-N // plan.rows_per_tile) * plan.programs_per_tile, Hkv, plan.splits)
     with _device_scope(q):
         _cell_attention_kernel[grid](

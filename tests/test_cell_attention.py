@@ -370,6 +370,13 @@ def test_bad_input_names_the_argument(rng, bad, name):
     assert before is None or torch.equal(out, before)
 
 
+def test_bad_plans_are_refused(rng):
+    pb = Problem(rng, [(0, 3)], device=torch.device("cpu"))
+    for plan in (small(tile_n=24), small(rows=2, programs=3), small(splits=0), "fast"):
+        with pytest.raises(InputError, match=r"^plan: expected"):
+            pb.kernel(plan, scale=1.0)
+
+
 def test_write_cells_bad_input(rng):
     k = torch.zeros(3, 2, 16)
     kc = torch.zeros(8, 2, 16)
