@@ -461,10 +461,11 @@ def test_cuda_plans_against_the_reference(rng, dtype):
 @pytest.mark.cuda
 @cuda_only
 def test_cuda_offsets_past_two_to_the_31(rng):
-    """2**21 + 16 cells x 8 heads x 128 dims: the live blocks sit at the top of the pool,
-    past 2**31 elements; write_cells and the attention reach them."""
+    """2**21 + 128 cells x 8 heads x 128 dims (bf16, 4 GiB a cache): the four live blocks
+    are the top of the pool, every element of them past 2**31; write_cells and the
+    attention reach them."""
     Hkv, D, bs = 8, 128, 16
-    cells = 2**21 + bs
+    cells = 2**21 + 8 * bs
     k = torch.empty(cells, Hkv, D, device=DEV, dtype=torch.bfloat16)
     v = torch.empty_like(k)
     top = cells // bs - 1 - torch.arange(4, device=DEV)  # the last four blocks
