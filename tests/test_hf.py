@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 
 from cudagraph_rt import GraphRuntime, InputError, InputSpec  # noqa: E402
 from cudagraph_rt.models import hf  # noqa: E402
+from cudagraph_rt.models import attention_op  # noqa: E402
 from cudagraph_rt.models.accept import greedy_accept  # noqa: E402
 from cudagraph_rt.runner import ReferenceDrafter, Request, SpecRunner  # noqa: E402
 from cudagraph_rt.testing import HFAdapter, run_sweep  # noqa: E402
@@ -459,7 +460,7 @@ def test_registered_attention_equals_sdpa_over_the_live_cells(dtype):
         q = torch.randn(1, kvh * G, len(seq), d, generator=g).to(dtype)
         k, v = (torch.randn(1, kvh, len(seq), d, generator=g).to(dtype) for _ in range(2))
         window, layer = (None, ri(1, 12))[ri(0, 1)], ri(0, 1)
-        state = hf._CellStep(pool, seq, pos, cells)
+        state = hf._CellStep(attention_op.pool_id(pool), seq, pos, cells)
         got, _ = hf.cell_attention(SimpleNamespace(layer_idx=layer), q, k, v, None, scaling=d ** -0.5,
                                    cgrt_cells=state, sliding_window=window)
         assert got.shape == (1, len(seq), kvh * G, d) and got.dtype == dtype
