@@ -475,3 +475,22 @@ def test_registered_attention_equals_sdpa_over_the_live_cells(dtype):
             tol = 1e-5 if dtype == torch.float32 else 3e-2
             torch.testing.assert_close(got[0, i].float(), want, atol=tol, rtol=tol)
         assert (got[0, len(rows):] == 0).all()  # padding rows read nothing
+
+
+@pytest.mark.parametrize("vocab", [512, 128256, 1000, 97])
+def test_greedy_tokens_is_argmax_first_maximum_included(vocab):
+    """The two-stage argmax of the step equals torch's argmax, ties resolved to the first
+    maximal logit as argmax does: ties planted within a chunk, across chunks, and at a
+    chunk's last and the next chunk's first logit."""
+    from cudagraph_rt.models.cells import chunk_count, greedy_tokens
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    logits = torch.randn(9, vocab, generator=g)
+    c = chunk_count(vocab)
+    size = vocab // c
+    picks = torch.randint(0, vocab, (9, 3), generator=g)
+    for r in range(1, 9):  # row 0 keeps no planted tie
+        a, b = sorted(picks[r, :2].tolist()) if r < 5 else (size - 1, min(size, vocab - 1))
+        logits[r, a] = logits[r, b] = logits[r].max() + 1
+    got, want = greedy_tokens(logits), logits.argmax(-1)
+    assert torch.equal(got, want), (c, got.tolist(), want.tolist())

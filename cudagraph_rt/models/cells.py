@@ -19,6 +19,27 @@ from .pool import KVPool
 ROW_INPUTS = ("tokens", "positions", "seq_ids", "cells", "want")
 
 
+def chunk_count(vocab: int) -> int:
+    """Chunks of :func:`greedy_tokens`'s first stage: the largest divisor of ``vocab`` up to
+    256 that leaves chunks of at least 256 logits (1: no split)."""
+    return max((c for c in range(1, 257) if vocab % c == 0 and vocab // c >= 256), default=1)
+
+
+def greedy_tokens(logits: Tensor) -> Tensor:
+    """``logits.argmax(-1)`` for ``[N, vocab]`` logits, in two stages: the maximum of each of
+    ``chunk_count(vocab)`` chunks, then of the chunks. The same token (the first maximal
+    logit: both stages take the first on ties), but a reduction with N x chunks rows in
+    parallel instead of N: a decode step (N = 1) over a 128k vocabulary otherwise runs one
+    long reduction on one multiprocessor (30 us of a 1.2 ms step on the H200)."""
+    n, vocab = logits.shape
+    c = chunk_count(vocab)
+    if c == 1:
+        return logits.argmax(-1)
+    best, where = logits.view(n, c, vocab // c).max(-1)
+    chunk = best.argmax(-1, keepdim=True)
+    return (chunk * (vocab // c) + where.gather(-1, chunk)).squeeze(-1)
+
+
 def resolve_device(device) -> torch.device:
     """``device``, or CUDA when there is one, else the CPU; ``"cuda"`` becomes
     ``cuda:<current>`` (``"cuda" != "cuda:0"`` in the step's input checks)."""

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from ..errors import InputError, expected
 from . import attention_op
-from .cells import ROW_INPUTS as _INPUTS, CellPoolModel, resolve_device
+from .cells import ROW_INPUTS as _INPUTS, CellPoolModel, greedy_tokens, resolve_device
 from .compiled import CompiledRows
 from .pool import DEFAULT_BLOCK_SIZE, KVPool, default_cells
 
@@ -260,7 +260,7 @@ class HFDecoder(CellPoolModel):
 
     def _step_rows(self, tokens, positions, seq_ids, cells, want):
         h = self.forward_cells(tokens, positions, seq_ids, cells)
-        greedy = self.head(h).argmax(-1).masked_fill(want != 1, -1)
+        greedy = greedy_tokens(self.head(h)).masked_fill(want != 1, -1)
         return {"tokens": greedy, "hidden": h}
 
     def forward_cells(self, tokens: Tensor, positions: Tensor, seq_ids: Tensor, cells: Tensor) -> Tensor:
