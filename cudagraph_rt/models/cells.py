@@ -22,7 +22,11 @@ ROW_INPUTS = ("tokens", "positions", "seq_ids", "cells", "want")
 def chunk_count(vocab: int) -> int:
     """Chunks of :func:`greedy_tokens`'s first stage: the largest divisor of ``vocab`` up to
     256 that leaves chunks of at least 256 logits (1: no split)."""
-    return max((c for c in range(1, 257) if vocab % c == 0 and vocab // c >= 256), default=1)
+    best = 1
+    for c in range(2, 257):  # a plain loop: torch.compile traces it (not max() of a generator)
+        if vocab % c == 0 and vocab // c >= 256:
+            best = c
+    return best
 
 
 def greedy_tokens(logits: Tensor) -> Tensor:
