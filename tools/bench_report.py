@@ -292,15 +292,16 @@ def goals_table(gs: list[dict]) -> Table:
 
 # --------------------------------------------------------------------------------- plots
 def write_plots(results: dict, folder: str) -> list[str]:
-    """PNGs: step time per width for every variant measured; host-rows time vs accepted."""
+    """PNGs into ``folder`` (an existing folder: the command checks it before the run):
+    step time per width for every variant measured; host-rows time vs accepted."""
     import os
 
-    import matplotlib
+    from cudagraph_rt.extras import require
 
+    matplotlib = require("plot", "cgrt bench --plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    os.makedirs(folder, exist_ok=True)
     written = []
     st = results.get("step_time")
     if st and st.get("status") == "ok":

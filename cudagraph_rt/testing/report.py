@@ -175,7 +175,11 @@ def rich_tables(report: SweepReport) -> list:
 
 
 def plot(report: SweepReport, path: str) -> None:
-    """Per step width: mean step time per mode (top) and padding waste (bottom), as a PNG."""
+    """Per step width: mean step time per mode (top) and padding waste (bottom), as a PNG.
+    MissingExtraError (an ImportError) without matplotlib, the [plot] extra."""
+    from ..extras import require
+
+    require("plot", "the sweep's plot")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter
