@@ -29,7 +29,7 @@ from cudagraph_rt import (
     InputSpec, StaleRowsError, StepFunctionError,
 )
 from models_for_tests import SlotModel
-from cudagraph_rt.testing.internals import host_ring
+from ring_hooks import host_ring
 from reliability_harness import Rig, ScaleChooser, TOL
 
 MODES = [None, "host", "device", "commit"]

@@ -251,7 +251,7 @@ def test_graph_nodes_needs_cuda():
 
 
 class _StubRuntime:
-    """Just the attributes inspect_runtime reads (the GraphRuntime of API.md)."""
+    """Just the attributes inspect_runtime reads of a GraphRuntime (its public API)."""
 
     device = torch.device("cpu")
     widths = (1, 2)
