@@ -27,9 +27,9 @@ def _table(title: str, cols: list[str], rows: list[list[Any]], caption: str | No
     """Plain text everywhere (Text, not markup: reasons and errors may hold brackets).
     min_width: a title wider than the columns would otherwise wrap (captions may wrap)."""
     t = Table(title=Text(title), caption=Text(caption) if caption else None, title_justify="left",
-              caption_justify="left", min_width=min(150, len(title)))
-    for i, c in enumerate(cols):
-        t.add_column(c, justify="left" if i == 0 else "right")
+              caption_justify="left", min_width=min(80, len(title)))
+    for i, c in enumerate(cols):  # fold, not cut, what does not fit an 80-column terminal
+        t.add_column(c, justify="left" if i == 0 else "right", overflow="fold")
     for r in rows:
         t.add_row(*(c if isinstance(c, Text) else Text(str(c)) for c in r))
     return t

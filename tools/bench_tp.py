@@ -19,7 +19,6 @@ other rank's lateness. Figures are rank 0's; capture times are every rank's. Goa
 """
 from __future__ import annotations
 
-import json
 import random
 import sys
 import time
@@ -31,7 +30,8 @@ from ..distributed import DistributedRuntime
 from ..models import ToyConfig, ToyDecoder
 from ..models.tp import TPToyDecoder
 from ..runtime import GraphRuntime
-from . import tp_launch
+from . import options, tp_launch
+from .options import CPU_NOTE
 from .bench_common import time_calls, time_pipelined
 
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)
@@ -74,7 +74,8 @@ def _allreduce_alone(model: TPToyDecoder, T: int, graphs: bool):
 
 def measure(device: torch.device, args, meta) -> dict:
     quick = bool(args.quick) or device.type == "cpu"
-    cfg = ToyConfig.tiny() if quick else ToyConfig.bench()
+    size = getattr(args, "size", None) or ("tiny" if quick else "bench")
+    cfg = ToyConfig.bench() if size == "bench" else ToyConfig.tiny()
     repeats = args.repeats or (5 if quick else 200)
     warmup = args.warmup if args.warmup is not None else (2 if quick else 20)
     modes = [False] if device.type == "cpu" else [True, False]
@@ -118,7 +119,7 @@ def measure(device: torch.device, args, meta) -> dict:
             rows.append(r)
     for rt in rts.values():
         rt.close()
-    return {"config": {"size": "tiny" if quick else "bench", "dtype": str(cfg.dtype).replace("torch.", ""),
+    return {"config": {"size": size, "dtype": str(cfg.dtype).replace("torch.", ""),
                        "hidden": cfg.hidden, "layers": cfg.layers, "heads": cfg.heads, "tp": args.tp,
                        "device": str(device), "backend": str(dist.get_backend()), "repeats": repeats,
                        "warmup": warmup, "torch": torch.__version__,
@@ -139,15 +140,13 @@ def goals(res: dict) -> list[dict]:
         out.append({"goal": "capture of all widths, every rank", "target": "< 2 s",
                     "measured": f"{cap:.3f} s (max of ranks {', '.join(f'{c:.3f}' for c in res['capture_s']['on'])})",
                     "status": "met" if cap < 2 else "missed"})
-    else:
-        out.append({"goal": "TP graphs on vs off", "target": ">= 2.5x", "measured": "needs CUDA", "status": "n/a"})
-    return out
+    return out  # a CPU's figures are not held to GPU goals: none judged
 
 
 def _print(res: dict) -> None:
     from rich.table import Table
 
-    from .console import make_console
+    from .console import fit, make_console
 
     out, c, rows = make_console(), res["config"], res["rows"]
     out.print(f"cgrt bench --tp {c['tp']}: toy {c['size']} ({c['dtype']}, {c['hidden']} hidden, {c['layers']} layers, "
@@ -174,12 +173,14 @@ def _print(res: dict) -> None:
         t.add_column(h, justify="right")
     for r in rows:
         t.add_row(*[f(r) for _, f in spec])
-    out.print(t)
+    out.print(fit(t))
     for name, caps in res["capture_s"].items():
         out.print(f"capture of {len(WIDTHS)} widths, graphs {name}: " + ", ".join(
             f"rank {i} {s:.3f} s" for i, s in enumerate(caps)), markup=False)
     for g in res["goals"]:
         out.print(f"goal {g['goal']}: {g['target']}, measured {g['measured']}: {g['status']}", markup=False)
+    if not res["goals"]:
+        out.print(CPU_NOTE, markup=False, style="yellow")
 
 
 def run_tp(args) -> int:
@@ -193,10 +194,9 @@ def run_tp(args) -> int:
             return 1
         res["goals"] = goals(res)
         if tp_launch.rank() == 0:
-            _print(res)
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump(res, f, indent=1, default=str)
+            with options.text_to_stderr(args):
+                _print(res)
+            if options.write_json(args.json, res):
                 print(f"json: {args.json}")
         missed = any(g["status"] == "missed" for g in res["goals"])
         return 1 if (missed and args.strict) else 0

@@ -165,7 +165,7 @@ def rich_tables(report: SweepReport) -> list:
     for m in report.modes:
         t = Table(title=f"{mode_name(m.graphs)} on {m.device} - {report.adapter}, seed {report.seed}")
         for col in ("T", "plan", "steps", "slices", "padding rows", "mismatches", "ms/step"):
-            t.add_column(col, justify="left" if col == "plan" else "right")
+            t.add_column(col, justify="left" if col == "plan" else "right", overflow="fold")  # fold, never cut
         for w in m.widths:
             style = "bold red" if w.mismatches else None
             t.add_row(str(w.T), w.plan, str(w.steps), str(w.slices), str(w.padding_rows),
