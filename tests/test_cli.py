@@ -137,7 +137,7 @@ def test_bench_on_a_cpu_defaults_to_its_smoke_settings_and_judges_no_goal(capsys
     assert main(["bench", "--sections", "5", "--json", str(path)]) == 0  # no --quick
     data = json.loads(path.read_text())
     assert data["meta"]["config"]["hidden"] == 64 and data["meta"]["repeats"] == 5  # tiny, 5 repeats
-    assert data["padding"]["steps"] == 200 and data["goals"] == []
+    assert data["padding"]["steps"] == 200 and data["goals"] == [] and data["ok"] is True
     out = capsys.readouterr().out
     assert "not GPU figures" in out and "met" not in out and "missed" not in out
 

@@ -193,6 +193,9 @@ def _run(args: argparse.Namespace) -> int:
         except Exception as e:  # noqa: BLE001
             failed += 1
             console.print(Text(f"plots failed: {type(e).__name__}: {e}", style="red"))
+    missed = sum(g["status"] == "missed" for g in gs)
+    rc = 1 if failed or (args.strict and missed) else 0
+    results["ok"] = rc == 0  # what the exit code says
     if args.json:
         written = options.write_json(args.json, results)
         if written:
@@ -200,13 +203,12 @@ def _run(args: argparse.Namespace) -> int:
     if not ctx.graphs:
         console.print(Text(options.CPU_NOTE, style="yellow"))
         console.print(f"{failed} section(s) failed")
-        return 1 if failed else 0
+        return rc
     console.print(bench_report.goals_table(gs))
-    missed = sum(g["status"] == "missed" for g in gs)
     console.print(f"{sum(g['status'] == 'met' for g in gs)} met, {missed} missed, "
                   f"{sum(g['status'] == 'unclear' for g in gs)} unclear, "
                   f"{sum(g['status'] == 'n/a' for g in gs)} n/a; {failed} section(s) failed")
-    return 1 if failed or (args.strict and missed) else 0
+    return rc
 
 
 def _sections_run(ctx: Context, args: argparse.Namespace, console: Console, progress, status) -> tuple[dict, int]:

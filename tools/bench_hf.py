@@ -465,9 +465,11 @@ def run(args: argparse.Namespace) -> int:
     for key in SECTIONS:
         if r[key].get("status") == "error":
             print(r[key]["traceback"], file=sys.stderr)
-    options.write_json(args.json, r)
     missed = any(g["status"] == "missed" for g in r["goals"])
-    return 1 if failed or (args.strict and missed) else 0
+    rc = 1 if failed or (args.strict and missed) else 0
+    r["ok"] = rc == 0  # what the exit code says
+    options.write_json(args.json, r)
+    return rc
 
 
 if __name__ == "__main__":

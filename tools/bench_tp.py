@@ -193,13 +193,15 @@ def run_tp(args) -> int:
             print(f"cgrt bench --tp (rank {tp_launch.rank()}): failed: {type(e).__name__}: {e}", file=sys.stderr)
             return 1
         res["goals"] = goals(res)
+        missed = any(g["status"] == "missed" for g in res["goals"])
+        rc = 1 if (missed and args.strict) else 0
+        res["ok"] = rc == 0  # what this rank's exit code says
         if tp_launch.rank() == 0:
             with options.text_to_stderr(args):
                 _print(res)
             if options.write_json(args.json, res):
                 print(f"json: {args.json}")
-        missed = any(g["status"] == "missed" for g in res["goals"])
-        return 1 if (missed and args.strict) else 0
+        return rc
 
     device = args.device or ("cpu" if args.quick else None)
     return tp_launch.run_ranks(args.tp, device, "bench", body)
