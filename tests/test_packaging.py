@@ -143,20 +143,21 @@ def test_editable_install_maps_the_same_folders(tmp_path):
     editable = _build(src, "build_editable", tmp_path / "dist")
     site = tmp_path / "site"
     zipfile.ZipFile(editable).extractall(site)
-    # This machine may hold another cudagraph_rt install (a path in a .pth, or setuptools'
-    # finder of the same module name): drop it, so the interpreter sees only the install
-    # under test, as a fresh venv would.
+    # This machine may hold another cudagraph_rt (a checkout's path in a .pth, a wheel in
+    # site-packages, setuptools' finder of the same module name): the finder under test
+    # goes first, as it would be the only one in a fresh venv.
     prelude = f"""
 import os, sys
-sys.path[:] = [p for p in sys.path if not os.path.isdir(os.path.join(p or ".", "cudagraph_rt"))]
 for name in [m for m in sys.modules if m.startswith("__editable___cudagraph_rt")]:
     del sys.modules[name]
-sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable___")]
 sys.path.insert(0, {str(site)!r})  # first: its finder module shadows one of the same name
 for pth in [p for p in os.listdir({str(site)!r}) if p.endswith(".pth")]:
     for line in open(os.path.join({str(site)!r}, pth)):
         if line.startswith("import"):
             exec(line)
+mine = [f for f in sys.meta_path if getattr(f, "__module__", "").startswith("__editable___cudagraph_rt")][-1]
+sys.meta_path.remove(mine)
+sys.meta_path.insert(0, mine)
 """
     _assert_layout(_probe(tmp_path, _clean_env(), prelude), src / "cudagraph_rt", src)
 
