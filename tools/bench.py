@@ -154,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
         if choice.kind != "toy":
             raise options.UsageError(expected("--model", "toy with --tp (the tensor-parallel toy)", repr(args.model)))
         return bench_tp.run_tp(args)
-    with options.threads(options.thread_count(args, options.device(args), True) if _light(args) else args.threads):
+    dev = torch.device("cpu") if args.quick and args.device is None else options.device(args)  # as Context does
+    with options.threads(options.thread_count(args, dev, True) if _light(args) else args.threads):
         if choice.kind != "toy":
             from . import bench_hf
 
