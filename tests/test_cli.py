@@ -208,7 +208,22 @@ def test_tables_are_readable_at_80_columns(capsys, tmp_path, monkeypatch):
     assert main(["bench", "--quick", "--sections", "1,2,5", "--json", str(path)]) == 0
     res = json.loads(path.read_text())
     for key in ("step_time", "mixed_trace", "padding"):
-        _assert_readable(_render(bench_report.tables(key, res[key])), [])
+        tables = bench_report.tables(key, res[key])
+        _assert_readable(_render(tables), [w for t in tables for r in t.rows for c in r for w in str(c).split()])
+
+
+def test_a_wide_table_splits_its_columns_at_80_and_cuts_no_figure():
+    from cudagraph_rt.tools.console import SplitTable
+
+    cols = ["T"] + [f"variant {i} µs" for i in range(13)]
+    rows = [[str(T)] + [f"{1000 * T + i + 0.5:.1f}" for i in range(13)] for T in (1, 2, 64)]
+    t = SplitTable("a 14-column table", cols, rows, caption="the caption")
+    text = _render([t])
+    _assert_readable(text, [c for r in rows for c in r])
+    assert text.count("a 14-column table (continued)") >= 1 and text.count("the caption") == 1
+    wide = Console(width=200, file=io.StringIO(), color_system=None)
+    wide.print(t)
+    assert "(continued)" not in wide.file.getvalue()  # one table where it fits
 
 
 # ------------------------------------------------------------------ the README's tables

@@ -144,16 +144,13 @@ def goals(res: dict) -> list[dict]:
 
 
 def _print(res: dict) -> None:
-    from rich.table import Table
-
-    from .console import fit, make_console
+    from .console import SplitTable, make_console
 
     out, c, rows = make_console(), res["config"], res["rows"]
     out.print(f"cgrt bench --tp {c['tp']}: toy {c['size']} ({c['dtype']}, {c['hidden']} hidden, {c['layers']} layers, "
               f"{c['heads']} heads) on {c['device_name']} x {c['tp']} ({c['backend']}), torch {c['torch']}, "
               f"NCCL {c['nccl']}; median µs of {c['repeats']} calls, device idle and ranks at a barrier before each",
               markup=False)
-    t = Table(title="step time per width, µs (rank 0)")
     share = lambda r, m: f"{max(0.0, 1 - r[f'nocomm_{m}'] / r[f'tp_{m}']):.0%}"  # noqa: E731
     spec = [("T", lambda r: str(r["T"]))]
     if "tp_graphs" in rows[0]:
@@ -169,11 +166,9 @@ def _print(res: dict) -> None:
         spec += [("TP eager", lambda r: f"{r['tp_eager']:.1f}"), ("TP1 eager", lambda r: f"{r['tp1_eager']:.1f}"),
                  ("all-reduce share, eager", lambda r: share(r, "eager")),
                  ("all-reduces alone", lambda r: f"{r['allreduce_eager']:.1f}")]
-    for h, _ in spec:
-        t.add_column(h, justify="right")
-    for r in rows:
-        t.add_row(*[f(r) for _, f in spec])
-    out.print(fit(t))
+    # split over several tables, T in each, where the console is narrower than all columns
+    out.print(SplitTable("step time per width, µs (rank 0)", [h for h, _ in spec], [[f(r) for _, f in spec] for r in rows],
+                         justify=["right"] * len(spec)))
     for name, caps in res["capture_s"].items():
         out.print(f"capture of {len(WIDTHS)} widths, graphs {name}: " + ", ".join(
             f"rank {i} {s:.3f} s" for i, s in enumerate(caps)), markup=False)
