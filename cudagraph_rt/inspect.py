@@ -97,18 +97,17 @@ class InspectReport:
 
     @property
     def ok(self) -> bool:
-        """Readable, no hazard, no graph hazard, graphs on == graphs off, no error."""
-        return self.available and not any(
-            w.hazards or w.node_hazards or w.error or not all(d.equal for d in w.diffs)
-            for w in self.widths)
+        """Nothing found: no hazard, no graph hazard, graphs on == graphs off, no failed
+        width. Where graphs could not be read (``available`` False) only the hazard finder
+        ran, and ``ok`` is its verdict."""
+        return not any(w.hazards or w.node_hazards or w.error or not all(d.equal for d in w.diffs)
+                       for w in self.widths)
 
     @property
     def exit_code(self) -> int:
-        """What ``cgrt inspect`` exits with: 1 for a hazard, a graph hazard, an on/off
-        mismatch or a failed width (found with graphs readable or not), else 0."""
-        bad = any(w.hazards or w.node_hazards or w.error or not all(d.equal for d in w.diffs)
-                  for w in self.widths)
-        return 1 if bad else 0
+        """What ``cgrt inspect`` exits with: 0 when :attr:`ok`, else 1 (its JSON's "ok"
+        says the same)."""
+        return 0 if self.ok else 1
 
     def to_json(self) -> dict:
         return {"available": self.available, "reason": self.reason, "device": self.device,

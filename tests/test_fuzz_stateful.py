@@ -39,7 +39,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from cudagraph_rt import (BusyError, CapacityError, CgrtError, GraphRuntime, HostRows, InputError,
                           StaleRowsError)
-from cudagraph_rt.testing.internals import poison_next_slot
+from ring_hooks import poison_next_slot
 from models_for_tests import Boom, SlotModel, failing
 from reliability_harness import ScaleChooser, bits, chosen_by_scale, commit_turn
 

@@ -8,6 +8,7 @@ behave the same on a GPU machine.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 import re
@@ -361,14 +362,26 @@ def test_cli_json(capsys):
 
 def test_cli_table_plot_and_bad_flags(capsys, tmp_path):
     png = tmp_path / "sweep.png"
-    assert main(["sweep", "--repeats", "1", "--device", "cpu", "--widths", "1,2,4,8", "--extras", "12,13",
-                 "--plot", str(png)]) == 0
+    argv = ["sweep", "--repeats", "1", "--device", "cpu", "--widths", "1,2,4,8", "--extras", "12,13",
+            "--plot", str(tmp_path)]
+    if importlib.util.find_spec("matplotlib") is None:  # without the plot extra: refused before the run
+        assert main(argv) == 2
+        assert 'pip install "cudagraph_rt[plot]"' in capsys.readouterr().err
+        argv = argv[:-2]
+    else:
+        assert main(argv) == 0
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"plot: {png}" in capsys.readouterr().out
+        argv[-1] = str(tmp_path / "missing")
+        assert main(argv) == 2 and not (tmp_path / "missing").exists()  # never created
+        assert "--plot: expected an existing folder" in capsys.readouterr().err
+        argv = argv[:-2]
+    assert main(argv) == 0
     out = capsys.readouterr().out
     assert "ms/step" in out and "sweep PASSED" in out and "graphs on: skipped" in out
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for argv, msg in [(["--repeats", "0"], "--repeats: expected an int >= 1, got '0'"),
                       (["--widths", "4,x"], "--widths: expected comma-separated positive ints"),
-                      (["--plot", "out.txt"], "--plot: expected a file name ending in .png"),
+                      (["--plot", str(png)], "--plot: expected an existing folder"),
                       (["--dtype", "int8"], "--dtype: expected float32"),
                       (["--device", "cpu", "--graphs", "on"], "CUDA graphs need a GPU")]:
         assert main(["sweep", *argv]) == 2

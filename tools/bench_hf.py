@@ -161,6 +161,8 @@ def sec_greedy(ctx) -> dict:
 
 
 def sec_compiled(ctx) -> dict:
+    if not ctx.graphs:  # the floor is a GPU's bandwidth: no figure of a CPU run is held to it
+        return {"status": "skipped", "reason": "needs CUDA (the weight-read floor is the H200's HBM bandwidth)"}
     floor = weight_floor(ctx.model)
     eager_us = step_time_us(ctx.model, ctx.rt, 1, ctx.repeats)
     child = ctx.child("compiled", {"mode": ctx.compile_mode})
@@ -227,28 +229,34 @@ SECTIONS = {"spec": sec_spec, "capture": sec_capture, "greedy": sec_greedy, "com
 # ------------------------------------------------------------------------------ context, children
 class _Ctx:
     def __init__(self, args):
-        self.family = hf.parse_model(args.model)
+        self.family = getattr(args, "family", None) or hf.parse_model(args.model)
+        self.path = getattr(args, "model_path", None)  # a local checkpoint folder (--model PATH)
         self.quick = bool(args.quick)
         dev = args.device or ("cpu" if self.quick or not torch.cuda.is_available() else "cuda")
-        self.size = "tiny" if self.quick else args.size
         self.graphs = dev == "cuda"
+        light = self.quick or not self.graphs  # a CPU's defaults: about a minute in all
+        self.size = "tiny" if self.quick or self.path else (args.size or ("tiny" if light else "1b"))
         self.seed = args.seed
-        self.seqs = (1, 2) if self.quick else SEQS
-        self.prompt, self.new = (8, 6) if self.quick else (args.hf_prompt, args.hf_new)
-        self.repeats = 5 if self.quick else 50
-        self.spec_sequences = 2 if self.quick else 4
+        self.seqs = (1, 2) if light else SEQS
+        self.prompt, self.new = (8, 6) if light else (args.hf_prompt, args.hf_new)
+        self.repeats = 5 if light else 50
+        self.spec_sequences = 2 if light else 4
         self.compile_mode = args.cgrt_compile_mode
         self.timeout = args.compile_timeout
         self.children = not (self.quick or args.no_compile or not self.graphs)
-        max_len = max(256, self.prompt + self.new + 8) if not self.quick else 64
-        self.model = hf.build(self.family, self.size, device=dev, seed=self.seed, max_seqs=max(16, max(self.seqs)),
-                              max_len=max_len)
+        max_len = max(256, self.prompt + self.new + 8) if not light else 64
+        from .options import building
+
+        with building("cgrt bench", f"{self.path or 'hf:' + self.family} {self.size} on {dev}"):
+            self.model = hf.build(self.family, self.size, device=dev, seed=self.seed,
+                                  max_seqs=max(16, max(self.seqs)), max_len=max_len, path=self.path)
         self.rt = GraphRuntime(self.model.step, self.model.inputs(), graphs=self.graphs, device=self.model.device)
         t0 = time.perf_counter()
         self.rt.capture()
         self.first_capture_s = time.perf_counter() - t0
         self.build_args = dict(family=self.family, size=self.size, seed=self.seed, max_seqs=self.model.config.max_seqs,
-                               max_len=max_len, prompt=self.prompt, new=self.new, repeats=self.repeats)
+                               max_len=max_len, prompt=self.prompt, new=self.new, repeats=self.repeats,
+                               path=self.path)
 
     def child(self, kind: str, extra: dict) -> dict:
         """Run ``kind`` in a child process (a crash or a hang cannot take the bench down)."""
@@ -278,7 +286,7 @@ def _child(kind: str, payload: str, out: str) -> int:
     a = json.loads(payload)
     dev = torch.device(a.get("device", "cuda"))
     model = hf.build(a["family"], a["size"], device=dev, seed=a["seed"], max_seqs=a["max_seqs"],
-                     max_len=a["max_len"])
+                     max_len=a["max_len"], path=a.get("path"))
     if kind == "static":
         per = {}
         for B in a["seqs"]:
@@ -350,7 +358,7 @@ def goals(r: dict) -> list[dict]:
 def _print(r: dict) -> None:
     from rich.table import Table
 
-    from .console import make_console
+    from .console import fit, make_console
 
     con = make_console()
     m = r["meta"]
@@ -371,7 +379,7 @@ def _print(r: dict) -> None:
                 t.add_row(str(x["sequences"]), f"{x['runtime_tok_s']:.0f}", f"{x['eager_tok_s']:.0f}",
                           f"{x['runtime_over_eager']:.1f}", "-" if st is None else f"{st:.0f}",
                           "-" if st is None else f"{x['runtime_over_static']:.2f}", str(x["agree_with_eager"]))
-            con.print(t)
+            con.print(fit(t))
             ch = sec["static_child"]
             if ch.get("status") != "ok":
                 con.print(f"static+compile: {ch.get('status')}: {ch.get('reason') or ch.get('error')}", markup=False)
@@ -406,21 +414,30 @@ def _print(r: dict) -> None:
             con.print(f"capture of widths {sec['widths']}: {sec['capture_s']:.2f} s; pool {sec['pool_bytes'] / 2**20:.1f}"
                       f" MiB, widest alone {sec['widest_alone_bytes'] / 2**20:.1f} MiB "
                       f"({sec['shared_over_widest'] or 0:.2f}x)", markup=False)
+    if not r["goals"]:
+        from .options import CPU_NOTE
+
+        con.print(CPU_NOTE, markup=False, style="yellow")
+        return
     t = Table(title="goals")
     for h in ("goal", "value", "target", "status"):
         t.add_column(h)
     for g in r["goals"]:
         t.add_row(g["goal"], "-" if g["value"] is None else f"{g['value']:.2f}", g["target"], g["status"])
-    con.print(t)
+    con.print(fit(t))
 
 
 def run(args: argparse.Namespace) -> int:
     """Every section; ``--json FILE`` writes the figures. Exit 1 when a section failed (or
     with ``--strict`` a goal was missed)."""
+    from cudagraph_rt.extras import MissingExtraError, require
+
+    from . import options
+
     try:
-        import transformers
-    except ImportError:
-        print('cgrt bench: --model hf:... needs transformers: pip install -e ".[hf]"', file=sys.stderr)
+        transformers = require("hf", "cgrt bench --model hf:...")
+    except MissingExtraError as e:
+        print(f"cgrt bench: {e}", file=sys.stderr)
         return 2
     ctx = _Ctx(args)
     c = ctx.model.config
@@ -442,20 +459,20 @@ def run(args: argparse.Namespace) -> int:
         r[key] = res
         # Progress and figures so far: a run stopped from outside still leaves what it measured.
         print(f"[{key}] {res.get('status', 'ok')} in {res['seconds']:.1f} s", file=sys.stderr, flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(r, f, indent=1, default=str)
+        if args.json and not options.json_to_stdout(args):
+            options.write_json(args.json, r)
     ctx.rt.close()
-    r["goals"] = goals(r)
-    _print(r)
+    r["goals"] = goals(r) if ctx.graphs else []  # a CPU's figures are not held to GPU goals
+    with options.text_to_stderr(args):
+        _print(r)
     for key in SECTIONS:
         if r[key].get("status") == "error":
             print(r[key]["traceback"], file=sys.stderr)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(r, f, indent=1, default=str)
     missed = any(g["status"] == "missed" for g in r["goals"])
-    return 1 if failed or (args.strict and missed) else 0
+    rc = 1 if failed or (args.strict and missed) else 0
+    r["ok"] = rc == 0  # what the exit code says
+    options.write_json(args.json, r)
+    return rc
 
 
 if __name__ == "__main__":

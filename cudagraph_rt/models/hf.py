@@ -53,11 +53,9 @@ MARGIN_ULPS = {torch.float32: 256.0, torch.float16: 8.0, torch.bfloat16: 8.0}
 
 
 def _transformers():
-    try:
-        import transformers
-    except ImportError as e:  # the optional extra
-        raise ImportError("cudagraph_rt.models.hf needs transformers: pip install -e \".[hf]\"") from e
-    return transformers
+    from ..extras import require
+
+    return require("hf", "cudagraph_rt.models.hf")
 
 
 # ------------------------------------------------------------------------------ configs

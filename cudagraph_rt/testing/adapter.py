@@ -253,7 +253,7 @@ class ToyAdapter(PoolAdapter):
         c, size = self.config, self._size()
         if size == "custom":
             return None  # the CLI cannot rebuild it
-        args = ["--bench-size"] if size == "bench" else []
+        args = ["--size", "bench"] if size == "bench" else []
         default_dtype = (ToyConfig.bench() if size == "bench" else ToyConfig.tiny()).dtype
         if c.dtype != default_dtype:
             args += ["--dtype", str(c.dtype).replace("torch.", "")]
@@ -331,10 +331,13 @@ class HFAdapter(PoolAdapter):
         return toks[len(prompt):]
 
     def cli_args(self) -> list[str] | None:
-        if not self._rebuildable or self.size not in ("tiny", "1b") or self.path is not None:
+        if not self._rebuildable or (self.path is None and self.size not in ("tiny", "1b")):
             return None
-        args = ["--model", f"hf:{self.family}"] + (["--size", self.size] if self.size != "tiny" else [])
-        default = torch.float32 if self.size == "tiny" else torch.bfloat16
+        if self.path is not None:  # a local checkpoint folder: built as tiny (fp32 unless --dtype)
+            args = ["--model", str(self.path)]
+        else:
+            args = ["--model", f"hf:{self.family}"] + (["--size", self.size] if self.size != "tiny" else [])
+        default = torch.float32 if self.size in ("tiny", "local") else torch.bfloat16
         if self.model.config.dtype != default:
             args += ["--dtype", str(self.model.config.dtype).replace("torch.", "")]
         return args + self._machine_args()

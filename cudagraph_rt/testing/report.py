@@ -165,7 +165,7 @@ def rich_tables(report: SweepReport) -> list:
     for m in report.modes:
         t = Table(title=f"{mode_name(m.graphs)} on {m.device} - {report.adapter}, seed {report.seed}")
         for col in ("T", "plan", "steps", "slices", "padding rows", "mismatches", "ms/step"):
-            t.add_column(col, justify="left" if col == "plan" else "right")
+            t.add_column(col, justify="left" if col == "plan" else "right", overflow="fold")  # fold, never cut
         for w in m.widths:
             style = "bold red" if w.mismatches else None
             t.add_row(str(w.T), w.plan, str(w.steps), str(w.slices), str(w.padding_rows),
@@ -175,7 +175,11 @@ def rich_tables(report: SweepReport) -> list:
 
 
 def plot(report: SweepReport, path: str) -> None:
-    """Per step width: mean step time per mode (top) and padding waste (bottom), as a PNG."""
+    """Per step width: mean step time per mode (top) and padding waste (bottom), as a PNG.
+    MissingExtraError (an ImportError) without matplotlib, the [plot] extra."""
+    from ..extras import require
+
+    require("plot", "the sweep's plot")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter
