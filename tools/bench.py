@@ -51,13 +51,21 @@ SECTIONS = {
 }
 
 
-def _sections(text: str) -> tuple[int, ...]:
+HF_SECTIONS = ("compiled", "pool", "spec", "capture", "greedy")  # tools/bench_hf.py's, by name
+
+
+def _sections(text: str) -> tuple:
+    """Toy section numbers (``1,3``) or hf section names (``pool,compiled``)."""
+    words = [s.strip() for s in text.split(",") if s.strip()]
+    if words and all(w in HF_SECTIONS for w in words):
+        return tuple(dict.fromkeys(words))
     try:
-        picked = tuple(sorted({int(s) for s in text.split(",") if s.strip()}))
+        picked = tuple(sorted({int(s) for s in words}))
     except ValueError:
         picked = ()
     if not picked or any(n not in SECTIONS for n in picked):
-        raise argparse.ArgumentTypeError(f"expected section numbers from {sorted(SECTIONS)} like 1,3, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected section numbers from {sorted(SECTIONS)} like 1,3 (toy) or names "
+                                         f"from {','.join(HF_SECTIONS)} (hf models), got {text!r}")
     return picked
 
 
@@ -92,7 +100,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     options.add_json(p)
     options.add_plot(p, "step_time.png and host_rows.png")
     p.add_argument("--sections", type=_sections, default=tuple(SECTIONS), metavar="1,2,...",
-                   help="which sections to run (default: all six)")
+                   help="which sections to run (default: all): toy 1..6; hf models by name ("
+                        + ",".join(HF_SECTIONS) + ")")
     p.add_argument("--all-widths", action="store_true", help="section 1 at every T in 1..64, not only 1,2,4..64")
     p.add_argument("--repeats", type=_count(1), metavar="N",
                    help="timed calls per figure (default 200; on a CPU or with --quick 5)")
@@ -161,7 +170,14 @@ def run(args: argparse.Namespace) -> int:
 
             args.model_path = choice.path
             args.family = choice.family
+            if all(isinstance(n, int) for n in args.sections) and args.sections != tuple(SECTIONS):
+                raise options.UsageError(expected("--sections", f"names from {','.join(HF_SECTIONS)} for hf models",
+                                                  ",".join(map(str, args.sections))))
+            args.hf_sections = tuple(n for n in args.sections if isinstance(n, str)) or None
             return bench_hf.run(args)
+        if any(isinstance(n, str) for n in args.sections):
+            raise options.UsageError(expected("--sections", f"numbers from {sorted(SECTIONS)} for the toy",
+                                              ",".join(map(str, args.sections))))
         return _run(args)
 
 
