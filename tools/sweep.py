@@ -33,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", metavar="N", help="seed of the step plan (default: a fresh one, printed)")
     p.add_argument("--only-step", metavar="K", help="replay steps before K unchecked, check step K only")
     p.add_argument("--graphs", metavar="MODE", default="auto",
-                   help="on | off | both | auto (default: both where CUDA exists, else off)")
+                   help="on | off | both | auto (default: both where CUDA exists, else off) | emulate "
+                        "(the graph path run eagerly, any device: GraphRuntime(graphs='emulate'))")
     p.add_argument("--device", metavar="DEV", help="cuda or cpu (default: cuda if available)")
     p.add_argument("--model", metavar="M", default="toy",
                    help="toy (default) | hf:llama | hf:qwen2 | hf:qwen3 | hf:mistral (transformers, random weights)")
