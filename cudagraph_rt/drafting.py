@@ -20,12 +20,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from .errors import InputError, expected
+
+if TYPE_CHECKING:  # annotations only: the models import nothing from here
+    from .models.protocol import Decoder
+    from .models.toy import ToyDecoder
 
 M32 = 0xFFFFFFFF
 # Odd multipliers below 2**31: a product with a 32-bit value stays below 2**63, so int64
@@ -112,7 +117,7 @@ class DraftRule:
     seed_key: int
 
     @classmethod
-    def for_toy(cls, model, accept_prob: float, seed: int, device=None) -> "DraftRule":
+    def for_toy(cls, model: ToyDecoder, accept_prob: float, seed: int, device=None) -> "DraftRule":
         if not 0.0 <= accept_prob <= 1.0:
             raise InputError(expected("accept_prob", "a probability in [0, 1]", accept_prob))
         b = model.config.factors[1]
@@ -204,7 +209,7 @@ class ToyDrafter:
     check per step; ``propose`` refuses a sequence whose latest rows it has not seen.
     """
 
-    def __init__(self, model, accept_prob: float, seed: int = 0):
+    def __init__(self, model: ToyDecoder, accept_prob: float, seed: int = 0):
         self.model, self.p, self.seed = model, accept_prob, seed
         rule = DraftRule.for_toy(model, accept_prob, seed)
         # the permutation tables as lists: read per draft with Python ints
@@ -245,7 +250,7 @@ class ReferenceDrafter:
     Deterministic: one RNG per sequence, seeded by ``(seed, uid)``.
     """
 
-    def __init__(self, model, accept_prob: float, seed: int = 0):
+    def __init__(self, model: Decoder, accept_prob: float, seed: int = 0):
         if not 0.0 <= accept_prob <= 1.0:
             raise InputError(expected("accept_prob", "a probability in [0, 1]", accept_prob))
         self.model, self.p, self.seed = model, accept_prob, seed

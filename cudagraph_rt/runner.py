@@ -47,7 +47,8 @@ import torch
 from .drafting import CommittedRows, ReferenceDrafter, ToyDrafter
 from .errors import InputError, expected
 from .host_rows import HostRows, HostRowsHandle
-from .models.toy import ToyDecoder
+from .models.pool import cdiv
+from .models.protocol import Decoder
 from .run_timing import PHASES, DeviceTimer, PhaseClock, RunReport
 from .runtime import GraphRuntime
 
@@ -69,7 +70,7 @@ class Request:
 class Sequence:
     """One request while it is served. ``tokens`` = prompt + generated; the last token is
     committed but not fed yet (its K/V is written by the next step). ``slot`` is the
-    model's sequence id (KV cells), free again once the sequence retires."""
+    model's sequence id (its KV blocks), free again once the sequence retires."""
 
     uid: int
     slot: int
@@ -128,7 +129,7 @@ class _Lane:
     inflight: _InFlight | None = None
 
 
-def make_runtime(model: ToyDecoder, *, graphs: bool, rows_per_step: int, depth: int = 3) -> GraphRuntime:
+def make_runtime(model: Decoder, *, graphs: bool, rows_per_step: int, depth: int = 3) -> GraphRuntime:
     """The runtime a runner steps: ``model.verify_step`` with device-chosen host rows (the
     committed rows, ``accept_rows[:accept_count]``, gathered inside the replay)."""
     hr = HostRows(source="hidden", mode="device", rows_output="accept_rows", count_output="accept_count",
@@ -148,12 +149,20 @@ class SpecRunner:
     ``forget(seq)``; see :mod:`cudagraph_rt.drafting`. The runner owns ``self.rt`` (its
     graphs and pinned buffers live as long as the runner); one host thread drives it.
 
+    KV cells come from the model's pool (``model.cell_range`` per sequence and step). A
+    request is admitted only when the pool's free blocks cover every admitted sequence's
+    remaining worst case (prompt + max_new - 1 positions) and its own, so no step runs out
+    of blocks; a retired sequence's blocks go back at once (``model.free_seq``), and a
+    slot's leftover blocks (from an earlier user of the model) are freed when it is handed
+    to a new sequence.
+
     Raises InputError for a configuration whose verify rows would not fit the first slice
     of a step (acceptance is decided per slice, so a sequence's rows must share one);
-    ``submit`` raises it for a request that does not fit the model.
+    ``submit`` raises it for a request that does not fit the model (its positions or the
+    whole pool).
     """
 
-    def __init__(self, model: ToyDecoder, drafter, *, k: int = 4, slots: int | None = None, lanes: int = 2,
+    def __init__(self, model: Decoder, drafter, *, k: int = 4, slots: int | None = None, lanes: int = 2,
                  chunk: int = 128, graphs: bool = False, record_rows: bool = False):
         if slots is None:
             slots = model.config.max_seqs
@@ -209,6 +218,10 @@ class SpecRunner:
         if not r.prompt or len(r.prompt) + n - 1 > cfg.max_len:
             raise InputError(expected(f"requests[{i}]", f"a prompt and max_new >= 1 within {cfg.max_len} positions",
                                       (len(r.prompt), n)))
+        pool = self.model.pool
+        if self._blocks_for(len(r.prompt), n) > pool.num_blocks:
+            raise InputError(expected(f"requests[{i}]", f"at most {pool.num_blocks * pool.block_size} positions "
+                                      "(the model's whole KV pool)", (len(r.prompt), n)))
         if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < cfg.vocab
                    for t in r.prompt):
             raise InputError(expected(f"requests[{i}].prompt", f"token ids in [0, {cfg.vocab})", r.prompt))
@@ -266,11 +279,25 @@ class SpecRunner:
         self.finished = []
 
     # -- one step --------------------------------------------------------------------------
+    def _blocks_for(self, prompt: int, max_new: int) -> int:
+        """KV blocks a request may hold at most: its fed positions (the last generated token
+        is never fed; drafts never pass the limit)."""
+        return cdiv(prompt + max_new - 1, self.model.pool.block_size)
+
     def _admit(self, lane: _Lane) -> None:
-        """Waiting prompts join while the lane has room (a retired sequence's slot is reused:
-        the new sequence feeds positions from 0, so the old cells stay invisible)."""
+        """Waiting prompts join while the lane has room and the pool's free blocks cover the
+        admitted sequences' remaining worst case plus the newcomer's (a slot's leftover
+        blocks are freed first: the new sequence starts at position 0)."""
+        pool = self.model.pool
         while len(lane.seqs) < lane.cap and self.waiting and self._free_slots:
-            uid, r = self.waiting.popleft()
+            uid, r = self.waiting[0]
+            slot = self._free_slots[0]
+            self.model.free_seq(slot)
+            owed = sum(self._blocks_for(len(s.prompt), s.max_new) - sum(b is not None for b in pool.blocks(s.slot))
+                       for ln in self.lanes for s in ln.seqs)
+            if owed + self._blocks_for(len(r.prompt), r.max_new) > pool.free_blocks:
+                return
+            self.waiting.popleft()
             lane.seqs.append(Sequence(uid, self._free_slots.pop(0), r.prompt, r.max_new, list(r.prompt)))
 
     def _build(self, lane: _Lane) -> tuple[list[_Group], list[list[int]]]:
@@ -376,6 +403,7 @@ class SpecRunner:
         fl.handle.release()
         for seq in [s for s in lane.seqs if s.done]:
             lane.seqs.remove(seq)
+            self.model.free_seq(seq.slot)  # its blocks serve the next sequences
             self._free_slots.append(seq.slot)
             self.drafter.forget(seq)
             self.finished.append(seq)

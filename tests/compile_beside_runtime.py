@@ -24,17 +24,22 @@ if "--without-fix" in sys.argv:
     capture.release_blas_workspaces = lambda: None
 
 
-def inputs(model, T, rng):
+def inputs(models, T, rng):
+    """T rows of a random sequence from position 0; their cells reserved in every model's
+    pool (each runtime steps its own model: the same calls hand out the same cells)."""
+    model = models[0]
     seq = rng.randrange(model.config.max_seqs)
+    cells = [m.cell_range(seq, 0, T) for m in models]
+    assert all(c == cells[0] for c in cells), "the models' pools hold different cells"
     cols = dict(tokens=[rng.randrange(model.config.vocab) for _ in range(T)], positions=list(range(T)),
-                seq_ids=[seq] * T, cells=[model.cell_for(seq, p) for p in range(T)], want=[1] * T)
+                seq_ids=[seq] * T, cells=cells[0], want=[1] * T)
     return {k: torch.tensor(v, dtype=torch.int64) for k, v in cols.items()}
 
 
-def check(rt, rt_off, model, rng, n, widths):
+def check(rt, rt_off, models, rng, n, widths):
     for i in range(n):
         T = rng.choice(widths)
-        x = inputs(model, T, rng)
+        x = inputs(models, T, rng)
         a, b = rt.step(**x).outputs, rt_off.step(**x).outputs
         torch.cuda.synchronize()
         for k in a:
@@ -52,9 +57,10 @@ def main():
     rt = GraphRuntime(model.step, model.inputs(), graphs=True)
     rt_off = GraphRuntime(twin.step, twin.inputs(), graphs=False)
     rt.capture()
-    check(rt, rt_off, model, rng, 120, list(range(1, 65)))
+    check(rt, rt_off, (model, twin), rng, 120, list(range(1, 65)))
 
-    static = [v for v in vars(model).values() if isinstance(v, torch.Tensor)]  # weights, KV, cell tables
+    static = [v for v in (*vars(model).values(), *vars(model.pool).values())  # weights, KV, block table
+              if isinstance(v, torch.Tensor)]
     for t in static:
         torch._dynamo.mark_static_address(t)
     compiled = torch.compile(model.step, mode="reduce-overhead")
@@ -63,7 +69,7 @@ def main():
         for _ in range(3):  # cudagraph trees warm up, then record, then replay
             compiled({k: torch.full((w,), s.pad, dtype=torch.int64, device="cuda") for k, s in spec.items()})
     torch.cuda.synchronize()
-    check(rt, rt_off, model, rng, 60, [64, 33, 5, 1, 64])
+    check(rt, rt_off, (model, twin), rng, 60, [64, 33, 5, 1, 64])
     print("ok")
 
 

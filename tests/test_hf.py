@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 
 from cudagraph_rt import GraphRuntime, InputError, InputSpec  # noqa: E402
 from cudagraph_rt.models import hf  # noqa: E402
+from cudagraph_rt.models import attention_op  # noqa: E402
 from cudagraph_rt.models.accept import greedy_accept  # noqa: E402
 from cudagraph_rt.runner import ReferenceDrafter, Request, SpecRunner  # noqa: E402
 from cudagraph_rt.testing import HFAdapter, run_sweep  # noqa: E402
@@ -54,8 +55,8 @@ def poison(m: hf.HFDecoder, seed: int) -> None:
     lets one through changes rows by far more than any tolerance; NaN would make even a
     correct mask's 0-weight products NaN)."""
     g = torch.Generator(device=m.device).manual_seed(seed)
-    m.k_cache.copy_(torch.randn(m.k_cache.shape, generator=g, device=m.device) * 100)
-    m.v_cache.copy_(torch.randn(m.v_cache.shape, generator=g, device=m.device) * 100)
+    m.pool.k.copy_(torch.randn(m.pool.k.shape, generator=g, device=m.device) * 100)
+    m.pool.v.copy_(torch.randn(m.pool.v.shape, generator=g, device=m.device) * 100)
 
 
 def rows_to_inputs(m, rows, width: int | None = None, verify: bool = False) -> dict[str, torch.Tensor]:
@@ -98,7 +99,6 @@ def test_cell_cache_matches_no_cache_forward(rng, family):
     where the margin is clear, -1 where no token was asked for."""
     m = model_for(family)
     poison(m, rng.randrange(1 << 30))
-    m.cell_owner.fill_(-2)
     seqs, steps = random_schedule(rng, m, n_seqs=rng.randint(2, 5))
     got_h = {s: torch.full((len(t), m.config.hidden), float("nan")) for s, t in seqs.items()}
     got_t = {s: torch.full((len(t),), -7, dtype=torch.int64) for s, t in seqs.items()}
@@ -147,17 +147,40 @@ def test_sliding_window_is_applied(rng):
     assert (hidden[20:] - no_window[20:]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_no_mask_tensor_reaches_the_attention(family):
+    """transformers builds no mask for the registered attention (none is passed): every
+    layer's call gets ``attention_mask=None``, and the pool's state, not a mask, decides."""
+    from transformers import AttentionInterface
+
+    m = model_for(family)
+    seen = []
+
+    def spy(module, query, key, value, attention_mask, **kw):
+        seen.append(attention_mask)
+        return hf.cell_attention(module, query, key, value, attention_mask, **kw)
+
+    AttentionInterface.register(hf.ATTENTION, spy)
+    try:
+        m.step(rows_to_inputs(m, [(1, 0, 0, 1, -1), (2, 1, 0, 1, -1)], width=4))
+    finally:
+        AttentionInterface.register(hf.ATTENTION, hf.cell_attention)
+    assert len(seen) == m.config.layers and all(x is None for x in seen), seen
+
+
 def test_padding_rows_write_only_the_scratch_cell(rng):
     m = model_for("qwen3")
     m.reset_cache()
     toks = [rng.randrange(m.config.vocab) for _ in range(12)]
     m.step(rows_to_inputs(m, [(t, p, 3, 0, -1) for p, t in enumerate(toks)]))
-    k, v, owner, pos = m.k_cache.clone(), m.v_cache.clone(), m.cell_owner.clone(), m.cell_pos.clone()
+    pool, sc = m.pool, m.scratch_cell
+    for t in (pool.k, pool.v):
+        t[:, sc] = 1234.0  # poison the scratch cell: the padding rows must write it
+    k, v, table = pool.k[:, :sc].clone(), pool.v[:, :sc].clone(), pool.block_table.clone()
     out = m.step(rows_to_inputs(m, [], width=rng.randint(1, 16)))
-    live = slice(0, m.num_cells)
-    assert torch.equal(m.k_cache[:, :, live], k[:, :, live]) and torch.equal(m.v_cache[:, :, live], v[:, :, live])
-    assert torch.equal(m.cell_owner[live], owner[live]) and torch.equal(m.cell_pos[live], pos[live])
-    assert int(m.cell_owner[m.scratch_cell]) == -1
+    assert torch.equal(pool.k[:, :sc], k) and torch.equal(pool.v[:, :sc], v)
+    assert torch.equal(pool.block_table, table)
+    assert (pool.k[:, sc] != 1234.0).all() and (pool.v[:, sc] != 1234.0).all()
     assert (out["tokens"] == -1).all()
 
 
@@ -405,21 +428,50 @@ def test_bench_quick_runs_every_section(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_split_pool_attention_equals_sdpa(dtype):
-    """The split cell attention against torch's own SDPA on the same masked problem: random
-    q/k/v, a random visibility with at least one visible cell per row, pools of 1..3 chunks,
-    1..40 rows (fp32: reduction order only; bf16: rounded scores and probabilities)."""
-    from cudagraph_rt.models.hf import CELL_CHUNK, split_pool_attention
+def test_registered_attention_equals_sdpa_over_the_live_cells(dtype):
+    """The registered attention function (one ``pool.attend``) against torch's SDPA over
+    exactly each row's live positions, gathered by hand: random pools and block sizes,
+    sequences grown by ``cell_range`` in random chunks (so their blocks interleave), random
+    rows of a step (several per sequence, padding rows), GQA groups, windows; the rows' own
+    K/V are written by the call (fp32: reduction order only; bf16: rounded probabilities)."""
+    from types import SimpleNamespace
+
+    from cudagraph_rt.models.pool import KVPool, default_cells
 
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ()).item()))
+    ri = lambda lo, hi: int(torch.randint(lo, hi + 1, (), generator=g))  # noqa: E731
     for _ in range(6):
-        kvh, R, d = int(torch.randint(1, 5, (), generator=g)), int(torch.randint(1, 41, (), generator=g)), 32
-        cells = CELL_CHUNK * int(torch.randint(1, 4, (), generator=g))
-        q, k, v = (torch.randn(kvh, n, d, generator=g).to(dtype) for n in (R, cells, cells))
-        vis = torch.rand(R, cells, generator=g) < 0.3
-        vis[torch.arange(R), torch.randint(0, cells, (R,), generator=g)] = True
-        want = torch.nn.functional.scaled_dot_product_attention(q.float()[None], k.float()[None], v.float()[None],
-                                                                attn_mask=vis[None, None], scale=d ** -0.5)[0]
-        got = split_pool_attention(q, k, v, vis, d ** -0.5).float()
-        tol = 1e-5 if dtype == torch.float32 else 3e-2
-        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+        kvh, G, d, bs, S, L = ri(1, 3), ri(1, 3), 16, 2 ** ri(1, 4), ri(1, 4), ri(4, 40)
+        pool = KVPool(layers=2, kv_heads=kvh, head_dim=d, dtype=dtype, device="cpu", cells=default_cells(S, L, bs) + ri(0, 50),
+                      max_seqs=S, max_seq_len=L, block_size=bs)
+        pool.k.copy_(torch.randn(pool.k.shape, generator=g))
+        pool.v.copy_(torch.randn(pool.v.shape, generator=g))
+        lens = [ri(1, L) for _ in range(S)]
+        fed = [0] * S
+        while fed != lens:  # interleaved growth: a sequence's blocks are not consecutive
+            s = ri(0, S - 1)
+            n = min(ri(1, 9), lens[s] - fed[s])
+            pool.cell_range(s, fed[s], n)
+            fed[s] += n
+        rows = [(s, p) for s in range(S) for p in sorted({ri(0, lens[s] - 1) for _ in range(3)})]
+        seq = torch.tensor([s for s, _ in rows] + [-1] * ri(0, 3))
+        pos = torch.tensor([p for _, p in rows] + [0] * (len(seq) - len(rows)))
+        cells = torch.tensor([pool.cell_for(s, p) for s, p in rows] + [pool.scratch_cell] * (len(seq) - len(rows)))
+        q = torch.randn(1, kvh * G, len(seq), d, generator=g).to(dtype)
+        k, v = (torch.randn(1, kvh, len(seq), d, generator=g).to(dtype) for _ in range(2))
+        window, layer = (None, ri(1, 12))[ri(0, 1)], ri(0, 1)
+        state = hf._CellStep(attention_op.pool_id(pool), seq, pos, cells)
+        got, _ = hf.cell_attention(SimpleNamespace(layer_idx=layer), q, k, v, None, scaling=d ** -0.5,
+                                   cgrt_cells=state, sliding_window=window)
+        assert got.shape == (1, len(seq), kvh * G, d) and got.dtype == dtype
+        kc, vc = pool.k[layer], pool.v[layer]
+        for i, (s, p) in enumerate(rows):
+            assert torch.equal(kc[cells[i]], k[0, :, i]) and torch.equal(vc[cells[i]], v[0, :, i])
+            lo = 0 if window is None else max(0, p - window + 1)
+            idx = torch.tensor([pool.cell_for(s, j) for j in range(lo, p + 1)])
+            kk, vv = (c[idx].float().repeat_interleave(G, 1).transpose(0, 1) for c in (kc, vc))  # [heads, n, d]
+            want = torch.nn.functional.scaled_dot_product_attention(q[0, :, i:i + 1].float(), kk, vv,
+                                                                    scale=d ** -0.5)[:, 0]
+            tol = 1e-5 if dtype == torch.float32 else 3e-2
+            torch.testing.assert_close(got[0, i].float(), want, atol=tol, rtol=tol)
+        assert (got[0, len(rows):] == 0).all()  # padding rows read nothing

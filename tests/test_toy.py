@@ -104,22 +104,32 @@ def test_inputs_and_sizes():
     assert all(s.dtype == torch.int64 and s.shape == () for s in specs.values())
     assert {k: s.pad for k, s in specs.items()} == dict(
         tokens=0, positions=0, seq_ids=-1, cells=m.scratch_cell, want=0, next_tokens=-1)
-    cfg = m.config
-    assert m.num_cells == m.scratch_cell == cfg.max_seqs * cfg.max_len
-    assert m.k_cache.shape[2] == m.num_cells + 1 and m.cell_owner.shape == (m.num_cells + 1,)
-    assert (m.cell_owner == -2).all()
-    assert m.cell_for(3, 5) == 3 * cfg.max_len + 5
+    cfg, pool = m.config, m.pool
+    bs = cfg.block_size
+    assert cfg.cells == cfg.max_seqs * cfg.max_len and bs == pool.block_size  # tiny: 128 is whole blocks
+    assert pool.num_blocks * bs == cfg.cells and m.scratch_cell == pool.scratch_cell == cfg.cells
+    assert pool.k.shape == pool.v.shape == (cfg.layers, cfg.cells + bs, cfg.heads, cfg.hidden // cfg.heads)
+    assert pool.block_table.shape == (cfg.max_seqs, -(-cfg.max_len // bs)) and pool.block_table.dtype == torch.int32
+    assert (pool.block_table == pool.scratch_block).all() and pool.free_blocks == pool.num_blocks
+    cell = m.cell_for(3, 5)  # the first block taken, at offset 5
+    blk = int(pool.block_table[3, 0])
+    assert blk != pool.scratch_block and cell == blk * bs + 5 and pool.free_blocks == pool.num_blocks - 1
+    assert m.cell_for(3, 6) == cell + 1 and m.cell_for(3, 5) == cell  # same block: nothing taken
+    assert pool.free_blocks == pool.num_blocks - 1
     with pytest.raises(InputError, match="seq"):
         m.cell_for(cfg.max_seqs, 0)
     with pytest.raises(InputError, match="pos"):
         m.cell_for(0, cfg.max_len)
+    assert ToyConfig.tiny(max_len=40).cells == 8 * 48  # whole blocks per sequence
+    assert ToyConfig.bench().cells == 262144 and ToyConfig.tiny(cells=100).cells == 100
 
 
 def test_config_validation():
     bench = ToyConfig.bench()
     assert bench.dtype == torch.bfloat16 and bench.factors == (128, 64)
     for bad in [dict(vocab=127), dict(heads=5), dict(heads=16), dict(hidden=32), dict(taps=(2,)),
-                dict(taps=()), dict(max_len=0), dict(dtype=torch.int64), dict(layers=True)]:
+                dict(taps=()), dict(max_len=0), dict(dtype=torch.int64), dict(layers=True), dict(cells=0),
+                dict(block_size=0), dict(cells=1.5)]:
         with pytest.raises(InputError):
             ToyConfig.tiny(**bad)
 
@@ -150,17 +160,18 @@ def test_padding_only_step_leaves_every_other_cell(rng, dtype):
     seqs, steps = random_schedule(rng, m, n_seqs=4)
     half = len(steps) // 2
     run_schedule(m, rng, seqs, steps[:half])
-    live = m.cell_owner[: m.scratch_cell] >= 0
-    assert live.any()
-    before = [t[..., : m.scratch_cell, :].clone() for t in (m.k_cache, m.v_cache)]
-    meta = [t[: m.scratch_cell].clone() for t in (m.cell_owner, m.cell_pos)]
+    pool, sc = m.pool, m.scratch_cell
+    assert pool.free_blocks < pool.num_blocks  # live blocks exist
+    for t in (pool.k, pool.v):
+        t[:, sc] = 1234.0  # poison the scratch cell: the padding rows must write it
+    before = [t[:, :sc].clone() for t in (pool.k, pool.v)]
+    table, free = pool.block_table.clone(), pool.free_blocks
     out = m.step(build(m, [], rng.randint(1, 97)))
     assert out["tokens"].eq(-1).all()
-    for a, b in zip(before, (m.k_cache, m.v_cache)):
-        assert torch.equal(a, b[..., : m.scratch_cell, :])
-    for a, b in zip(meta, (m.cell_owner, m.cell_pos)):
-        assert torch.equal(a, b[: m.scratch_cell])
-    assert int(m.cell_owner[m.scratch_cell]) == -1
+    for a, b in zip(before, (pool.k, pool.v)):
+        assert torch.equal(a, b[:, :sc])
+    assert torch.equal(table, pool.block_table) and pool.free_blocks == free
+    assert all((t[:, sc] != 1234.0).all() for t in (pool.k, pool.v))
     # ...and the sequences carry on exactly as if nothing happened.
     later = run_schedule(m, rng, seqs, steps[half:])
     bad, worst = deviations(m, seqs, later)
@@ -320,6 +331,9 @@ def test_deterministic_from_seed(rng):
 def test_bad_inputs_raise_before_writing():
     m = model_for()
     good = build(m, chunk_rows(m, 0, [1, 2], 0, [1, 1]), 4)
+    for t in (m.pool.k, m.pool.v):
+        t.fill_(7.0)  # any write would show
+    table = m.pool.block_table.clone()
     for name, bad in [("want", None), ("cells", good["cells"].int()), ("positions", good["positions"][:3])]:
         inputs = {k: v for k, v in good.items() if k != name}
         if bad is not None:
@@ -328,7 +342,7 @@ def test_bad_inputs_raise_before_writing():
             m.step(inputs)
     with pytest.raises(InputError, match="next_tokens"):
         m.verify_step(good)
-    assert (m.cell_owner == -2).all()
+    assert (m.pool.k == 7.0).all() and (m.pool.v == 7.0).all() and torch.equal(table, m.pool.block_table)
     with pytest.raises(InputError):
         m.reference([])
     with pytest.raises(InputError):

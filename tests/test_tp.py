@@ -102,11 +102,16 @@ def _catch(fn):
 
 
 # ----------------------------------------------------------------------------- workers
-def _toy_inputs(model, rng: random.Random, T: int, seq: int = 0, start: int = 0) -> dict:
-    toks = [rng.randrange(model.config.vocab) for _ in range(T)]
+def _toy_inputs(models, rng: random.Random, T: int, seq: int = 0, start: int = 0) -> dict:
+    """T rows of ``seq`` from ``start``; their cells reserved in the pool of every model of
+    ``models`` (one model or several that the same rows step: their allocators, given the
+    same calls, must hand out the same cells)."""
+    models = models if isinstance(models, tuple) else (models,)
+    toks = [rng.randrange(models[0].config.vocab) for _ in range(T)]
     pos = list(range(start, start + T))
-    return dict(tokens=toks, positions=pos, seq_ids=[seq] * T, cells=[model.cell_for(seq, p) for p in pos],
-                want=[1] * T)
+    cells = [m.cell_range(seq, start, T) for m in models]
+    assert all(c == cells[0] for c in cells), cells
+    return dict(tokens=toks, positions=pos, seq_ids=[seq] * T, cells=cells[0], want=[1] * T)
 
 
 def _w_matches_toy(rank, world, seed, comm):
@@ -127,7 +132,7 @@ def _w_matches_toy(rank, world, seed, comm):
     for T in [rng.randint(1, 70) for _ in range(6)]:
         if pos + T > 128:
             break
-        inp = _toy_inputs(ref, rng, T, start=pos)
+        inp = _toy_inputs((tp, ref), rng, T, start=pos)
         pos += T
         a, b = rt.step(**inp), one.step(**inp)
         toks_ok &= a.outputs["tokens"].tolist() == b.outputs["tokens"].tolist()
@@ -166,7 +171,7 @@ def _w_rows(rank, world, seed, mode, rows_rank):
                             host_rows=hr, rows_rank=rows_rank)
     one = GraphRuntime(ref.verify_step if verify else ref.step, ref.inputs(verify), graphs=False, host_rows=hr)
     T = rng.randint(3, 40)
-    inp = _toy_inputs(ref, rng, T)
+    inp = _toy_inputs((tp, ref), rng, T)
     want = ref.reference(inp["tokens"])[0].tolist()
     if verify:  # drafts right for a random prefix, then wrong
         k = rng.randint(0, T - 1)
@@ -245,7 +250,7 @@ def _w_agree_width(rank, world, seed):
     one = GraphRuntime(ref.step, ref.inputs(), graphs=False)
     out, pos = [], 0
     for T in ([1, 3] if rank == 0 else [7, 2]) + [rng.randint(1, 20) for _ in range(3)]:
-        inp = _toy_inputs(model, rng, T, seq=rank, start=pos)
+        inp = _toy_inputs((model, ref), rng, T, seq=rank, start=pos)
         pos += T
         a, b = rt.step(**inp), one.step(**inp)
         out.append((T, a.T, a.slices[0].width, a.outputs["tokens"].tolist() == b.outputs["tokens"].tolist(),
@@ -371,7 +376,7 @@ def _w_follow(rank, world, seed, fail):
     from cudagraph_rt.models.tp import TPToyDecoder
 
     rng = random.Random(seed)
-    tp = TPToyDecoder(device="cpu")
+    tp = TPToyDecoder(device="cpu", table_from=0)  # only the driver hands out cells
     rt = DistributedRuntime(tp.step, tp.inputs(), graphs=False, inputs_from=0)
     if rank == 1:
         early = _catch(lambda: rt.step(**_toy_inputs(tp, rng, 2)))
@@ -382,9 +387,10 @@ def _w_follow(rank, world, seed, fail):
     one, ok, pos = GraphRuntime(ref.step, ref.inputs(), graphs=False), True, 0
     for _ in range(5):
         T = rng.randint(1, 20)
-        inp = _toy_inputs(ref, rng, T, start=pos)
+        inp = _toy_inputs((tp, ref), rng, T, start=pos)
         pos += T
-        ok &= rt.step(**inp).outputs["tokens"].tolist() == one.step(**inp).outputs["tokens"].tolist()
+        a, b = rt.step(**inp).outputs, one.step(**inp).outputs
+        ok &= a["tokens"].tolist() == b["tokens"].tolist() and float((a["hidden"] - b["hidden"]).abs().max()) < 1e-4
     rt.stop_followers("driver broke" if fail else None)
     return early, ok
 
@@ -464,13 +470,15 @@ def _w_cuda_graphs(rank, world, seed):
         one.capture()
         same, toks, err = True, True, 0.0
         for T in [rng.randint(1, 64) for _ in range(8)]:
-            inp = {k: torch.tensor(v) for k, v in _toy_inputs(ref, rng, T, seq=rng.randrange(8)).items()}
+            seq = rng.randrange(8)
+            ref.reset_cache()
+            inp = {k: torch.tensor(v) for k, v in _toy_inputs(ref, rng, T, seq=seq).items()}
             res = {}
             for g, rt in rts.items():
-                tp.reset_cache()
+                tp.reset_cache()  # a fresh pool hands out the same cells
+                assert tp.cell_range(seq, 0, T) == inp["cells"].tolist()
                 r = rt.step(**inp)
                 res[g] = {k: v.clone() for k, v in r.outputs.items()}
-            ref.reset_cache()
             b = one.step(**inp).outputs
             same &= all(torch.equal(res[True][k], res[False][k]) for k in res[True])
             toks &= torch.equal(res[True]["tokens"], b["tokens"])

@@ -217,7 +217,8 @@ def _sections_run(ctx: Context, args: argparse.Namespace, console: Console, prog
     c = ctx.config
     console.print(f"cgrt bench on {results['meta']['device_name']} ({ctx.device}), torch {torch.__version__}, "
                   f"toy {'tiny' if ctx.quick else 'bench'} config ({str(c.dtype).removeprefix('torch.')}, hidden "
-                  f"{c.hidden}, {c.layers} layers, KV pool {c.max_seqs} x {c.max_len}), {ctx.repeats} repeats")
+                  f"{c.hidden}, {c.layers} layers, {c.max_seqs} sequences x {c.max_len} positions on a KV pool of "
+                  f"{c.cells:,} cells), {ctx.repeats} repeats")
     for n, (key, fn) in SECTIONS.items():
         if n not in args.sections:
             results[key] = {"status": "not run"}

@@ -172,7 +172,13 @@ class ToyRows:
     """Random valid step rows for a :class:`ToyDecoder`, packed as int64 ``[n_inputs, T]``
     in ``model.inputs()`` order: distinct (sequence, position) pairs within a step,
     positions within ``max_len``, each row's own cell, ``want = 1``, random tokens. Any
-    number of repeated steps stays valid (cells are simply rewritten)."""
+    number of repeated steps stays valid (cells are simply rewritten).
+
+    Cells: the first ToyRows of a model reserves every position of every sequence in its
+    fresh pool, in sequence order, which lays sequence ``s`` out at cells ``s * span ..``
+    (``span`` = the block table's positions): the same layout in every process that builds
+    the same model (the compile children step the parent's rows), so packed rows need no
+    pool of their own. RuntimeError when the pool was used before in another way."""
 
     def __init__(self, model: ToyDecoder, seed: int):
         self.specs = model.inputs()
@@ -180,6 +186,11 @@ class ToyRows:
         self.pads = torch.tensor([int(s.pad) for s in self.specs.values()], dtype=torch.int64)
         self.cfg = model.config
         self.gen = torch.Generator().manual_seed(seed)
+        self.span = model.pool.max_blocks * model.pool.block_size
+        for s in range(self.cfg.max_seqs):
+            if model.cell_range(s, 0, self.cfg.max_len) != list(range(s * self.span, s * self.span + self.cfg.max_len)):
+                raise RuntimeError(f"ToyRows: sequence {s} of the model's pool does not sit at cells {s} * "
+                                   f"{self.span}: its pool was used before (reset_cache() first)")
 
     def rows(self, T: int) -> torch.Tensor:
         S, L = self.cfg.max_seqs, self.cfg.max_len
@@ -192,7 +203,7 @@ class ToyRows:
         i = torch.arange(T)
         seq, pos = seqs[i % nseq], base[i % nseq] + i // nseq
         cols = {"tokens": torch.randint(0, self.cfg.vocab, (T,), generator=self.gen), "positions": pos,
-                "seq_ids": seq, "cells": seq * L + pos, "want": torch.ones(T, dtype=torch.int64)}
+                "seq_ids": seq, "cells": seq * self.span + pos, "want": torch.ones(T, dtype=torch.int64)}
         return torch.stack([cols[n] for n in self.names])
 
     def padded(self, packed: torch.Tensor, width: int) -> torch.Tensor:

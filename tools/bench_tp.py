@@ -38,13 +38,17 @@ WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 N_SETS = 4
 
 
-def _inputs(model: ToyDecoder, T: int, rng: random.Random) -> dict[str, torch.Tensor]:
-    """Valid rows: row i is sequence i % max_seqs at position 8 + i // max_seqs."""
-    cfg = model.config
+def _inputs(models: tuple[ToyDecoder, ...], T: int, rng: random.Random) -> dict[str, torch.Tensor]:
+    """Valid rows: row i is sequence i % max_seqs at position 8 + i // max_seqs; their cells
+    reserved in the pool of every model of ``models`` (the same calls give the same cells)."""
+    cfg = models[0].config
     seq = [i % cfg.max_seqs for i in range(T)]
     pos = [8 + i // cfg.max_seqs for i in range(T)]
+    cells = [[m.cell_for(s, p) for s, p in zip(seq, pos)] for m in models]
+    if any(c != cells[0] for c in cells):
+        raise RuntimeError("bench tp: the models' pools hold different cells")
     cols = dict(tokens=[rng.randrange(cfg.vocab) for _ in range(T)], positions=pos, seq_ids=seq,
-                cells=[model.cell_for(s, p) for s, p in zip(seq, pos)], want=[1] * T)
+                cells=cells[0], want=[1] * T)
     return {k: torch.tensor(v, dtype=torch.int64) for k, v in cols.items()}
 
 
@@ -103,7 +107,7 @@ def measure(device: torch.device, args, meta) -> dict:
     rows = []
     with torch.inference_mode():
         for T in WIDTHS:
-            sets = [_inputs(one, T, rng) for _ in range(N_SETS)]
+            sets = [_inputs((one, tp, tp0), T, rng) for _ in range(N_SETS)]
             r = {"T": T}
             for (kind, g), rt in rts.items():
                 key = f"{kind}_{'graphs' if g else 'eager'}"

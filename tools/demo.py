@@ -18,7 +18,7 @@ import sys
 import torch
 
 from ..errors import CgrtError, InputError, expected
-from ..models import ToyConfig, ToyDecoder
+from ..models import Decoder, ToyConfig, ToyDecoder
 from ..models.hf import SIZES, build, parse_model
 from ..device_drafter import DeviceDrafter
 from ..runner import PHASES, ReferenceDrafter, Request, RunReport, SpecRunner, ToyDrafter
@@ -75,7 +75,7 @@ def make_requests(cfg: ToyConfig, n: int, max_new: int, seed: int) -> list[Reque
                     rng.randint(max(1, max_new // 2), max_new)) for _ in range(n)]
 
 
-def check(model, runner: SpecRunner) -> dict:
+def check(model: Decoder, runner: SpecRunner) -> dict:
     """Generated tokens against greedy decoding and host rows against the reference.
 
     ``reference(prompt + generated)`` gives the greedy next token and the hidden row at
@@ -119,7 +119,7 @@ def check(model, runner: SpecRunner) -> dict:
             "rows_rule": f"normwise, fraction of {tol}" if hf else "max |err|"}
 
 
-def make_drafter(model, accept_prob: float, seed: int, requests: list[Request], kind: str = "host", k: int = 4,
+def make_drafter(model: Decoder, accept_prob: float, seed: int, requests: list[Request], kind: str = "host", k: int = 4,
                  graphs: bool = False, lanes: int = 2):
     """The toy's rule-based drafter (on the host, or ``kind="gpu"``: the device drafter,
     its graphs captured here), or for other models one that follows the model's own greedy
@@ -145,7 +145,7 @@ def timing(rep: RunReport) -> dict:
             "device_seconds": rep.device_seconds, "gpu_busy": rep.gpu_busy}
 
 
-def serve(model, requests: list[Request], graphs: bool, args, plans=None) -> dict:
+def serve(model: Decoder, requests: list[Request], graphs: bool, args, plans=None) -> dict:
     """Capture, warm up on the first wave's prompts, then serve ``requests`` timed. ``plans``:
     served sequences whose tokens the reference drafter follows (``prepare_from``)."""
     model.reset_cache()

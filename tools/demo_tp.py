@@ -87,7 +87,7 @@ def run_tp(args) -> int:
         size = ToyConfig.bench if args.bench_size == "bench" else ToyConfig.tiny
         cfg = size(seed=args.seed)
         try:
-            model = TPToyDecoder(cfg, device)
+            model = TPToyDecoder(cfg, device, table_from=0)  # rank 0 drives: its block table every step
             ref = ToyDecoder(cfg, device)  # the one-device toy, same weights: the check's reference
             requests = make_requests(cfg, args.sequences, args.max_new, args.seed)
             runs = [serve_tp(model, ref, requests, g, args) for g in modes]

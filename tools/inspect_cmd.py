@@ -22,31 +22,48 @@ import importlib
 import json
 import os
 import sys
+import weakref
 from typing import Any, Callable
 
 import torch
 
 from cudagraph_rt.errors import CgrtError
 from cudagraph_rt.inspect import InspectReport, inspect_runtime, short_kernel_name, to_dot
+from cudagraph_rt.models import Decoder
 from cudagraph_rt.models.hf import SIZES, parse_model
 
 DEFAULT_TARGET = "cudagraph_rt.tools.inspect_cmd:toy_target"   # the embedded toy decoder
 
 
-def _target(model, graphs: bool):
+# The model last built per graph mode: the on/off comparison steps the graphs-off model
+# with the graphs-on target's inputs, so their cells are reserved in both pools (the
+# allocator is deterministic: the same calls hand out the same cells).
+_LAST: dict[bool, weakref.ref] = {}
+
+
+def _target(model: Decoder, graphs: bool):
     """A runtime over ``model``'s step (graphs kept when on) and ``inputs(T)``: one
-    sequence, a fresh id each call, positions 0..T-1, random tokens (seed 0)."""
+    sequence, a fresh id each call (its blocks freed and taken again, in this model's pool
+    and in that of the last model built for the other graph mode), positions 0..T-1,
+    random tokens (seed 0)."""
     from cudagraph_rt import GraphRuntime
 
     rt = GraphRuntime(model.step, model.inputs(), graphs=graphs, keep_graphs=graphs, device=model.device)
     gen, calls = torch.Generator().manual_seed(0), iter(range(1 << 30))
+    _LAST[graphs] = weakref.ref(model)
 
     def inputs(T: int) -> dict[str, torch.Tensor]:
         seq, cfg = next(calls) % model.config.max_seqs, model.config
-        pos = torch.arange(T)
-        return dict(tokens=torch.randint(0, cfg.vocab, (T,), generator=gen), positions=pos,
-                    seq_ids=torch.full((T,), seq), cells=seq * cfg.max_len + pos,
-                    want=torch.ones(T, dtype=torch.int64))
+        twin = _LAST.get(not graphs, lambda: None)()
+        reserved = []
+        for m in (model,) if twin is None else (model, twin):
+            m.free_seq(seq)
+            reserved.append(m.cell_range(seq, 0, T))
+        if reserved[-1] != reserved[0]:
+            raise RuntimeError("cgrt inspect: the graphs-on and graphs-off models hold different cells")
+        cells = torch.tensor(reserved[0], dtype=torch.int64)
+        return dict(tokens=torch.randint(0, cfg.vocab, (T,), generator=gen), positions=torch.arange(T),
+                    seq_ids=torch.full((T,), seq), cells=cells, want=torch.ones(T, dtype=torch.int64))
 
     return rt, inputs
 

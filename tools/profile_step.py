@@ -15,6 +15,7 @@ from cudagraph_rt.results import StepResult
 def main() -> None:
     dev = torch.device("cuda", 0)
     m = ToyDecoder(ToyConfig.bench(), dev)
+    assert m.cell_range(0, 0, 4) == [0, 1, 2, 3]  # the rows below: sequence 0, position i, cell i
     specs = {k: v for k, v in m.inputs().items() if k != "want"}
     r = GraphRuntime(lambda x: m.step({**x, "want": torch.ones_like(x["tokens"])}), specs, widths=(1, 64), device=dev)
     r.capture()

@@ -23,7 +23,9 @@ from . import tp_launch
 class TPAdapter(ToyAdapter):
     """The toy adapter with the model split over the ranks: ``self.model`` (the one-device
     ToyDecoder, same weights) is the reference and the planner; ``self.tp_model`` is what
-    the runtime steps. Build it on every rank (the steps are collective)."""
+    the runtime steps (and whose pool hands out the cells: every rank makes the same
+    calls, so every rank holds the same cells). Build it on every rank (the steps are
+    collective)."""
 
     def __init__(self, config: ToyConfig | None = None, device: str | torch.device | None = None,
                  widths: Sequence[int] | None = None):
@@ -36,12 +38,10 @@ class TPAdapter(ToyAdapter):
         return DistributedRuntime(self.tp_model.step, self.input_specs(), widths=self.widths, graphs=graphs,
                                   device=self.device, check_steps=True)
 
-    def check_state(self) -> list[str]:
-        ref, self.model = self.model, self.tp_model  # the KV pool the steps wrote
-        try:
-            return super().check_state()
-        finally:
-            self.model = ref
+    @property
+    def stepped(self) -> TPToyDecoder:
+        """The model the runtime steps: its pool gets the cells (the same on every rank)."""
+        return self.tp_model
 
     def cli_args(self) -> list[str] | None:
         args = super().cli_args()

@@ -1,9 +1,11 @@
-"""What every model on a cell KV pool shares: its per-row inputs and their pads, the cell of
-a (sequence, position), the pool's reset, and the host-side checks of a step's rows.
+"""What every model on the paged KV pool (``pool.py``) shares: its per-row inputs and their
+pads, the checks of a step's rows and of a reference's tokens, the device it resolves to,
+the pool's cells by (sequence, position), ``verify_step`` and ``reference``.
 
-The pool has ``max_seqs * max_len`` cells plus one scratch cell (the last) that padding
-rows write; every cell has an owner sequence (``cell_owner``, -2 free) and a position
-(``cell_pos``); ``k_cache``/``v_cache`` hold the cells' keys and values."""
+A model mixes in :class:`CellPoolModel` and provides ``config`` (``vocab``, ``max_seqs``,
+``max_len``), ``device``, ``pool`` (a :class:`~cudagraph_rt.models.pool.KVPool`),
+``step`` and ``reference_logits``; the surface the tools see is
+:class:`~cudagraph_rt.models.protocol.Decoder`."""
 from __future__ import annotations
 
 import torch
@@ -11,8 +13,19 @@ from torch import Tensor
 
 from ..errors import InputError, expected
 from ..specs import InputSpec
+from .accept import greedy_accept
+from .pool import KVPool
 
 ROW_INPUTS = ("tokens", "positions", "seq_ids", "cells", "want")
+
+
+def resolve_device(device) -> torch.device:
+    """``device``, or CUDA when there is one, else the CPU; ``"cuda"`` becomes
+    ``cuda:<current>`` (``"cuda" != "cuda:0"`` in the step's input checks)."""
+    dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 def take_rows(inputs: dict[str, Tensor], names: tuple[str, ...], device: torch.device) -> list[Tensor]:
@@ -34,38 +47,46 @@ def take_rows(inputs: dict[str, Tensor], names: tuple[str, ...], device: torch.d
 
 
 class CellPoolModel:
-    """Mixed into a model that has ``config.max_seqs``, ``config.max_len``, ``device``,
-    ``scratch_cell``, ``k_cache``, ``v_cache``, ``cell_owner`` and ``cell_pos``."""
+    """Mixed into every model on a :class:`KVPool` (see the module docstring). The pool's
+    cells are handed out by sequence and position (:meth:`cell_for`, :meth:`cell_range`),
+    which takes blocks on demand; :meth:`free_seq` gives a retired sequence's blocks back."""
+
+    pool: KVPool
+
+    @property
+    def scratch_cell(self) -> int:
+        """The cell padding rows write (the pool's scratch block's first cell)."""
+        return self.pool.scratch_cell
 
     def reset_cache(self) -> None:
-        """Free every cell (owner -2) and zero K/V. Zeroed K/V matter: masked cells get
-        probability exactly 0, and 0 * garbage could be NaN."""
-        self.k_cache.zero_()
-        self.v_cache.zero_()
-        self.cell_owner.fill_(-2)
-        self.cell_pos.zero_()
+        """Every block free, every table entry the scratch block, K/V zeroed (outside a graph)."""
+        self.pool.reset()
 
     def cell_for(self, seq: int, pos: int) -> int:
-        """The cell of ``(seq, pos)``; :class:`InputError` outside the pool."""
-        if not 0 <= seq < self.config.max_seqs:
-            raise InputError(expected("seq", f"in [0, {self.config.max_seqs})", seq))
-        if not 0 <= pos < self.config.max_len:
-            raise InputError(expected("pos", f"in [0, {self.config.max_len})", pos))
-        return seq * self.config.max_len + pos
+        """The cell a row of ``seq`` at ``pos`` writes (:meth:`KVPool.cell_for`: a block is
+        taken, or copied when shared, on the way); InputError outside the model's
+        sequences and positions, CapacityError when no block is free."""
+        return self.pool.cell_for(seq, pos)
 
-    def cell_range(self, seq: int, pos0: int, n: int) -> range:
-        """The cells of positions ``pos0 .. pos0 + n - 1`` of ``seq`` (consecutive in this
-        layout); one :class:`InputError` check for all of them."""
-        first = self.cell_for(seq, pos0)
-        if n > 1:
-            self.cell_for(seq, pos0 + n - 1)
-        return range(first, first + n)
+    def cell_range(self, seq: int, pos0: int, n: int) -> list[int]:
+        """The cells of positions ``pos0 .. pos0 + n - 1`` of ``seq`` (:meth:`KVPool.cell_range`:
+        one check and one table update for all of them; not consecutive across blocks)."""
+        return self.pool.cell_range(seq, pos0, n)
+
+    def free_seq(self, seq: int) -> None:
+        """Give ``seq``'s blocks back (:meth:`KVPool.free`); its next sequence starts empty."""
+        self.pool.free(seq)
+
+    def fork_seq(self, src: int, dst: int, upto: int) -> None:
+        """``dst`` continues ``src``'s first ``upto`` positions, sharing its whole blocks
+        (:meth:`KVPool.fork`): a prefix cache's snapshot."""
+        self.pool.fork(src, dst, upto)
 
     def inputs(self, verify: bool = False) -> dict[str, InputSpec]:
         """Per-row int64 inputs and their pad values (``next_tokens`` only for the verify step).
 
         A padding row (token 0, position 0, seq -1, scratch cell, want 0) writes only the
-        scratch cell and attends only to it, so it cannot change any live row.
+        scratch cell and reads nothing (seq -1), so it cannot change any live row.
         """
         specs = dict(tokens=InputSpec(pad=0), positions=InputSpec(pad=0), seq_ids=InputSpec(pad=-1),
                      cells=InputSpec(pad=self.scratch_cell), want=InputSpec(pad=0))
@@ -73,5 +94,51 @@ class CellPoolModel:
             specs["next_tokens"] = InputSpec(pad=-1)
         return specs
 
+    def verify_step(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``step`` plus greedy speculative acceptance on the device (no host sync), by
+        :func:`~cudagraph_rt.models.accept.greedy_accept`.
+
+        ``next_tokens[i]`` is the token fed at ``positions[i] + 1`` of the same sequence in
+        this step (the draft the next row checks), -1 if none. Row i MISMATCHES when
+        ``want[i] == 1`` and its argmax != ``next_tokens[i]`` (so -1 always mismatches). Row i
+        is COMMITTED when ``want[i] == 1`` and no row of the same sequence at a smaller
+        position mismatches: per sequence the longest matching prefix plus the first
+        mismatching row (the bonus / correction). Rows with ``want == 0`` (prefill rows,
+        padding) are never committed and never block. Extra outputs:
+        ``committed`` [N] bool; ``accept_rows`` [N] int32: committed row indices, increasing,
+        packed at the front, zeros after; ``accept_count`` [1] int32.
+
+        A host runner appends ``tokens[committed]`` (in row order) to each row's sequence;
+        the last of them per sequence is not yet fed (its K/V is not written), and the cells
+        of rejected positions are read by no row until they are written again (a row reads
+        positions up to its own only). Rows of one sequence need not be consecutive; equal
+        positions never block each other.
+        """
+        (nxt,) = self._take(inputs, ("next_tokens",))
+        out = self.step(inputs)  # checks the other inputs
+        return {**out, **greedy_accept(out["tokens"], nxt, inputs["positions"], inputs["seq_ids"], inputs["want"])}
+
+    def reference(self, tokens: list[int]) -> tuple[Tensor, Tensor]:
+        """``(greedy [L] int64, hidden [L, hidden_width])`` of ``reference_logits``: greedy[p]
+        is the next token after tokens[:p+1], hidden[p] the hidden row at p."""
+        logits, hidden = self.reference_logits(tokens)
+        return logits.argmax(-1), hidden
+
+    # ------------------------------------------------------------------ checks
     def _take(self, inputs: dict[str, Tensor], names: tuple[str, ...]) -> list[Tensor]:
         return take_rows(inputs, names, self.device)
+
+    def _reference_tokens(self, tokens) -> list[int]:
+        """``tokens`` as ints, checked: 1..max_len of them, ids in ``[0, vocab)`` (InputError)."""
+        n, vocab, limit = len(tokens), self.config.vocab, self.config.max_len
+        if not 1 <= n <= limit:
+            raise InputError(expected("tokens", f"1..{limit} tokens", n))
+        if any(not 0 <= int(t) < vocab for t in tokens):
+            raise InputError(expected("tokens", f"ids in [0, {vocab})", list(tokens)))
+        return [int(t) for t in tokens]
+
+    def _check_generate(self, prompt, n: int) -> None:
+        """InputError when ``prompt`` and ``n`` new tokens do not fit ``max_len`` positions
+        (the last new token is not fed)."""
+        if len(prompt) + max(n, 1) - 1 > self.config.max_len:
+            raise InputError(expected("prompt + n", f"<= {self.config.max_len + 1} tokens", len(prompt) + n))

@@ -10,20 +10,21 @@ model source:
   :data:`ATTENTION`). It is selected for the duration of a step only (the config's
   attention implementation is switched around the call and restored), so ``reference``,
   ``generate`` and anything else the user runs see the model exactly as it was. The step
-  passes its per-step state through the model call's keyword arguments, which the model
-  forwards to every attention call; the function reads ``module.layer_idx``, writes the
-  rows' K/V (after RoPE, which the model applied from ``position_ids``) into the pool by
-  cell index and attends over the whole pool under an explicit mask;
-* that mask is built on the device from the cells' owners and positions and passed as a
-  4-D ``attention_mask``, which transformers' masking code returns as is (so none of it
-  runs, and nothing syncs with the host). Sliding-window layers (Mistral, Qwen2/3 with
-  ``layer_types``) get the window applied to the same mask inside the function.
+  passes its per-step state (the pool and the rows' sequence ids, positions and cells)
+  through the model call's keyword arguments, which the model forwards to every attention
+  call; the function is one call of :meth:`KVPool.attend`: it writes the rows' K/V (after
+  RoPE, which the model applied from ``position_ids``) into layer ``module.layer_idx`` of
+  the pool and attends over each row's own sequence through the block table. Sliding-
+  window layers (Mistral, Qwen2/3 with ``layer_types``) pass their window;
+* no mask tensor: transformers' masking code builds none for an attention implementation
+  that has no mask function registered (it returns ``None`` at once), so none of it runs
+  and nothing syncs with the host.
 
 transformers' own ``StaticCache`` is not used: it advances a device counter on every call,
 so warm-up runs, captures and padding rows would shift it.
 
-The cell pool is the toy's: cell ``seq * max_len + pos`` for ``max_seqs`` sequences, plus
-one scratch cell (the last) that padding rows write and only they see.
+The KV pool is every model's (``pool.py``): blocks of cells taken as sequences grow, one
+scratch cell that padding rows write.
 """
 from __future__ import annotations
 
@@ -35,8 +36,10 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError, expected
-from .cells import ROW_INPUTS as _INPUTS, CellPoolModel
-from .accept import greedy_accept
+from . import attention_op
+from .cells import ROW_INPUTS as _INPUTS, CellPoolModel, resolve_device
+from .compiled import CompiledRows
+from .pool import DEFAULT_BLOCK_SIZE, KVPool, default_cells
 
 ATTENTION = "cgrt_cells"  # the registered attention function's name
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
@@ -62,9 +65,10 @@ def _transformers():
 class HFSpec:
     """What the tools read off a model (the toy's ``ToyConfig`` fields they use). Immutable.
 
-    ``vocab``/``hidden``/``layers`` come from the transformers config; ``max_seqs`` x
-    ``max_len`` cells form the pool; ``family``/``size`` name how it was built ("custom"
-    for a model passed in)."""
+    ``vocab``/``hidden``/``layers`` come from the transformers config; ``max_seqs`` sequence
+    ids of up to ``max_len`` positions each (a limit, not a reservation) share a pool of
+    ``cells`` cells in blocks of ``block_size``; ``family``/``size`` name how it was built
+    ("custom" for a model passed in)."""
 
     vocab: int
     hidden: int
@@ -74,6 +78,8 @@ class HFSpec:
     dtype: torch.dtype
     family: str = "custom"
     size: str = "custom"
+    cells: int = 0
+    block_size: int = DEFAULT_BLOCK_SIZE
 
 
 def hf_config(family: str, size: str = "tiny", **overrides):
@@ -113,12 +119,15 @@ def hf_config(family: str, size: str = "tiny", **overrides):
 
 
 def build(family: str, size: str = "tiny", *, dtype: torch.dtype | None = None, device=None, seed: int = 0,
-          max_seqs: int | None = None, max_len: int | None = None, path: str | None = None) -> HFDecoder:
+          max_seqs: int | None = None, max_len: int | None = None, cells: int | None = None,
+          path: str | None = None, fuse: bool = False) -> HFDecoder:
     """An :class:`HFDecoder` for the CLI: random weights from ``hf_config(family, size)``
     (seeded), or ``from_pretrained(path)`` of a local directory (never a download).
-    Defaults: tiny fp32 with 8 x 128 cells; 1b bf16 with 16 x 256 cells."""
+    Defaults: tiny fp32 with 8 sequences x 128 positions; 1b bf16 with 16 x 256; the pool
+    ``cells`` defaults to ``max_seqs * max_len`` (whole blocks per sequence). ``fuse``:
+    merge q/k/v and gate/up first (:func:`~.fused.fuse_projections`, same weights)."""
     dtype = dtype or (torch.float32 if size == "tiny" else torch.bfloat16)
-    dev = _device(device)
+    dev = resolve_device(device)
     if path is not None:
         if not os.path.isdir(path):
             raise InputError(expected("path", "a local model directory", repr(path)))
@@ -131,87 +140,42 @@ def build(family: str, size: str = "tiny", *, dtype: torch.dtype | None = None, 
         with torch.device(dev):  # initialise on the device: a 1b model inits in seconds there
             model = tf.AutoModelForCausalLM.from_config(cfg)
         model = model.to(dtype)
+    if fuse:
+        from .fused import fuse_projections
+        fuse_projections(model)
     defaults = (8, 128) if size == "tiny" else (16, 256)
-    return HFDecoder(model, max_seqs=max_seqs or defaults[0], max_len=max_len or defaults[1],
+    return HFDecoder(model, max_seqs=max_seqs or defaults[0], max_len=max_len or defaults[1], cells=cells,
                      family=family, size=size if path is None else "local")
 
 
-def _device(device) -> torch.device:
-    dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dev.type == "cuda" and dev.index is None:  # "cuda" != "cuda:0" in the input checks
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
-
-
 # ------------------------------------------------------------------------------ attention
+@dataclass(frozen=True)
 class _CellStep:
-    """The state one step hands every attention call (through the model's kwargs): the
-    pool, the rows' cells and positions, and the mask per window size (built once, on the
-    device). Lives for one model call."""
+    """What one step hands every attention call (through the model's kwargs): the pool's
+    registry id and the rows' sequence ids, positions and cells ([N] int64 each). Lives for one model call."""
 
-    def __init__(self, pool: HFDecoder, cells: Tensor, positions: Tensor, visible: Tensor):
-        self.pool, self.cells, self.positions = pool, cells, positions
-        self._masks = {None: visible}
-
-    def mask(self, window: int | None) -> Tensor:
-        """[N, cells] bool. A sliding layer also hides cells ``window`` or more positions back
-        (transformers' rule: key visible iff ``q_pos - k_pos < window``)."""
-        if window is not None and window >= self.pool.config.max_len:
-            window = None  # no position in the pool is that far back
-        if window not in self._masks:
-            near = self.pool.cell_pos[None, :] > self.positions[:, None] - window
-            self._masks[window] = self._masks[None] & near
-        return self._masks[window]
+    pool_id: int  # attention_op's registry id of the model's KVPool
+    seq_ids: Tensor
+    positions: Tensor
+    cells: Tensor
 
 
 def cell_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling: float | None = None,
                    dropout: float = 0.0, cgrt_cells: _CellStep | None = None, sliding_window: int | None = None,
                    **kwargs):
     """The registered attention function (``ATTENTION``): q [1, heads, N, d], k/v
-    [1, kv_heads, N, d] after RoPE. Writes k/v into layer ``module.layer_idx`` of the pool
-    at the step's cells, then attends over every cell of that layer under the step's mask.
-    Returns ``([1, N, heads, d], None)`` like transformers' sdpa function.
-
-    Grouped-query attention without copying K/V: the query heads that share a KV head are
-    stacked along the query axis, so each KV head is read once."""
+    [1, kv_heads, N, d] after RoPE; :meth:`KVPool.attend` of layer ``module.layer_idx``
+    (writes the rows' K/V, then each row attends over its own sequence up to its
+    position, within ``sliding_window`` when the layer has one; grouped-query heads read
+    their KV head in the kernel, nothing copied). ``attention_mask`` is None (no mask is
+    built). Returns ``([1, N, heads, d], None)`` like transformers' sdpa function."""
     if cgrt_cells is None:
         raise RuntimeError(f"attention {ATTENTION!r} runs only inside HFDecoder.step (no cell state was passed)")
-    st, layer = cgrt_cells, module.layer_idx
-    k_pool, v_pool = st.pool.k_cache[layer], st.pool.v_cache[layer]  # [kv_heads, cells, d]
-    k_pool.index_copy_(1, st.cells, key[0].to(k_pool.dtype))  # duplicate cells only from padding rows
-    v_pool.index_copy_(1, st.cells, value[0].to(v_pool.dtype))
-    _, heads, n, d = query.shape
-    kvh = k_pool.shape[0]
-    g = heads // kvh
-    mask = st.mask(sliding_window)  # [N, cells]
-    q = query.reshape(kvh, g * n, d)  # head h = kv * g + j: rows (j, i) of kv head kv
-    m = mask[None].expand(g, n, mask.shape[1]).reshape(g * n, mask.shape[1])
-    out = split_pool_attention(q, k_pool, v_pool, m, d ** -0.5 if scaling is None else scaling)
-    return out.reshape(1, heads, n, d).transpose(1, 2), None
-
-
-CELL_CHUNK = 64  # cells per chunk of the split attention (the pool is allocated in whole chunks)
-
-
-def split_pool_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> Tensor:
-    """softmax(q k^T * scale over the visible cells) v: q [kvh, R, d], k/v [kvh, cells, d]
-    with ``cells`` a multiple of ``CELL_CHUNK``, visible [R, cells] -> [kvh, R, d].
-
-    Split over chunks of cells (flash-decoding's shape): a step has few query rows and only
-    ``kvh`` heads of them, so a kernel parallel over (batch x heads) leaves most of the GPU
-    idle while it walks the whole pool (every SDPA backend did, about 125 us a layer for a
-    4,097-cell pool on the H200, BENCHMARKS.md). Here each (head, chunk) is its own small
-    matmul, the softmax runs over all cells at once in fp32, and the chunks' outputs are
-    summed. Scores and probabilities are rounded to the pool's dtype for the matmuls, as a
-    flash kernel does for its second one."""
-    kvh, R, d = q.shape
-    C = k.shape[1] // CELL_CHUNK
-    kc = k.view(kvh, C, CELL_CHUNK, d)
-    s = torch.matmul(q.unsqueeze(1), kc.transpose(-1, -2))  # [kvh, C, R, CHUNK]
-    s = s.float().transpose(1, 2).reshape(kvh, R, C * CELL_CHUNK) * scale
-    p = torch.softmax(s.masked_fill(~visible, float("-inf")), -1).to(v.dtype)
-    p = p.view(kvh, R, C, CELL_CHUNK).transpose(1, 2)  # [kvh, C, R, CHUNK]
-    return torch.matmul(p, v.view(kvh, C, CELL_CHUNK, d)).sum(1, dtype=torch.float32).to(q.dtype)
+    st, d = cgrt_cells, query.shape[-1]
+    out = attention_op.attend(st.pool_id, module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
+                              value[0].transpose(0, 1), st.seq_ids, st.positions, st.cells,
+                              scale=d ** -0.5 if scaling is None else scaling, window=sliding_window)
+    return out[None], None
 
 
 _REGISTERED = False
@@ -226,33 +190,33 @@ def _register() -> None:
 
 # ------------------------------------------------------------------------------ the decoder
 class HFDecoder(CellPoolModel):
-    """A transformers causal LM stepped on a multi-sequence cell KV pool.
+    """A transformers causal LM stepped on the paged KV pool.
 
     Lifetime: the wrapped ``model`` is shared, not copied (put it in eval mode, on one
-    device, in its dtype before wrapping); the KV pool (``k_cache``, ``v_cache`` [layers,
-    kv_heads, cells + 1 rounded up to whole CELL_CHUNKs, head_dim], ``cell_owner``, ``cell_pos``;
-    the cells past the scratch cell are never owned) lives as long as the object
-    and is MUTATED BY EVERY :meth:`step` / :meth:`verify_step`, padding rows included (they
-    write only :attr:`scratch_cell`). :meth:`reset_cache` frees every cell. Outputs are fresh
-    tensors (graph-owned memory when replayed from a CUDA graph).
+    device, in its dtype before wrapping); the KV pool (:attr:`pool`, a
+    :class:`~cudagraph_rt.models.pool.KVPool` of ``cells`` cells, default ``max_seqs *
+    max_len`` in whole blocks per sequence, ``kv_heads`` x ``head_dim`` per layer) lives as
+    long as the object and is MUTATED BY EVERY :meth:`step` / :meth:`verify_step`, padding
+    rows included (they write only :attr:`scratch_cell`). :meth:`reset_cache` frees every
+    block. Outputs are fresh tensors (graph-owned memory when replayed from a CUDA graph).
 
-    Visibility (as the toy's): a row attends to the cells whose owner equals its ``seq_id``
-    and whose position is ``<=`` its own (and, on a sliding layer, within the window), after
-    every row of the step has written its cell in that layer. Cells of rejected positions
-    stay invisible until overwritten, so a sequence id may be reused without freeing as
-    long as each sequence feeds its positions from 0 in order.
+    Cells and visibility (as the toy's): a row's ``cells`` entry is what :meth:`cell_for`
+    / :meth:`cell_range` handed out for its (sequence, position); a row attends to its own
+    sequence's positions ``<=`` its own (and, on a sliding layer, within the window)
+    through the block table, after every row of the step has written its cell in that
+    layer. ``max_len`` bounds a sequence's positions; the pool's size bounds them all.
 
     Failure modes: the step checks names, shapes, dtypes and devices on the host
     (:class:`InputError`); values are NOT checked (that would need a host sync inside a
-    captured graph): out-of-range tokens, positions or cells fail on the device. A model
-    whose attention modules lack ``layer_idx``, or that does not forward keyword arguments
-    to its attention function, is refused at construction (InputError naming it).
+    captured graph): out-of-range tokens or cells fail on the device. A model whose
+    attention modules lack ``layer_idx``, or that does not forward keyword arguments to
+    its attention function, is refused at construction (InputError naming it).
     """
 
-    def __init__(self, model, *, max_seqs: int = 8, max_len: int = 128, family: str = "custom",
-                 size: str = "custom"):
+    def __init__(self, model, *, max_seqs: int = 8, max_len: int = 128, cells: int | None = None,
+                 block_size: int = DEFAULT_BLOCK_SIZE, family: str = "custom", size: str = "custom"):
         _register()
-        for name, v in (("max_seqs", max_seqs), ("max_len", max_len)):
+        for name, v in (("max_seqs", max_seqs), ("max_len", max_len), ("block_size", block_size)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise InputError(expected(name, "a positive int", repr(v)))
         cfg = getattr(model, "config", None)
@@ -260,11 +224,12 @@ class HFDecoder(CellPoolModel):
             raise InputError(expected("model", "a transformers *ForCausalLM", type(model).__name__))
         if max_len > getattr(cfg, "max_position_embeddings", max_len):
             raise InputError(expected("max_len", f"<= max_position_embeddings {cfg.max_position_embeddings}", max_len))
+        cells = default_cells(max_seqs, max_len, block_size) if cells is None else cells
         self.model = model.eval()
         self.decoder, self.head = model.get_decoder(), model.get_output_embeddings()
-        self._decoder = self.decoder  # what step() calls: see compile_decoder
+        self._rows = self._step_rows  # what step() calls: see compile_decoder
         p = next(model.parameters())
-        self.device, dtype = _device(p.device), p.dtype
+        self.device, dtype = resolve_device(p.device), p.dtype
         attn = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "head_dim")]
         if not attn:
             raise InputError(expected("model", "attention modules with layer_idx and head_dim",
@@ -272,17 +237,11 @@ class HFDecoder(CellPoolModel):
         layers = cfg.num_hidden_layers
         kvh = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = attn[0].head_dim
-        self.config = HFSpec(cfg.vocab_size, cfg.hidden_size, layers, max_seqs, max_len, dtype, family, size)
-        self.num_cells = max_seqs * max_len
-        self.scratch_cell = self.num_cells
-        # Whole chunks of cells for the split attention (the cells past the scratch cell are
-        # never owned, so never visible).
-        shape = (layers, kvh, -(-(self.num_cells + 1) // CELL_CHUNK) * CELL_CHUNK, self.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.cell_owner = torch.empty(shape[2], dtype=torch.int64, device=self.device)
-        self.cell_pos = torch.empty(shape[2], dtype=torch.int64, device=self.device)
-        self.reset_cache()
+        self.pool = KVPool(layers=layers, kv_heads=kvh, head_dim=self.head_dim, dtype=dtype, device=self.device,
+                           cells=cells, max_seqs=max_seqs, max_seq_len=max_len, block_size=block_size)
+        self.pool_id = attention_op.pool_id(self.pool)  # what the attention op fetches the pool by
+        self.config = HFSpec(cfg.vocab_size, cfg.hidden_size, layers, max_seqs, max_len, dtype, family, size,
+                             cells, block_size)
 
     # ----------------------------------------------------------------- public surface
     @property
@@ -296,38 +255,32 @@ class HFDecoder(CellPoolModel):
         ``want == 1``, else -1) and ``hidden`` [N, hidden] (the model's last hidden state,
         after its final norm: what the LM head reads). Logits of all N rows, masked."""
         t, pos, seq, cells, want = self._take(inputs, _INPUTS)
-        h = self.forward_cells(t, pos, seq, cells)
+        with self._cell_attention():
+            return self._rows(t, pos, seq, cells, want)
+
+    def _step_rows(self, tokens, positions, seq_ids, cells, want):
+        h = self.forward_cells(tokens, positions, seq_ids, cells)
         greedy = self.head(h).argmax(-1).masked_fill(want != 1, -1)
         return {"tokens": greedy, "hidden": h}
 
     def forward_cells(self, tokens: Tensor, positions: Tensor, seq_ids: Tensor, cells: Tensor) -> Tensor:
-        """The model's decoder over N packed rows on the pool: [N, hidden]. Owners and
-        positions are written first, so every layer's mask sees all rows of this step."""
-        self.cell_owner.index_copy_(0, cells, seq_ids)
-        self.cell_pos.index_copy_(0, cells, positions)
-        visible = (self.cell_owner[None, :] == seq_ids[:, None]) & (self.cell_pos[None, :] <= positions[:, None])
-        state = _CellStep(self, cells, positions, visible)
-        with self._cell_attention():
-            out = self._decoder(input_ids=tokens[None], position_ids=positions[None],
-                                attention_mask=visible[None, None], use_cache=False, cgrt_cells=state)
+        """The model's decoder over N packed rows on the pool: [N, hidden]. Runs inside
+        :meth:`step`, which selects the cell attention around it (outside the compiled code)."""
+        state = _CellStep(self.pool_id, seq_ids, positions, cells)
+        out = self.decoder(input_ids=tokens[None], position_ids=positions[None], use_cache=False,
+                           cgrt_cells=state)
         return out.last_hidden_state[0]
 
-    def compile_decoder(self, mode: str | None = "default", **kwargs) -> None:
-        """Run the decoder of :meth:`step` through ``torch.compile(mode=mode, **kwargs)`` from
-        now on (``mode=None``: back to eager). Inductor fuses the kernels; the runtime still
-        owns the graphs, so use a mode without CUDA graphs ("default" or
-        "max-autotune-no-cudagraphs"). Compilation happens at the first step of each new
-        width (the runtime's warm-up), not here. :meth:`reference` stays eager."""
-        self._decoder = self.decoder if mode is None else torch.compile(self.decoder, mode=mode, **kwargs)
-
-    def verify_step(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
-        """:meth:`step` plus greedy speculative acceptance on the device (no host sync), by
-        :func:`~cudagraph_rt.models.accept.greedy_accept`, exactly as the toy's
-        ``verify_step`` (see it for ``next_tokens`` and the outputs ``committed``,
-        ``accept_rows``, ``accept_count``)."""
-        (nxt,) = self._take(inputs, ("next_tokens",))
-        out = self.step(inputs)
-        return {**out, **greedy_accept(out["tokens"], nxt, inputs["positions"], inputs["seq_ids"], inputs["want"])}
+    def compile_decoder(self, mode: str | None = "default", **kwargs):
+        """Run the step's rows (decoder, head, argmax) through ``torch.compile`` from now on
+        (``mode=None``: back to eager) and return the :class:`~.compiled.CompiledRows`
+        (``graphs``, ``compile_s``). The row dimension is dynamic: one graph serves widths 2
+        and up, one width 1; both compile at the first steps of those widths (the
+        runtime's warm-up), not here. The runtime owns the CUDA graphs: "reduce-overhead"
+        and "max-autotune" are refused with InputError (``kwargs``: CompiledRows's).
+        :meth:`reference` and ``generate()`` stay eager."""
+        self._rows = self._step_rows if mode is None else CompiledRows(self._step_rows, mode=mode, **kwargs)
+        return None if mode is None else self._rows
 
     # ----------------------------------------------------------------- eager reference
     @torch.no_grad()
@@ -336,20 +289,9 @@ class HFDecoder(CellPoolModel):
         sequence at positions 0..L-1: the model's own forward (its own attention and mask),
         no cache, no padding. Reads and writes no cell. InputError for an empty or too long
         sequence or a bad token."""
-        n, vocab = len(tokens), self.config.vocab
-        if not 1 <= n <= self.config.max_len:
-            raise InputError(expected("tokens", f"1..{self.config.max_len} tokens", n))
-        if any(not 0 <= int(t) < vocab for t in tokens):
-            raise InputError(expected("tokens", f"ids in [0, {vocab})", list(tokens)))
-        ids = torch.tensor([[int(v) for v in tokens]], dtype=torch.int64, device=self.device)
+        ids = torch.tensor([self._reference_tokens(tokens)], dtype=torch.int64, device=self.device)
         h = self.decoder(input_ids=ids, use_cache=False).last_hidden_state[0]
         return self.head(h).float(), h
-
-    def reference(self, tokens: list[int]) -> tuple[Tensor, Tensor]:
-        """``(greedy [L] int64, hidden [L, hidden])``: greedy[p] is the next token after
-        tokens[:p+1], hidden[p] the last hidden row at p."""
-        logits, hidden = self.reference_logits(tokens)
-        return logits.argmax(-1), hidden
 
     def clear_positions(self, logits: Tensor) -> Tensor:
         """[L] bool: where the greedy token of ``logits`` [L, vocab] is CLEAR, i.e. its top-1
@@ -369,8 +311,7 @@ class HFDecoder(CellPoolModel):
     def greedy_generate(self, prompt: list[int], n: int) -> list[int]:
         """The ``n`` tokens ``model.generate(do_sample=False)`` appends to ``prompt`` (its own
         dynamic cache, batch 1, no padding, no stop at EOS)."""
-        if len(prompt) + max(n, 1) - 1 > self.config.max_len:
-            raise InputError(expected("prompt + n", f"<= {self.config.max_len + 1} tokens", len(prompt) + n))
+        self._check_generate(prompt, n)
         if n < 1:
             return []
         ids = torch.tensor([[int(t) for t in prompt]], dtype=torch.int64, device=self.device)
@@ -391,6 +332,7 @@ class HFDecoder(CellPoolModel):
             yield
         finally:
             cfg._attn_implementation = before
+
 
 def parse_model(text: str) -> str | None:
     """``--model`` value -> family (``hf:llama`` -> "llama"), None for ``toy``; InputError

@@ -1,4 +1,4 @@
-"""The embedded toy decoder: random weights with wide greedy margins, a cell-layout KV pool,
+"""The embedded toy decoder: random weights with wide greedy margins, the paged KV pool,
 batched padded steps that can be captured in a CUDA graph, and an eager reference.
 
 How the weights are built (in a "design basis", then turned by one random orthogonal
@@ -9,7 +9,8 @@ matrix ``Q`` so every weight is dense and reduction order matters as in a real m
   The embedding writes ``s * onehot(a)`` and ``s * onehot(b)`` plus a small random scratch
   vector; a random position table writes scratch only.
 * Head 0 of every layer is a previous-token head: a relative-position bias
-  ``-16 * |pos_q - 1 - pos_k|`` (the rest of the attention mask is owner and causality)
+  ``-16 * |pos_q - 1 - pos_k|`` (the cell attention's ALiBi-shaped bias with slope 16 and
+  ``bias_shift = 1``; the rest is causality within the row's own sequence)
   puts all but ~1e-7 of its weight on position ``p - 1`` (on itself at ``p = 0``); its value
   copies the b-code into ctx. Other heads attend softly by content and, like the MLPs,
   write scratch only, so every hidden row depends on every visible cell.
@@ -29,8 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import InputError, expected
-from .cells import ROW_INPUTS as _INPUTS, CellPoolModel
-from .accept import greedy_accept
+from .cells import ROW_INPUTS as _INPUTS, CellPoolModel, resolve_device
+from .pool import DEFAULT_BLOCK_SIZE, KVPool, default_cells
 
 _EMB = 4.0  # scale of the one-hot token codes
 _OUT = 2.0  # readout gain: designed margin _EMB * _OUT = 8 logits
@@ -42,7 +43,10 @@ _NOISE = 0.1  # std of the random part of each logit (breaks ties below the top 
 class ToyConfig:
     """Sizes of a :class:`ToyDecoder`. Immutable; the defaults are :meth:`tiny`.
 
-    ``vocab`` must factor as ``A * B`` with ``A >= B >= 2`` (A the smallest divisor
+    ``max_len`` is the per-sequence position limit (the position table's size), not a
+    reservation: the KV pool has ``cells`` cells (default ``max_seqs * max_len``, each
+    sequence's share rounded up to whole blocks, so every sequence can reach ``max_len``
+    at once) in blocks of ``block_size``, taken as sequences grow. ``vocab`` must factor as ``A * B`` with ``A >= B >= 2`` (A the smallest divisor
     >= sqrt(vocab)); ``hidden`` needs room for ``A + 2B`` code dimensions plus 8 scratch
     dimensions and ``hidden // heads >= B``; ``taps`` are layer indices whose output hidden
     states the step returns, in that order. Raises :class:`InputError` when violated.
@@ -57,6 +61,8 @@ class ToyConfig:
     max_len: int = 128
     dtype: torch.dtype = torch.float32
     seed: int = 0
+    cells: int | None = None  # None: max_seqs * max_len (whole blocks per sequence); resolved on construction
+    block_size: int = DEFAULT_BLOCK_SIZE
 
     @classmethod
     def tiny(cls, **overrides) -> ToyConfig:
@@ -65,18 +71,19 @@ class ToyConfig:
 
     @classmethod
     def bench(cls, **overrides) -> ToyConfig:
-        """GPU benchmark: bf16, 1024 hidden, 6 layers, vocab 8192, 8 sequences x 128 positions.
-
-        The pool stays small on purpose: attention here reads every cell of the pool (a dense
-        mask, not paged), so a large pool would make every step bandwidth-bound on cells no
-        row can see, which a real paged-attention engine never reads."""
+        """GPU benchmark: bf16, 1024 hidden, 6 layers, vocab 8192, 8 sequences x 128 positions
+        on a KV pool of serving size: 262,144 cells (64 x 4096), 24 KiB a cell (6 layers x
+        K and V x 8 heads x 128 dims x 2 bytes), 6.0 GiB in all. A row reads only its own
+        sequence's cells, so the step costs what it did on a pool of 1,024 cells."""
         base = dict(vocab=8192, hidden=1024, layers=6, heads=8, taps=(1, 3, 5),
-                    max_seqs=8, max_len=128, dtype=torch.bfloat16)
+                    max_seqs=8, max_len=128, dtype=torch.bfloat16, cells=64 * 4096)
         return cls(**{**base, **overrides})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "taps", tuple(self.taps))
-        for name in ("vocab", "hidden", "layers", "heads", "max_seqs", "max_len", "seed"):
+        for name in ("vocab", "hidden", "layers", "heads", "max_seqs", "max_len", "seed", "block_size", "cells"):
+            if name == "cells" and self.cells is None:
+                object.__setattr__(self, "cells", default_cells(self.max_seqs, self.max_len, self.block_size))
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "seed" else 1):
                 raise InputError(expected(f"ToyConfig.{name}", "a positive int", repr(v)))
@@ -150,32 +157,32 @@ class ToyDecoder(CellPoolModel):
     """A small decoder that every command can run with no weights to fetch.
 
     Lifetime: weights are fixed at construction (from ``config.seed``); the KV pool
-    (``k_cache``, ``v_cache``, ``cell_owner``, ``cell_pos``) lives as long as the object and
-    is MUTATED BY EVERY :meth:`step` / :meth:`verify_step`, including padding rows (which
-    write only :attr:`scratch_cell`). :meth:`reset_cache` frees every cell. Outputs are fresh
-    tensors (graph-owned memory when the step is replayed from a CUDA graph).
+    (:attr:`pool`, a :class:`~cudagraph_rt.models.pool.KVPool` of ``config.cells`` cells
+    in blocks of ``config.block_size``) lives as long as the object and is MUTATED BY EVERY
+    :meth:`step` / :meth:`verify_step`, including padding rows (which write only
+    :attr:`scratch_cell`). :meth:`reset_cache` frees every block. Outputs are fresh tensors
+    (graph-owned memory when the step is replayed from a CUDA graph).
 
-    KV layout: cell ``cell_for(seq, pos) = seq * max_len + pos``; the last cell
-    (``scratch_cell == num_cells``) is reserved for padding rows. A row attends to the cells
-    whose owner equals its ``seq_id`` and whose position is ``<=`` its own, after every row
-    of the step has written its cell in that layer. Cells of a sequence beyond its current
-    position (rejected drafts) stay invisible until overwritten, so a sequence id may be
-    reused without freeing as long as each sequence feeds its positions from 0 in order.
+    Cells: a row's ``cells`` entry is what :meth:`cell_for` / :meth:`cell_range` handed out
+    for its (sequence, position), which takes a block when the sequence first reaches it.
+    A row attends to its own sequence's positions ``<=`` its own through the pool's block
+    table, after every row of the step has written its cell in that layer; its work
+    follows the table's width (``max_len`` positions), never the pool's size. Cells beyond
+    a sequence's current position (rejected drafts) are read by no row until rewritten, so
+    a sequence id may be reused without freeing as long as each sequence feeds its
+    positions from 0 in order (:meth:`free_seq` gives the blocks back).
 
     Failure modes: the step checks names, shapes, dtypes and devices on the host and
     raises :class:`InputError`; values are NOT checked (that would need a host sync inside
-    a captured graph): out-of-range tokens, positions or cells fail on the device (an
-    index error on the CPU, a device assert on CUDA), two live rows sharing a cell or a
-    (seq, pos) stored in two cells silently corrupt attention, and a padding row pointing
-    at a live cell steals it from its sequence.
+    a captured graph): out-of-range tokens or cells fail on the device (an index error on
+    the CPU, a device assert on CUDA), a row whose cell is not the one its (sequence,
+    position) maps to silently corrupts attention, and a padding row pointing at a live
+    cell overwrites it.
     """
 
     def __init__(self, config: ToyConfig | None = None, device: str | torch.device | None = None):
         self.config = cfg = config or ToyConfig.tiny()
-        dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-        if dev.type == "cuda" and dev.index is None:  # "cuda" != "cuda:0" in the input checks
-            dev = torch.device("cuda", torch.cuda.current_device())
-        self.device = dev
+        self.device = resolve_device(device)
         w, q, self._pi_a, self._pi_b = _design_weights(cfg)
         # Rotate on the target device (fast there); fp64 on CUDA so TF32 settings cannot
         # change the weights. Weights that read the residual get Q @ W, weights that write
@@ -190,14 +197,14 @@ class ToyDecoder(CellPoolModel):
         self.slopes = torch.zeros(cfg.heads, device=self.device)
         self.slopes[0] = _SLOPE
         self.head_dim = cfg.hidden // cfg.heads
-        self.num_cells = cfg.max_seqs * cfg.max_len
-        self.scratch_cell = self.num_cells
-        shape = (cfg.layers, cfg.heads, self.num_cells + 1, self.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=cfg.dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=cfg.dtype, device=self.device)
-        self.cell_owner = torch.empty(self.num_cells + 1, dtype=torch.int64, device=self.device)
-        self.cell_pos = torch.empty(self.num_cells + 1, dtype=torch.int64, device=self.device)
-        self.reset_cache()
+        self.local_heads = cfg.heads
+        self._shard()
+        self.pool = KVPool(layers=cfg.layers, kv_heads=self.local_heads, head_dim=self.head_dim, dtype=cfg.dtype,
+                           device=self.device, cells=cfg.cells, max_seqs=cfg.max_seqs, max_seq_len=cfg.max_len,
+                           block_size=cfg.block_size)
+
+    def _shard(self) -> None:
+        """Keep this process's part of the weights (all of them here; see ``tp.py``)."""
 
     # ----------------------------------------------------------------- public surface
     @property
@@ -218,43 +225,15 @@ class ToyDecoder(CellPoolModel):
         Logits are computed for all N rows (static shapes) and masked.
         """
         t, pos, seq, cells, want = self._take(inputs, _INPUTS)
-        # Owner and position first: every layer's mask then sees all rows of this step.
-        self.cell_owner.index_copy_(0, cells, seq)
-        self.cell_pos.index_copy_(0, cells, pos)
-        visible = (self.cell_owner[None, :] == seq[:, None]) & (self.cell_pos[None, :] <= pos[:, None])
-        bias = self._bias(pos, self.cell_pos, visible)
         x, taps = self._embed(t, pos), []
         for layer in range(self.config.layers):
             q, k, v = self._qkv(x, layer)
-            self.k_cache[layer].index_copy_(1, cells, k)  # duplicates only from padding rows
-            self.v_cache[layer].index_copy_(1, cells, v)
-            x = self._block_out(x, self._attend(q, self.k_cache[layer], self.v_cache[layer], bias), layer)
+            attn = self.pool.attend(layer, q, k, v, seq, pos, cells, scale=self.head_dim**-0.5,
+                                    slopes=self.slopes, bias_shift=1)
+            x = self._block_out(x, attn.reshape(x.shape[0], self.local_heads * self.head_dim), layer)
             taps.append(x)
         greedy = (x @ self.wout).argmax(-1).masked_fill(want != 1, -1)
         return {"tokens": greedy, "hidden": torch.cat([taps[i] for i in self.config.taps], -1)}
-
-    def verify_step(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
-        """:meth:`step` plus greedy speculative acceptance on the device (no host sync), by
-        :func:`~cudagraph_rt.models.accept.greedy_accept` (shared with every model).
-
-        ``next_tokens[i]`` is the token fed at ``positions[i] + 1`` of the same sequence in
-        this step (the draft the next row checks), -1 if none. Row i MISMATCHES when
-        ``want[i] == 1`` and its argmax != ``next_tokens[i]`` (so -1 always mismatches). Row i
-        is COMMITTED when ``want[i] == 1`` and no row of the same sequence at a smaller
-        position mismatches: per sequence the longest matching prefix plus the first
-        mismatching row (the bonus / correction). Rows with ``want == 0`` (prefill rows,
-        padding) are never committed and never block. Extra outputs:
-        ``committed`` [N] bool; ``accept_rows`` [N] int32: committed row indices, increasing,
-        packed at the front, zeros after; ``accept_count`` [1] int32.
-
-        A host runner appends ``tokens[committed]`` (in row order) to each row's sequence;
-        the last of them per sequence is not yet fed (its K/V is not written), and cells of
-        rejected positions stay invisible until overwritten (see the class docstring).
-        Rows of one sequence need not be consecutive; equal positions never block each other.
-        """
-        (nxt,) = self._take(inputs, ("next_tokens",))
-        out = self.step(inputs)  # checks the other inputs
-        return {**out, **greedy_accept(out["tokens"], nxt, inputs["positions"], inputs["seq_ids"], inputs["want"])}
 
     # ----------------------------------------------------------------- eager reference
     @torch.no_grad()
@@ -262,13 +241,8 @@ class ToyDecoder(CellPoolModel):
         """Logits [L, vocab] and tapped hidden [L, len(taps) * hidden] of one sequence at
         positions 0..L-1: full causal attention, no cache, no padding, no batching. Reads and
         writes no KV cell. :class:`InputError` for an empty/too long sequence or a bad token."""
-        n, vocab = len(tokens), self.config.vocab
-        if not 1 <= n <= self.config.max_len:
-            raise InputError(expected("tokens", f"1..{self.config.max_len} tokens", n))
-        if any(not 0 <= int(t) < vocab for t in tokens):
-            raise InputError(expected("tokens", f"ids in [0, {vocab})", list(tokens)))
-        t = torch.tensor([int(v) for v in tokens], dtype=torch.int64, device=self.device)
-        pos = torch.arange(n, device=self.device)
+        t = torch.tensor(self._reference_tokens(tokens), dtype=torch.int64, device=self.device)
+        pos = torch.arange(t.shape[0], device=self.device)
         bias = self._bias(pos, pos, pos[None, :] <= pos[:, None])
         x, taps = self._embed(t, pos), []
         for layer in range(self.config.layers):
@@ -276,16 +250,9 @@ class ToyDecoder(CellPoolModel):
             taps.append(x)
         return (x @ self.wout).float(), torch.cat([taps[i] for i in self.config.taps], -1)
 
-    def reference(self, tokens: list[int]) -> tuple[Tensor, Tensor]:
-        """``(greedy [L] int64, hidden [L, len(taps) * hidden])``: greedy[p] is the next token
-        after tokens[:p+1], hidden[p] the tapped row at p."""
-        logits, hidden = self.reference_logits(tokens)
-        return logits.argmax(-1), hidden
-
     def greedy_generate(self, prompt: list[int], n: int) -> list[int]:
         """The ``n`` tokens plain greedy decoding appends to ``prompt`` (through :meth:`reference`)."""
-        if len(prompt) + max(n, 1) - 1 > self.config.max_len:
-            raise InputError(expected("prompt + n", f"<= {self.config.max_len + 1} tokens", len(prompt) + n))
+        self._check_generate(prompt, n)
         seq = [int(t) for t in prompt]
         for _ in range(n):
             seq.append(int(self.reference(seq)[0][-1]))
@@ -314,21 +281,24 @@ class ToyDecoder(CellPoolModel):
         return self.emb.index_select(0, tokens) + self.pos.index_select(0, positions)
 
     def _bias(self, pos_q: Tensor, pos_k: Tensor, visible: Tensor) -> Tensor:
-        """[heads, Nq, Nk] fp32: previous-token bias per head, -inf where not visible."""
+        """[heads, Nq, Nk] fp32 for the eager reference: previous-token bias per head, -inf
+        where not visible (the step's attention applies the same bias in the pool's kernel)."""
         rel = (pos_q[:, None] - 1 - pos_k[None, :]).abs().float()
         return (rel[None] * -self.slopes[:, None, None]).masked_fill(~visible[None], float("-inf"))
 
     def _qkv(self, x: Tensor, layer: int) -> tuple[Tensor, Tensor, Tensor]:
-        """Three [heads, N, head_dim] projections of x [N, hidden]."""
-        qkv = (x @ self.wqkv[layer]).view(x.shape[0], 3, self.config.heads, self.head_dim)
-        q, k, v = qkv.permute(1, 2, 0, 3).unbind(0)
+        """Three [N, local_heads, head_dim] projections of x [N, hidden] (views; last dim contiguous)."""
+        qkv = (x @ self.wqkv[layer]).view(x.shape[0], 3, self.local_heads, self.head_dim)
+        q, k, v = qkv.unbind(1)
         return q, k, v
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
-        """Softmax attention in fp32 over k/v [heads, M, head_dim]; returns [N, hidden]."""
+        """The eager reference's softmax attention in fp32 of one sequence: q/k/v
+        [L, local_heads, head_dim], bias [local_heads, L, L]; returns [L, local_heads * head_dim]."""
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
         scores = (q @ k.transpose(-1, -2)).float() * self.head_dim**-0.5 + bias
         out = torch.softmax(scores, -1).to(v.dtype) @ v
-        return out.transpose(0, 1).reshape(q.shape[1], self.config.hidden)
+        return out.transpose(0, 1).reshape(q.shape[1], self.local_heads * self.head_dim)
 
     def _block_out(self, x: Tensor, attn: Tensor, layer: int) -> Tensor:
         x = x + attn @ self.wo[layer]

@@ -4,13 +4,13 @@ modes, and check each step against the model's eager reference.
 ``run_sweep(adapter, ...) -> SweepReport`` for programs, ``assert_sweep(adapter, ...)`` for
 a pytest suite, ``cgrt sweep`` on the command line. A model plugs in through the small
 adapter protocol (``SweepAdapter``; ``ToyAdapter`` for the embedded toy decoder, ``HFAdapter`` for
-transformers causal LMs).
+transformers causal LMs, both ``PoolAdapter``: models on the paged KV pool).
 
 Modules: plans (which steps and rows), adapter (the protocol and the toy's adapter), checks
 (one step against its expectations), harness (the run), report (tables, JSON, plot),
 assertions (the pytest helper).
 """
-from .adapter import BaseAdapter, HFAdapter, SweepAdapter, ToyAdapter
+from .adapter import BaseAdapter, HFAdapter, PoolAdapter, SweepAdapter, ToyAdapter
 from .assertions import assert_sweep
 from .checks import Tolerance
 from .harness import resolve_graphs, run_sweep
@@ -22,6 +22,7 @@ __all__ = [
     "assert_sweep",
     "SweepAdapter",
     "BaseAdapter",
+    "PoolAdapter",
     "ToyAdapter",
     "HFAdapter",
     "Capacity",

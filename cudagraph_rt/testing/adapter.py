@@ -12,6 +12,7 @@ import torch
 
 from ..specs import InputSpec
 from ..errors import InputError, expected
+from ..models.protocol import Decoder
 from ..models.toy import ToyConfig, ToyDecoder
 from ..runtime import GraphRuntime
 from .checks import Tolerance
@@ -129,15 +130,69 @@ def hook(adapter: Any, name: str):
     return default.__get__(adapter) if callable(default) else default
 
 
-class ToyAdapter(BaseAdapter):
-    """The embedded toy decoder (``models/toy.py``) under the sweep.
+class PoolAdapter(BaseAdapter):
+    """What the adapters of models on the paged KV pool share (``self.model`` a
+    :class:`~cudagraph_rt.models.protocol.Decoder`): the step's cells from the pool, and a
+    model-state check that padding rows left every live cell alone.
+
+    Sequence ids are reused WITHOUT freeing: a row reads its own sequence's positions up
+    to its own only, and every new sequence rewrites its cells from position 0 in order,
+    so a correct runtime needs nothing else — and stale rows replayed by a broken one
+    rewrite cells the id's new sequence reads, which the comparison then sees.
+
+    The check: before each step, if the pad of ``cells`` (:meth:`input_specs`) is a live
+    cell of the pool that none of the step's rows writes, its K/V (every layer) are kept;
+    after the step they must be unchanged.
+
+    ``stepped`` is the model whose pool the runtime's steps use (``self.model``, unless a
+    subclass steps another one, e.g. the tensor-parallel split of it).
+    """
+
+    model: Decoder
+    _watch: tuple[int, torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def stepped(self) -> Decoder:
+        return self.model
+
+    def input_specs(self) -> dict[str, InputSpec]:
+        """The runtime's inputs: the model's own specs (pad cell = its scratch cell)."""
+        return self.model.inputs()
+
+    def step_inputs(self, step: StepPlan) -> dict[str, torch.Tensor]:
+        def col(v) -> torch.Tensor:  # host rows: the runtime stages them in one copy per step
+            return torch.tensor(v, dtype=torch.int64)
+
+        cells = [self.stepped.cell_for(s, p) for s, p in zip(step.seq_ids, step.positions)]
+        self._watch_pad(set(cells))
+        return dict(tokens=col(step.tokens), positions=col(step.positions), seq_ids=col(step.seq_ids),
+                    cells=col(cells), want=col([int(w) for w in step.want]))
+
+    def _watch_pad(self, written: set[int]) -> None:
+        pool, pad = self.stepped.pool, int(self.input_specs()["cells"].pad)
+        self._watch = None
+        if pad != pool.scratch_cell and pad not in written and 0 <= pad < pool.scratch_cell and pool.readers(pad):
+            self._watch = (pad, pool.k[:, pad].clone(), pool.v[:, pad].clone())
+
+    def check_state(self) -> list[str]:
+        """Padding rows wrote no live cell: the watched pad cell's K/V did not change."""
+        if self._watch is None:
+            return []
+        pad, k, v = self._watch
+        pool = self.stepped.pool
+        if torch.equal(pool.k[:, pad], k) and torch.equal(pool.v[:, pad], v):
+            return []
+        where = ", ".join(f"seq {s}, pos {p}" for s, p in pool.readers(pad))
+        return [f"padding rows wrote live cell(s) {pad} ({where}): no row of the step writes it, yet its K/V "
+                f"changed; the pad of 'cells' must be the scratch cell {pool.scratch_cell}"]
+
+
+class ToyAdapter(PoolAdapter):
+    """The embedded toy decoder (``models/toy.py``) under the sweep (see
+    :class:`PoolAdapter` for its cells and its model-state check).
 
     One ToyDecoder lives as long as the adapter; ``build`` resets its KV cache and wraps
-    ``model.step`` in a new runtime. Sequence ids are reused WITHOUT freeing: the toy only
-    shows a cell to rows of the same id at a later position, and every new sequence
-    rewrites its cells from position 0 in order (see the ToyDecoder docstring), so a
-    correct runtime needs nothing else — and stale rows replayed by a broken one corrupt
-    the new sequence's cells, which the comparison then sees.
+    ``model.step`` in a new runtime.
     """
 
     def __init__(self, config: ToyConfig | None = None, device: str | torch.device | None = None,
@@ -165,22 +220,10 @@ class ToyAdapter(BaseAdapter):
                 return size
         return "custom"
 
-    def input_specs(self) -> dict[str, InputSpec]:
-        """The runtime's inputs: the toy's own specs (pad cell = its scratch cell)."""
-        return self.model.inputs()
-
     def build(self, graphs: bool) -> GraphRuntime:
         self.model.reset_cache()
         return GraphRuntime(self.model.step, self.input_specs(), widths=self.widths,
                             graphs=graphs, device=self.device)
-
-    def step_inputs(self, step: StepPlan) -> dict[str, torch.Tensor]:
-        def col(v) -> torch.Tensor:  # host rows: the runtime stages them in one copy per step
-            return torch.tensor(v, dtype=torch.int64)
-
-        cells = [self.model.cell_for(s, p) for s, p in zip(step.seq_ids, step.positions)]
-        return dict(tokens=col(step.tokens), positions=col(step.positions), seq_ids=col(step.seq_ids),
-                    cells=col(cells), want=col([int(w) for w in step.want]))
 
     def reference(self, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model.reference(list(tokens))
@@ -206,19 +249,6 @@ class ToyAdapter(BaseAdapter):
             regrow(bad + 2)
         return toks[len(prompt):]
 
-    def check_state(self) -> list[str]:
-        """Padding rows own no live cell: the padding seq id may only own the scratch cell."""
-        pad_seq = self.input_specs()["seq_ids"].pad
-        m = self.model
-        stolen = (m.cell_owner[:m.num_cells] == pad_seq).nonzero().flatten()
-        if stolen.numel() == 0:
-            return []
-        cells = stolen[:4].tolist()
-        where = ", ".join(f"{c} (seq {c // self.config.max_len}, pos {c % self.config.max_len})" for c in cells)
-        return [(f"padding rows wrote live cell(s) {where}{' ...' if stolen.numel() > 4 else ''}: "
-                 f"{stolen.numel()} cell(s) outside the scratch cell {m.scratch_cell} are owned by the padding "
-                 f"seq id {pad_seq}; the pad of 'cells' must be the scratch cell")]
-
     def cli_args(self) -> list[str] | None:
         c, size = self.config, self._size()
         if size == "custom":
@@ -230,7 +260,7 @@ class ToyAdapter(BaseAdapter):
         return args + self._machine_args()
 
 
-class HFAdapter(BaseAdapter):
+class HFAdapter(PoolAdapter):
     """A transformers causal LM (``models/hf.py``) under the sweep, built by
     ``hf.build(family, size, ...)`` (random weights from a config, or a local directory with
     ``path``) or passed in as an :class:`~cudagraph_rt.models.hf.HFDecoder` (``model=``).
@@ -240,7 +270,7 @@ class HFAdapter(BaseAdapter):
     more than a few ulps of the row's largest logit); a token that differs elsewhere is
     counted as a near-tie, not a failure. Graphs on and off must still agree bit for bit
     (the sweep's own comparison of each mode against the same reference, and the GPU tests,
-    check it). Sequence ids are reused without freeing, as the toy's.
+    check it). Cells and the model-state check: :class:`PoolAdapter`.
     """
 
     def __init__(self, family: str = "llama", size: str = "tiny", dtype: torch.dtype | None = None,
@@ -269,16 +299,8 @@ class HFAdapter(BaseAdapter):
 
     def build(self, graphs: bool) -> GraphRuntime:
         self.model.reset_cache()
-        return GraphRuntime(self.model.step, self.model.inputs(), widths=self.widths, graphs=graphs,
+        return GraphRuntime(self.model.step, self.input_specs(), widths=self.widths, graphs=graphs,
                             device=self.device)
-
-    def step_inputs(self, step: StepPlan) -> dict[str, torch.Tensor]:
-        def col(v) -> torch.Tensor:
-            return torch.tensor(v, dtype=torch.int64)
-
-        cells = [self.model.cell_for(s, p) for s, p in zip(step.seq_ids, step.positions)]
-        return dict(tokens=col(step.tokens), positions=col(step.positions), seq_ids=col(step.seq_ids),
-                    cells=col(cells), want=col([int(w) for w in step.want]))
 
     def reference(self, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         logits, hidden = self.model.reference_logits(list(tokens))
@@ -307,15 +329,6 @@ class HFAdapter(BaseAdapter):
                 break
             toks[bad + 1:] = greedy[bad:len(toks) - 1]
         return toks[len(prompt):]
-
-    def check_state(self) -> list[str]:
-        """Padding rows own no live cell: the padding seq id may only own the scratch cell."""
-        m, pad_seq = self.model, -1
-        stolen = (m.cell_owner[:m.num_cells] == pad_seq).nonzero().flatten()
-        if stolen.numel() == 0:
-            return []
-        return [f"padding rows wrote {stolen.numel()} live cell(s) (first {stolen[:4].tolist()}) outside the "
-                f"scratch cell {m.scratch_cell}; the pad of 'cells' must be the scratch cell"]
 
     def cli_args(self) -> list[str] | None:
         if not self._rebuildable or self.size not in ("tiny", "1b") or self.path is not None:

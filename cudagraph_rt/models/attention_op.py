@@ -1,0 +1,107 @@
+"""Attention with its K/V write as ONE opaque op for torch.compile, the pool kept out of the graph.
+
+A compiled step that writes K/V into the pool with ``index_copy_`` hands the pool to
+inductor as a graph input; functionalization turns the in-place write into "new pool =
+old pool with rows replaced" plus a copy back, so every layer copies its whole cache
+(``triton_poi_fused_copy_``, about 125 us each on the H200 for the 1B). vLLM avoids this
+by making attention a custom op that looks its cache up by layer name; this module does
+the same for any KV-pool-like object with ``attend(layer, q, k, v, seq_ids, positions,
+cells, *, scale, window=None, slopes=None, bias_shift=0, out=None)``:
+
+* :func:`pool_id` registers a pool in a weak registry (the registry never keeps a pool
+  alive) and returns a Python int; :func:`attend` takes that int and the layer index, so
+  the graph holds two constants, never the pool's tensors;
+* ``torch.ops.cgrt.attend_cells`` is a ``torch.library.custom_op`` that declares the one
+  tensor argument it writes, ``out`` (``mutates_args=("out",)``), and has a fake that
+  does nothing (the output's shape is the caller's ``out``). Inductor reinplaces the op
+  into ``out`` (an empty buffer it allocated), calls it as an extern kernel, and never
+  sees the pool's writes: the op's body fetches the pool by id and calls ``pool.attend``.
+
+Why ``custom_op`` and not ``triton_op``/``wrap_triton``: those let inductor trace the
+Triton kernel's launch, so the kernel's tensor arguments (the pool's K/V) would have to be
+graph inputs again (and be functionalized and copied back); and the op's body must also
+run the torch reference on a CPU. Nothing across the attention boundary is worth fusing
+into the kernel that inductor could do better than the kernel's own fused K/V write.
+
+Eager calls (not under torch.compile) go straight to ``pool.attend``: the op's
+dispatcher costs host time and hides the pool's ops from a TorchDispatchMode (the
+capture-hazard finder). Both paths run the same ``pool.attend`` and give the same result.
+"""
+
+import itertools
+import weakref
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..errors import InputError, expected
+
+OP = "cgrt::attend_cells"
+
+_IDS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # pool -> id
+_POOLS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> pool
+_NEXT = itertools.count(1)
+
+
+def pool_id(pool) -> int:
+    """The registry id of ``pool`` (registered on first use; the same int for as long as
+    the pool lives; ids are never reused). The registry holds the pool weakly. InputError
+    for an object without a callable ``attend``. Call it outside compiled code (once, when
+    the model is built) and pass the int into the step."""
+    if not callable(getattr(pool, "attend", None)):
+        raise InputError(expected("pool", "an object with attend(layer, q, k, v, ...)", type(pool).__name__))
+    i = _IDS.get(pool)
+    if i is None:
+        i = _IDS[pool] = next(_NEXT)
+        _POOLS[i] = pool
+    return i
+
+
+def pool_by_id(i: int):
+    """The live pool registered as ``i``; InputError if none is (never registered, or
+    garbage-collected: a compiled step that outlives its pool fails here, not in memory)."""
+    pool = _POOLS.get(int(i))
+    if pool is None:
+        raise InputError(expected("pool id", "a live pool registered by pool_id()", i))
+    return pool
+
+
+@torch.library.custom_op(OP, mutates_args=("out",))
+def _attend_cells(q: Tensor, k: Tensor, v: Tensor, seq_ids: Tensor, positions: Tensor, cells: Tensor,
+                  out: Tensor, pool: int, layer: int, scale: float, window: Optional[int],
+                  slopes: Optional[Tensor], bias_shift: int) -> None:
+    pool_by_id(pool).attend(layer, q, k, v, seq_ids, positions, cells, scale=scale, window=window,
+                            slopes=slopes, bias_shift=bias_shift, out=out)
+
+
+@_attend_cells.register_fake
+def _attend_cells_fake(q, k, v, seq_ids, positions, cells, out, pool, layer, scale, window, slopes,
+                       bias_shift) -> None:
+    return None  # writes ``out`` in place; its shape is the caller's
+
+
+def attend(pool: int, layer: int, q: Tensor, k: Tensor, v: Tensor, seq_ids: Tensor, positions: Tensor,
+           cells: Tensor, *, scale: float, window: int | None = None, slopes: Tensor | None = None,
+           bias_shift: int = 0, out: Tensor | None = None) -> Tensor:
+    """``pool_by_id(pool).attend(layer, q, k, v, ...)`` as one opaque op under torch.compile.
+
+    ``pool`` is :func:`pool_id`'s int, ``layer``/``window``/``bias_shift`` Python ints and
+    ``scale`` a float (constants of the compiled graph). ``q`` [N, Hq, D], ``k``/``v``
+    [N, Hkv, D(v)] (views with any strides the pool accepts). Writes the rows' K/V into
+    their ``cells`` of ``layer`` and returns the attention [N, Hq, Dv], in ``out`` if
+    given (a fresh tensor otherwise). The pool's own errors propagate; InputError if the
+    pool is gone."""
+    if out is None:
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    if torch.compiler.is_compiling():
+        torch.ops.cgrt.attend_cells(q, k, v, seq_ids, positions, cells, out, pool, layer, float(scale), window,
+                                    slopes, bias_shift)
+    else:
+        pool_by_id(pool).attend(layer, q, k, v, seq_ids, positions, cells, scale=scale, window=window,
+                                slopes=slopes, bias_shift=bias_shift, out=out)
+    return out
+
+
+__all__ = ["OP", "attend", "pool_by_id", "pool_id"]

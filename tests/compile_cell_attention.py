@@ -1,0 +1,78 @@
+"""Compile the cell-attention kernels for an H100/H200 (sm_90) without a GPU.
+
+The interpreter accepts programs the compiler rejects (and says nothing about speed), so
+CPU CI compiles the launches that matter offline, with the constants the launcher would
+use (``kernel_constants``) and the specialisation a real launch gets (pointers and the
+strides of these shapes are multiples of 16), and checks that the K/V tiles of the main
+loop are loaded asynchronously (software-pipelined): a lost alignment or a loop the
+pipeliner cannot handle shows here as "not pipelined". Prints one line per kernel and
+exits 1 on any failure. Run as a child process: TRITON_INTERPRET must not be set.
+"""
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from cudagraph_rt.kernels import cell_attention as ca  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+FLOAT_ARGS = {"scale2"}
+ALIGNED = {"s_qn", "s_qh", "s_kc", "s_kh", "s_vc", "s_vh", "s_on", "s_oh", "s_bt"}  # multiples of 16 here
+
+
+def compile_kernel(kernel, pointers: dict, constants: dict, options: dict):
+    names = kernel.arg_names
+    sig = {n: "constexpr" if n in constants else pointers.get(n, "fp32" if n in FLOAT_ARGS else "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n not in constants and (sig[n].startswith("*") or n in ALIGNED)}
+    return triton.compile(ASTSource(kernel, sig, constants, attrs), target=TARGET, options=options)
+
+
+def attention(N, Hq, Hkv, D, dtype, *, block_size=16, window=False, bias=False, splits=None):
+    plan = ca.plan_attention(N, Hq, Hkv, D, splits=splits)
+    meta = ca.kernel_constants(plan, Hq, Hkv, D, block_size, dtype, window, bias)
+    t = TYPES[dtype]
+    pointers = dict(q_ptr=f"*{t}", k_ptr=f"*{t}", v_ptr=f"*{t}", bt_ptr="*i32", seq_ptr="*i64", pos_ptr="*i64",
+                    slope_ptr="*fp32", out_ptr=f"*{t}", pm_ptr="*fp32", pl_ptr="*fp32", pacc_ptr="*fp32")
+    options = dict(num_warps=plan.config.num_warps, num_stages=plan.config.num_stages)
+    return plan, compile_kernel(ca._cell_attention_kernel, pointers, meta, options)
+
+
+def main() -> int:
+    failed = 0
+    cases = [  # (label, N, Hq, Hkv, D, dtype, extra): the Llama-1B launches, windows + bias, the toy's shapes
+        ("1B width 1", 1, 32, 8, 64, torch.bfloat16, {}),
+        ("1B width 8, window, bias", 8, 32, 8, 64, torch.bfloat16, dict(window=True, bias=True)),
+        ("1B width 64", 64, 32, 8, 64, torch.bfloat16, {}),
+        ("D 128 width 96", 96, 32, 8, 128, torch.bfloat16, {}),
+        ("toy fp32 D 16 G 1", 8, 4, 4, 16, torch.float32, dict(block_size=4)),
+    ]
+    for label, N, Hq, Hkv, D, dtype, extra in cases:
+        try:
+            plan, k = attention(N, Hq, Hkv, D, dtype, **extra)
+        except Exception as e:  # report every case, then fail
+            print(f"FAILED {label}: {type(e).__name__}: {str(e).splitlines()[:1]}")
+            failed += 1
+            continue
+        pipelined = k.asm["ttgir"].count("async_copy_global_to_local") >= 2
+        ok = pipelined or dtype == torch.float32  # fp32 (ieee dot) takes the FMA path, not cp.async
+        failed += not ok
+        print(f"{'ok' if ok else 'FAILED'} {label}: plan {plan}, shared {k.metadata.shared} B, "
+              f"{'pipelined' if pipelined else 'not pipelined'}")
+    merge = compile_kernel(ca._merge_splits_kernel, dict(out_ptr="*bf16", pm_ptr="*fp32", pl_ptr="*fp32",
+                                                          pacc_ptr="*fp32", seq_ptr="*i64"),
+                           dict(D=64, BLOCK_D=64, BLOCK_S=64), {})
+    write = compile_kernel(ca._write_cells_kernel, dict(k_ptr="*bf16", v_ptr="*bf16", kc_ptr="*bf16", vc_ptr="*bf16",
+                                                         cells_ptr="*i64"), dict(HKV=8, D=64, BLOCK_H=8, BLOCK_D=64), {})
+    print(f"ok merge ({merge.metadata.shared} B shared), write_cells ({write.metadata.shared} B shared)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

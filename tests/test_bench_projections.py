@@ -1,0 +1,26 @@
+"""tools/bench_projections.py's CPU smoke run (--quick): every group, layout and
+implementation is timed after its outputs were checked against eager F.linear over the
+merged weight, and the JSON holds one row each. (Its figures are the H200's: BENCHMARKS.md.)"""
+import json
+
+from cudagraph_rt.tools import bench_projections
+
+
+def test_quick_run_checks_and_records_every_case(tmp_path):
+    """cuBLAS only (the compiled cases are CompiledRows, tested in test_compiled_step)."""
+    out = tmp_path / "proj.json"
+    args = ["--quick", "--json", str(out), "--widths", "1,2", "--replays", "1", "--impls", "cublas"]
+    assert bench_projections.main(args) == 0
+    rec = json.loads(out.read_text())
+    got = {(r["group"], r["layout"], r["impl"], r["width"]) for r in rec["rows"]}
+    want = {(g, lay, "cublas", m) for m in (1, 2)
+            for g, lays in (("qkv", 2), ("o", 1), ("gate_up", 2), ("down", 1), ("head", 1))
+            for lay in ("separate", "merged")[2 - lays:]}
+    assert got == want
+    assert all(r["us"] > 0 and r["floor_us"] > 0 for r in rec["rows"])
+    assert rec["compile_s"] == {"cublas": 0.0}
+
+
+def test_unknown_implementations_are_refused(tmp_path, capsys):
+    assert bench_projections.main(["--quick", "--json", str(tmp_path / "x.json"), "--impls", "cublas,magic"]) == 2
+    assert "--impls" in capsys.readouterr().err
