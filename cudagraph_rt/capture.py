@@ -35,15 +35,18 @@ class CaptureReport:
     run per width). Every one of them ran on padding rows only (each input's ``pad``), so
     a step function that keeps state of its own, beyond what its inputs index (a counter
     it advances per call, as transformers' StaticCache does), was advanced that many
-    times before the first real step."""
+    times before the first real step. ``graph_mode``: what the widths were captured as
+    (``"emulated"``: eager re-runs standing in for CUDA graphs, no pool)."""
 
     widths: tuple[WidthCapture, ...]
     seconds: float
     pool_bytes: int
     step_fn_calls: int = 0
+    graph_mode: str = "cuda"  # "cuda", "emulated" (graphs="emulate") or "off"
 
     def to_json(self) -> dict:
         return {
+            "graph_mode": self.graph_mode,
             "seconds": self.seconds,
             "pool_bytes": self.pool_bytes,
             "step_fn_calls": self.step_fn_calls,
@@ -133,9 +136,11 @@ class WidthCapturer:
     def pool_bytes(self) -> int:
         return torch.cuda.memory_reserved(self.settings.device) - self._base
 
-    def width(self, w: int, run: Callable[[], Any], explain: Callable[[], tuple]):
+    def width(self, w: int, run: Callable[[], Any], replay: Callable[[], Any], explain: Callable[[], tuple]):
         """``(graph, outputs, WidthCapture)``; ``(None, None, WidthCapture with error)`` for a
-        failed width when ``on_error == "eager"``; CaptureError when ``"raise"``."""
+        failed width when ``on_error == "eager"``; CaptureError when ``"raise"``. ``run`` is
+        warmed up and captured; ``replay`` (the same work, uncounted) is for emulated
+        graphs, which re-run it (a CUDA graph replays what was captured)."""
         st = self.settings
         try:
             g, out, tw, tc = capture_width(w, run, pool=self.pool, stream=self.stream, warmup=st.warmup,
@@ -147,6 +152,18 @@ class WidthCapturer:
             return None, None, WidthCapture(w, 0.0, 0.0, 0, error=str(e))
         torch.cuda.empty_cache()
         return g, out, WidthCapture(w, tw, tc, self.pool_bytes())
+
+    def body(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        """A graph of ``fn`` in the pool (a host-row mode's own, e.g. commit's gather):
+        one eager run on the capture stream, then the capture."""
+        g, stream = torch.cuda.CUDAGraph(), self.stream
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(g, pool=self.pool, stream=stream):
+            fn()
+        return g
 
     def drop(self) -> None:
         self.pool = None

@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from .errors import InputError, expected
+from .graph_mode import GraphMode, graph_mode_for
 from .host_rows import HostRows
 from .specs import InputSpec
 from .widths import check_widths, default_dynamic_limit, default_widths
@@ -21,7 +22,7 @@ def _int(name: str, v: Any, lo: int, what: str) -> int:
     return v
 
 
-def _device(device: Any, graphs: bool) -> torch.device:
+def _device(device: Any, mode: GraphMode) -> torch.device:
     """The resolved device ("cuda" -> "cuda:<current>"); InputError for what cannot run."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -33,10 +34,9 @@ def _device(device: Any, graphs: bool) -> torch.device:
         if not torch.cuda.is_available():
             raise InputError(expected("device", "a device this machine has", f"{device} (no CUDA here)"))
         return torch.device("cuda", torch.cuda.current_device()) if dev.index is None else dev
-    if graphs:
-        raise InputError(expected("graphs", "False on a CPU device (CUDA graphs need a GPU)", True))
     if dev.type != "cpu":
         raise InputError(expected("device", "'cuda' or 'cpu'", str(dev)))
+    mode.check_device(dev)
     return dev
 
 
@@ -56,14 +56,16 @@ class RuntimeConfig:
     """Everything a GraphRuntime is built from, checked: the arguments of
     :class:`~cudagraph_rt.GraphRuntime` (see its docstring), with ``widths``,
     ``dynamic_limit`` and ``device`` resolved. ``rows`` is the arena's rows per input:
-    the widest step one slice runs. Raises InputError naming the argument."""
+    the widest step one slice runs. ``graphs`` reads back as given (True, False or
+    ``"emulate"``); ``graph_mode`` is the object it chose (see ``graph_mode``). Raises
+    InputError naming the argument."""
 
     step_fn: StepFn
     inputs: Mapping[str, InputSpec]
     widths: tuple[int, ...]
     dynamic_limit: int
     slicing: bool
-    graphs: bool
+    graphs: bool | str
     device: torch.device
     dynamic_fn: StepFn | None
     host_rows: HostRows | None
@@ -71,6 +73,7 @@ class RuntimeConfig:
     warmup: int
     keep_graphs: bool
     watch: Callable[[], Iterable[torch.Tensor]] | None
+    graph_mode: GraphMode
 
     @property
     def rows(self) -> int:
@@ -93,6 +96,7 @@ class RuntimeConfig:
         _int("warmup", warmup, 0, "an int >= 0")
         if host_rows is not None and not isinstance(host_rows, HostRows):
             raise InputError(expected("host_rows", "a HostRows or None", type(host_rows).__name__))
-        dev = _device(device, graphs)
-        return cls(step_fn, specs, ws, limit, slicing, graphs, dev, dynamic_fn, host_rows, on_capture_error,
-                   warmup, keep_graphs, watch)
+        mode = graph_mode_for(graphs)
+        dev = _device(device, mode)
+        return cls(step_fn, specs, ws, limit, slicing, mode.value, dev, dynamic_fn, host_rows, on_capture_error,
+                   warmup, keep_graphs, watch, mode)

@@ -44,7 +44,8 @@ class StaleCaptureError(CaptureError):
 
 
 class BusyError(CgrtError):
-    """``step`` was called from a second thread while another thread was inside it.
+    """``step`` was called from a second thread while another thread was inside it, or
+    held the views ``host_inputs()`` handed it for its next step.
 
     A runtime serves one host thread at a time; the call is refused, nothing is written."""
 

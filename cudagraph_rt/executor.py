@@ -16,7 +16,6 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import StepFunctionError, expected
-from .launch import GraphLaunch
 from .widths import Slice
 
 
@@ -107,6 +106,23 @@ class StepBody:
             self.rows_mode.gather_in_graph(out, n, self.control)
         return out
 
+    def at_width(self, w: int, inputs, calls: list[int]) -> tuple[Callable[[], Any], Callable[[], Any]]:
+        """(run, replay): what width ``w`` captures (a fed graph starts with the feed's
+        prologue), counted in ``calls[0]``, and the same work uncounted, for an emulated
+        graph to re-run (it holds the buffers and this body, never the runtime)."""
+        views = inputs.views(w)
+        prologue = inputs.feed_prologue if inputs.fed else None
+
+        def replay():
+            if prologue is not None:
+                prologue()
+            return self(w, views)
+
+        def run():
+            calls[0] += 1
+            return replay()
+        return run, replay
+
 
 class EagerSlice:
     """The step function run eagerly at a padded width, over the same static buffers (the
@@ -143,15 +159,16 @@ class DynamicSlice(EagerSlice):
 class GraphSlice:
     """A captured graph of one width. Fed graphs copy their own host rows in (one node at
     the start of the graph), so a replay costs the host no copy call; ``launch`` starts
-    the graph (see GraphLaunch). Outputs are the graph's static tensors: the same objects
+    the graph (the graph mode's launcher: ``GraphLaunch`` for a CUDA graph, an emulated
+    graph's ``replay``). Outputs are the graph's static tensors: the same objects
     every replay, cut once per T (``cut``)."""
 
     def __init__(self, width: int, graph, static_out: Any, inputs, counters: Counters,
-                 replaying: Callable[[], None]):
+                 replaying: Callable[[], None], launch: Callable[[], None]):
         self.width, self.graph, self.static_out = width, graph, static_out
         self._inputs, self._counters, self._replaying = inputs, counters, replaying
         self._fed = inputs.fed
-        self.launch = GraphLaunch(graph, inputs.device)
+        self.launch = launch
         self._cuts: dict[int, Any] = {}
 
     def run(self, prep, s: Slice, control) -> Any:

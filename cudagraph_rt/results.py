@@ -34,7 +34,9 @@ class StepResult:
 @dataclass(frozen=True)
 class RuntimeStats:
     """Counters since construction (or ``reset_stats``): graph replays and eager calls per
-    width (eager: graphs off, or a width that fell back), dynamic calls per row count."""
+    width (eager: graphs off, or a width that fell back), dynamic calls per row count.
+    ``graph_mode`` says what a replay is: ``"cuda"``, ``"emulated"`` (``graphs="emulate"``:
+    an eager re-run into the width's static outputs) or ``"off"`` (no replays)."""
 
     steps: int
     slices: int
@@ -43,6 +45,7 @@ class RuntimeStats:
     eager_calls: Mapping[int, int]
     dynamic_calls: Mapping[int, int]
     commits: int
+    graph_mode: str = "cuda"
 
 
 class PlannedStep(NamedTuple):

@@ -33,6 +33,7 @@ from ring_hooks import host_ring
 from reliability_harness import Rig, ScaleChooser, TOL
 
 MODES = [None, "host", "device", "commit"]
+pytestmark = pytest.mark.usefixtures("rig_graphs", "one_thread")  # every test graphs off, then emulated
 
 
 def refused(rig: Rig, exc, msg: str, call, *, then_T=None):
@@ -340,7 +341,20 @@ STEP_CASES = [
     ("row count after a wide first", lambda r: _with(r, 100, scale=torch.rand(99, 1)), InputError, r"scale: expected 100 rows like 'tokens', got 99 rows"),
     ("all inputs empty", lambda r: {k: v[:0] for k, v in r.inputs(3).items()}, InputError, r"step inputs: expected at least one row, got 0 rows"),
     ("meta rows", lambda r: _with(r, 2, slot=torch.zeros(2, dtype=torch.long, device="meta")), InputError, r"slot: expected a tensor on cpu or the host, got one on meta"),
+    # issue 22: raw TypeError / RuntimeError before, now named
+    ("float8 tensor", lambda r: _with(r, 2, scale=torch.zeros(2, 1).to(torch.float8_e4m3fn)),
+     InputError, r"scale: expected dtype torch.float32 \(or one that casts to it safely\), got torch.float8_e4m3fn"),
+    ("float8 into float16", lambda r: _with(r, 2, bias=torch.zeros(2, 2).to(torch.float8_e5m2)),
+     InputError, r"bias: expected dtype torch.float16 .*got torch.float8_e5m2"),
+    ("numpy longdouble", lambda r: _with(r, 2, scale=np.zeros((2, 1), np.longdouble)),
+     InputError, r"scale: expected a numeric array of a dtype torch has, got numpy dtype float128"),
+    ("float list overflowing float16", lambda r: _with(r, 2, bias=[[0.5, 7e4], [1.0, 2.0]]),
+     InputError, r"bias: expected values within torch.float16's range \(\|x\| <= 65504\), got 70000.0"),
+    ("uint64 scalars beyond int64", lambda r: _with(r, 2, tokens=[np.uint64(1), np.uint64(2**64 - 1)]),
+     InputError, r"tokens: expected values that fit torch.int64"),
 ]
+if np.dtype(np.longdouble).itemsize <= 8:  # longdouble is float64 here: a valid float array
+    STEP_CASES = [c for c in STEP_CASES if c[0] != "numpy longdouble"]
 
 
 @pytest.mark.parametrize("name,build,exc,msg", STEP_CASES, ids=[c[0] for c in STEP_CASES])
@@ -538,19 +552,64 @@ HOST_ROW_CASES = [
     ("int32 tensor below 0", torch.tensor([3, -2], dtype=torch.int32), InputError, r"rows: expected indices in \[0, 9\), got index -2"),
     ("duplicates numpy", np.array([4, 4]), InputError, r"rows: expected distinct indices"),
     ("over capacity", list(range(9)), CapacityError, r"rows: expected at most 8 rows \(HostRows.capacity\), got 9 rows"),
+    # issue 22: NotImplementedError / RuntimeError / TypeError before, now named
+    ("sparse tensor", torch.tensor([0, 1]).to_sparse(), InputError,
+     r"rows: expected a dense tensor of integer row indices, got layout torch.sparse_coo"),
+    ("quantized tensor", "quantized", InputError, r"rows: expected a dense tensor of integer row indices, got .*qint8"),
+    ("numpy longdouble", np.array([0, 1], np.longdouble), InputError, r"rows: expected integer row indices"),
+    ("range past the capacity, not listed", range(10**12), CapacityError,
+     r"rows: expected at most 8 rows \(HostRows.capacity\), got 1000000000000 rows"),
 ]
 
 
+def _rows(rows):
+    if isinstance(rows, str):  # made here: building it at collection would warn there
+        return torch.quantize_per_tensor(torch.tensor([0.0, 1.0]), 1.0, 0, torch.qint8)
+    return rows
+
+
 @pytest.mark.parametrize("name,rows,exc,msg", HOST_ROW_CASES, ids=[c[0] for c in HOST_ROW_CASES])
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
 def test_bad_host_row_choices(name, rows, exc, msg):
     rig = Rig("host", capacity=8)
     warm(rig, 2, hold=True)
     x = rig.inputs(9)
-    refused(rig, exc, msg, lambda: rig.rt.step(rows=rows, **x))
+    refused(rig, exc, msg, lambda: rig.rt.step(rows=_rows(rows), **x))
+
+
+NEW_ROW_CASES = [c for c in HOST_ROW_CASES if c[0] in (
+    "sparse tensor", "quantized tensor", "numpy longdouble", "range past the capacity, not listed")]
+
+
+class NotToBeListed(tuple):
+    """A tuple of row indices that fails the test if anyone iterates it: a request over
+    the capacity must be refused from its length alone (``rows=range(10**7)`` was listed
+    first: seconds of host time)."""
+
+    def __iter__(self):
+        raise AssertionError("rows over the capacity were iterated before the capacity check")
+
+
+@pytest.mark.parametrize("call", ["step", "commit"])
+def test_rows_over_the_capacity_are_refused_before_they_are_read(call):
+    rig = Rig("host" if call == "step" else "commit", capacity=8)
+    res, _ = rig.step(9)
+    rows = NotToBeListed(range(9))
+    go = (lambda: rig.rt.step(rows=rows, **rig.inputs(9))) if call == "step" else (lambda: rig.rt.commit(res, rows))
+    refused(rig, CapacityError, r"rows: expected at most 8 rows \(HostRows.capacity\), got 9 rows", go)
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+@pytest.mark.parametrize("name,rows,exc,msg", NEW_ROW_CASES, ids=[c[0] for c in NEW_ROW_CASES])
+def test_bad_commit_rows_of_new_kinds(name, rows, exc, msg):
+    rig = Rig("commit", capacity=8)
+    res, _ = rig.step(9)
+    refused(rig, exc, msg, lambda: rig.rt.commit(res, _rows(rows)))
 
 
 @pytest.mark.parametrize("rows", [range(3, 7), np.array([5, 1], np.int16), [np.int64(2), 0], torch.tensor([8, 0])[:1],
-                                  torch.arange(9)[::4], []])
+                                  torch.arange(9)[::4], [], np.array([6, 2, 0], ">i8"), np.array([3, 8], ">u2"),
+                                  [np.uint64(4), np.uint64(1)]])
 def test_valid_host_row_kinds(rows):
     rig = Rig("host", capacity=8)
     warm(rig, 1)

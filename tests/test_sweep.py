@@ -203,6 +203,42 @@ def test_clean_sweep_passes_with_the_seed_printed(capsys, toy):
     assert "PASSED" in report.summary() and f"CGRT_SWEEP_SEED={report.seed}" in report.rerun
 
 
+def test_emulated_sweep_runs_the_graph_path_on_a_cpu(toy):
+    """graphs="emulate": every graph slice replays (emulated), the counters say so, and the
+    reproduction command names the mode (issue 22)."""
+    report = run_sweep(toy, graphs="emulate", **QUICK)
+    assert report.ok, report.summary()
+    assert [m.graphs for m in report.modes] == ["emulate"] and report.notes == ()
+    assert "graphs emulated" in report.summary() and "--graphs emulate" in report.rerun
+    assert sum(w.steps for w in report.modes[0].widths) == report.modes[0].steps_checked
+
+
+def test_cli_sweeps_emulated_graphs(capsys):
+    assert main(["sweep", "--repeats", "1", "--device", "cpu", "--graphs", "emulate", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] is True and [m["graphs"] for m in out["modes"]] == ["emulate"]
+
+
+def _cut_at_the_width(monkeypatch):
+    """A short-path bug (DirectStep, which only fed graphs take): its outputs cut at the
+    graph's width instead of T, so padding rows come back as real rows."""
+    from cudagraph_rt import direct_step
+    init = direct_step._PerT.__init__
+
+    def cut_wide(self, slices, executor, layout, T):
+        init(self, slices, executor, layout, executor.width)
+    monkeypatch.setattr(direct_step._PerT, "__init__", cut_wide)
+
+
+def test_a_short_path_bug_is_caught_under_emulation_and_hidden_with_graphs_off(monkeypatch, toy):
+    _cut_at_the_width(monkeypatch)
+    assert run_sweep(toy, graphs="off", **QUICK).ok  # graphs off never takes the short path
+    bad = run_sweep(toy, graphs="emulate", **QUICK)
+    assert not bad.ok and "rows" in kinds(bad), bad.summary()
+    assert bad.failures[0].repro.startswith(f"cgrt sweep --seed {bad.seed} --only-step {bad.failures[0].step} "
+                                            f"--graphs emulate")
+
+
 def test_plan_feeds_each_sequence_in_order_and_reuses_ids():
     seed, cap = random.SystemRandom().randrange(2**31), Capacity(max_seqs=5, max_len=40, vocab=50)
     print(f"plan seed {seed}")
@@ -413,3 +449,10 @@ def test_cuda_wider_width_is_caught_with_graphs_on(monkeypatch):
     plan_one_width_wider(monkeypatch)
     report = run_sweep(ToyAdapter(device="cuda"), graphs="on", **QUICK)
     assert kinds(report) == {"slices", "counters"} and "graph_replays" in messages(report)
+
+
+@pytest.mark.cuda
+def test_cuda_sweep_emulated_graphs():
+    report = run_sweep(ToyAdapter(device="cuda"), graphs="emulate", **QUICK)
+    assert [m.graphs for m in report.modes] == ["emulate"]
+    assert report.ok, report.summary()

@@ -160,9 +160,13 @@ def add_widths(p: argparse.ArgumentParser, help: str) -> None:
     p.add_argument("--widths", type=positive_ints, metavar="W,W,..", help=help)
 
 
-def add_graphs(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--graphs", type=one_of(*GRAPHS), default="auto", metavar="MODE",
-                   help="auto | on | off | both (default auto: both where CUDA exists, else off)")
+def add_graphs(p: argparse.ArgumentParser, emulate: bool = False) -> None:
+    """``--graphs``; ``emulate`` adds the emulated graph path (GraphRuntime(graphs='emulate'))."""
+    modes = GRAPHS + (("emulate",) if emulate else ())
+    more = (" | emulate (the graph path's code run eagerly over the same buffers, any device)"
+            if emulate else "")
+    p.add_argument("--graphs", type=one_of(*modes), default="auto", metavar="MODE",
+                   help="auto | on | off | both (default auto: both where CUDA exists, else off)" + more)
 
 
 def add_seed(p: argparse.ArgumentParser, default: int | None, what: str) -> None:
@@ -255,7 +259,10 @@ def device(args: argparse.Namespace) -> torch.device:
 
 def graph_modes(mode: str, dev: torch.device) -> tuple[list[bool], list[str]]:
     """``--graphs`` on ``dev`` -> the graph settings to run, in order, and notes. A CPU runs
-    graphs off (``both``/``auto`` say so); ``on`` there is a UsageError."""
+    graphs off (``both``/``auto`` say so); ``on`` there is a UsageError; ``emulate`` runs
+    the emulated graph path on any device."""
+    if mode == "emulate":
+        return ["emulate"], []
     if dev.type == "cuda":
         return {"on": [True], "off": [False], "both": [True, False], "auto": [True, False]}[mode], []
     if mode == "on":

@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     options.add_seed(p, None, "the step plan")
     p.add_argument("--only-step", type=options.int_at_least(0), metavar="K",
                    help="replay steps before K unchecked, check step K only")
-    options.add_graphs(p)
+    options.add_graphs(p, emulate=True)
     options.add_device(p)
     options.add_model(p)
     p.add_argument("--dtype", type=options.one_of(*_DTYPES), metavar="DT",
