@@ -174,6 +174,92 @@ def test_sweep_tolerance_sees_a_1e3_relative_error():
     assert fine.ok, fine.summary()
 
 
+class NonFinite(ToyAdapter):
+    """Row 0 of every step returns one NaN or one inf entry in its hidden state (the rest of
+    the row and every token right): a runtime that returns such rows is wrong, however
+    close the other entries are."""
+
+    def __init__(self, value: float):
+        super().__init__(device="cpu")
+        self.value = value
+
+    def build(self, graphs):
+        self.model.reset_cache()
+        step, value = self.model.step, self.value
+
+        def broken(x):
+            out = step(x)
+            h = out["hidden"].clone()
+            h[0, 1] = value
+            return {**out, "hidden": h}
+
+        return GraphRuntime(broken, self.input_specs(), widths=self.widths, graphs=graphs, device=self.device)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+def test_non_finite_hidden_rows_fail_the_sweep(value):
+    bad = run_sweep(NonFinite(value), **QUICK)
+    assert not bad.ok and kinds(bad) == {"hidden"}, bad.summary()
+    assert bad.modes[0].failed == bad.modes[0].steps_checked  # every step: its row 0
+    assert "hidden: 1 of" in messages(bad) and "row 0 " in messages(bad)
+
+
+def test_the_tolerance_counts_a_non_finite_row_as_infinitely_wrong():
+    from cudagraph_rt.testing.checks import Tolerance
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    ref = torch.randn(5, 8, generator=gen)
+    got = ref.clone()
+    got[1, 3], got[2, 0], got[3, 7] = float("nan"), float("inf"), -float("inf")
+    err, bound = Tolerance.for_dtype(torch.float32).errors(got, ref)
+    assert (err > bound).tolist() == [False, True, True, True, False]
+    assert torch.isinf(err[1:4]).all() and torch.isfinite(bound).all()
+
+
+class WrongToken(ToyAdapter):
+    """Row 0 of every step returns a wrong token (its hidden rows right): the toy's reference
+    has no near-ties (no ``clear`` hook), so every such row is a failure."""
+
+    def build(self, graphs):
+        self.model.reset_cache()
+        step = self.model.step
+
+        def broken(x):
+            out = step(x)
+            t = out["tokens"].clone()
+            t[0] = t[0] + 1  # -1 (no token asked for) becomes 0: wrong too
+            return {**out, "tokens": t}
+
+        return GraphRuntime(broken, self.input_specs(), widths=self.widths, graphs=graphs, device=self.device)
+
+
+def test_a_wrong_token_fails_the_sweep_when_no_margin_is_unclear():
+    bad = run_sweep(WrongToken(device="cpu"), **QUICK)
+    assert not bad.ok and kinds(bad) == {"tokens"}, bad.summary()
+    assert bad.modes[0].failed == bad.modes[0].steps_checked and bad.modes[0].near_ties == 0
+    assert "tokens: 1 of" in messages(bad) and "row 0 " in messages(bad)
+
+
+@pytest.mark.parametrize("T", [3, 7, 12, 1])
+def test_the_pad_check_sees_one_stale_padding_row(toy, T):
+    """check_pad_rows reads every padding row the last graph slice read, one padding row too
+    (T=3 and 7 pad one row at widths 4 and 8); a step without padding has nothing to check."""
+    from cudagraph_rt.testing.checks import check_pad_rows
+    rt = toy.build("emulate")
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    x = {k: torch.full((T,), int(v.pad), dtype=v.dtype) for k, v in rt.input_specs.items()}
+    x["tokens"] = torch.randint(0, toy.config.vocab, (T,), generator=gen)
+    last = rt.step(**x).slices[-1]
+    assert check_pad_rows(rt, last) is None
+    if last.padding == 0:
+        return
+    views = rt.static_inputs(last.width)
+    name = list(rt.input_specs)[int(torch.randint(0, len(rt.input_specs), (1,), generator=gen))]
+    views[name][last.width - 1] = int(rt.input_specs[name].pad) + 1  # the last padding row, stale
+    msg = check_pad_rows(rt, last)
+    assert msg is not None and msg.startswith(f"pad rows: static input rows [{T}, {last.width})") and repr(name) in msg
+    rt.close()
+
+
 def test_the_harness_plan_rule_is_plan_steps_rule():
     """The sweep states the plan rule itself (checks.rule_slices) so that a bug in
     plan_step cannot set its own expectations; on correct code the two agree everywhere."""
