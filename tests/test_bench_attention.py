@@ -20,3 +20,18 @@ def test_quick_writes_every_section(tmp_path, capsys):
     assert {t["knob"] for t in tried} >= {"default", "splits", "rows", "block_size"}
     assert all(t["status"] == "ok" for t in tried), tried
     assert "cell attention, 16-layer loop" in capsys.readouterr().out
+
+
+def test_the_kv_floor_counts_k_and_v_of_every_layer():
+    """The floor (module docstring): live K and V bytes of all layers at the nominal HBM
+    bandwidth. A floor that counts K only halves it, and every kernel would look twice as
+    far from it as it is."""
+    import torch
+
+    from cudagraph_rt.tools.bench_attention import HBM_BYTES_PER_S, Shape, Workload
+    for layers, hkv, d, dtype, seqs, extent in [(1, 2, 16, torch.float32, 1, 24), (3, 1, 8, torch.float16, 2, 40)]:
+        wl = Workload(Shape(layers, 2 * hkv, hkv, d, dtype), width=2 * seqs, seqs=seqs, extent=extent,
+                      max_seqs=seqs, max_len=64, block_size=8, device="cpu")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        live_bytes = layers * seqs * extent * hkv * d * itemsize * 2  # K and V
+        assert wl.floor_us() == live_bytes / HBM_BYTES_PER_S * 1e6
