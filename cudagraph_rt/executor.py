@@ -237,5 +237,6 @@ def _nothing() -> None:
 def eager_executors(widths, body: StepBody, dynamic_fn, inputs, counters: Counters) -> tuple[dict, DynamicSlice]:
     """Every width run eagerly (graphs off, or before capture), and the dynamic path
     (``dynamic_fn`` or the step function)."""
-    by_width = {w: EagerSlice(w, body, inputs, counters, body.values) for w in widths}
-    return by_width, DynamicSlice(lambda n, v: body(n, v, dynamic_fn), inputs, counters, body.values)
+    values = body.values if body is not None else None  # (None: the runtime was closed)
+    by_width = {w: EagerSlice(w, body, inputs, counters, values) for w in widths}
+    return by_width, DynamicSlice(lambda n, v: body(n, v, dynamic_fn), inputs, counters, values)

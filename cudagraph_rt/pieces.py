@@ -107,9 +107,10 @@ def step_values() -> Any:
     if not now.has_values:
         raise CgrtError("step_values(): no step of a runtime built with step_values=... is running")
     if not now.marked and (now.frozen or _capturing()):
-        raise CaptureError("step_values() was read while a graph captures, outside a call marked "
-                           "cudagraph_rt.eager: the graph would replay the capture's value at every step "
-                           "(read it inside a marked call and capture this width in pieces)")
+        raise CaptureError("step_values() was read while a graph captures (a whole graph captures even a call "
+                           "marked cudagraph_rt.eager inline): the graph would replay the capture's value at every "
+                           "step; read it inside a marked call and capture this width in pieces (pieces=True, or "
+                           "on_capture_error='pieces')")
     return now.values
 
 
