@@ -486,6 +486,66 @@ def test_inspect_lists_the_pieces_and_the_calls_between_them():
     assert [w.layout for w in inspect_runtime(whole).widths] == [(), ()]
 
 
+def test_the_cuda_capture_of_pieces_in_order_with_stand_in_graphs(monkeypatch):
+    """``piece_capture.capture_pieces``'s order of work, on a CPU, with stand-in graphs that
+    log what is done to them: each piece begins after the cuBLAS workspaces are released
+    (its own workspace then lives in the pool), ends before its marked call, and is
+    replayed before the call runs (the call reads what the piece wrote, never
+    uninitialised pool memory); the last piece is not replayed. A failure while piece 2
+    captures names it and resets the stream state. The real thing: the cuda tests."""
+    import contextlib
+
+    import cudagraph_rt.piece_capture as pc
+    from models_for_tests import _scaled_rows
+    log = []
+
+    class Graph:
+        made = 0
+
+        def __init__(self, keep_graph=False):
+            Graph.made += 1
+            self.i = Graph.made
+
+        def capture_begin(self, pool=None, capture_error_mode="global"):
+            log.append(("begin", self.i, pool, capture_error_mode))
+
+        def capture_end(self):
+            log.append(("end", self.i))
+
+        def instantiate(self):
+            log.append(("instantiate", self.i))
+
+        def replay(self):
+            log.append(("replay", self.i))
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: None)
+    monkeypatch.setattr(pc, "release_blas_workspaces", lambda: log.append(("blas",)))
+    monkeypatch.setattr(pc, "_reset_after_failure", lambda *a: log.append(("reset",)))
+    monkeypatch.setattr(pc, "_warm_up", lambda w, run, side, n: [run() for _ in range(n)])
+    m = MarkedSlotModel("cpu", seed=1)
+    x = m.random_inputs(4, gen=gen())
+    graph, out, _, _ = pc.capture_pieces(4, lambda: m(x), pool=(0, 7), stream=None, warmup=1, keep_graph=True)
+    piece = lambda i: [("blas",), ("begin", i, (0, 7), "thread_local"), ("end", i), ("instantiate", i)]  # noqa: E731
+    assert log == piece(1) + [("replay", 1)] + piece(2) + [("replay", 2)] + piece(3) + [("blas",)]
+    assert [g.i for g in graph.pieces] == [1, 2, 3] and graph.layout == LAYOUT and out["hidden"].shape == (4, 32)
+
+    class Fails(MarkedSlotModel):
+        def __call__(self, x):
+            _scaled_rows(self.emb, x["tokens"], x["scale"])
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    log.clear()
+    f = Fails("cpu", seed=1)
+    with pytest.raises(CaptureError, match=r"width 4, piece 2: capture failed: RuntimeError: operation not permitted"
+                                           r"(.|\n)*what cannot be captured:\n  hazard") as ei:
+        pc.capture_pieces(4, lambda: f(x), pool=(0, 7), stream=None, warmup=0, keep_graph=False,
+                          explain=lambda: ("hazard",))
+    assert ei.value.piece == 2 and log[-2:] == [("blas",), ("reset",)]
+
+
 # -- CUDA ------------------------------------------------------------------------------------
 @pytest.mark.cuda
 def test_cuda_pieces_equal_a_whole_graph_and_graphs_off_bit_for_bit():
