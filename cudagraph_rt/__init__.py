@@ -27,6 +27,7 @@ from .errors import (  # noqa: E402
     StepFunctionError,
 )
 from .host_rows import HostRows, HostRowsHandle  # noqa: E402
+from .pieces import eager, step_values  # noqa: E402
 from .runtime import GraphRuntime, RuntimeStats, StepResult  # noqa: E402
 from .widths import Slice, default_widths, plan_step  # noqa: E402
 
@@ -35,6 +36,8 @@ __all__ = [
     "InputSpec",
     "HostRows",
     "HostRowsHandle",
+    "eager",
+    "step_values",
     "StepResult",
     "RuntimeStats",
     "StateDigest",

@@ -51,7 +51,7 @@ SECTIONS = {
 }
 
 
-HF_SECTIONS = ("compiled", "pool", "spec", "capture", "greedy")  # tools/bench_hf.py's, by name
+HF_SECTIONS = ("compiled", "pool", "spec", "capture", "pieces", "greedy")  # tools/bench_hf.py's, by name
 
 
 def _sections(text: str) -> tuple:

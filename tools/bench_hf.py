@@ -15,6 +15,9 @@ Sections (each reported on its own; a failing one is recorded and the rest still
   spec      speculative decoding through the demo runner at one sequence (k = 4, accept-prob
             0.7) against the same runner with k = 0 (plain greedy through the runtime).
   capture   capture time of all default widths; the shared pool against the widest alone.
+  pieces    piecewise graphs (tools/bench_pieces.py): the runtime's attention marked eager, in
+            pieces against whole graphs and eager; varlen attention (per-step host ints) in
+            pieces against eager; T 1-8.
 
 ``--quick``: a CPU smoke run (tiny config, graphs off, a few tokens, no child processes).
 """
@@ -238,9 +241,14 @@ def sec_pool(ctx) -> dict:
     return run_pool(ctx)
 
 
+def sec_pieces(ctx) -> dict:
+    from .bench_pieces import sec_pieces as run_pieces
+    return run_pieces(ctx)
+
+
 # The cheap sections first: the static+compile child may run into a caller's time limit.
 SECTIONS = {"compiled": sec_compiled, "pool": sec_pool, "spec": sec_spec, "capture": sec_capture,
-            "greedy": sec_greedy}
+            "pieces": sec_pieces, "greedy": sec_greedy}
 
 
 # ------------------------------------------------------------------------------ context, children
@@ -360,6 +368,9 @@ def goals(r: dict) -> list[dict]:
     from .bench_pool import goals as pool_goals
     for name, value, target, ok in pool_goals(r.get("pool", {})):
         add(name, value, target, ok)
+    from .bench_pieces import goals as piece_goals
+    for name, value, target, ok in piece_goals(r.get("pieces", {})):
+        add(name, value, target, ok)
     return out
 
 
@@ -421,6 +432,9 @@ def _print(r: dict) -> None:
                     con.print(f"  {name} check: mismatches {ch['token_mismatches']}, near-ties {ch['near_ties']}, rows "
                               f"{ch['rows_checked']} worst {ch['rows_max_err']:.3g} of tol ({ch['rows_rule']})",
                               markup=False)
+        elif key == "pieces":
+            from .bench_pieces import print_section
+            print_section(con, sec)
         elif key == "capture":
             con.print(f"capture of widths {sec['widths']}: {sec['capture_s']:.2f} s; pool {sec['pool_bytes'] / 2**20:.1f}"
                       f" MiB, widest alone {sec['widest_alone_bytes'] / 2**20:.1f} MiB "

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from cudagraph_rt.errors import CgrtError, InputError
+from cudagraph_rt.errors import CgrtError, InputError, expected
 from cudagraph_rt.models.toy import ToyConfig
 from cudagraph_rt.testing import HFAdapter, SweepOptions, ToyAdapter, run_sweep
 from cudagraph_rt.testing.report import plot, rich_tables
@@ -35,6 +35,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", type=options.one_of(*_DTYPES), metavar="DT",
                    help="override the config dtype: " + " | ".join(_DTYPES))
     options.add_widths(p, "captured width set (default 1,2,4,..,64)")
+    p.add_argument("--attention", type=options.one_of("cells", "eager-piece", "varlen"), default="cells", metavar="A",
+                   help="the model's attention: cells (captured with the step; default) | eager-piece (the same, "
+                        "marked cudagraph_rt.eager) | varlen (hf models: torch's varlen_attn, per-step host ints)")
+    p.add_argument("--pieces", action="store_true",
+                   help="capture every width in pieces, split at the calls marked eager (GraphRuntime(pieces=True))")
     p.add_argument("--repeats", type=options.int_at_least(1), default=d.repeats, metavar="R",
                    help=f"steps per width (default {d.repeats})")
     p.add_argument("--extras", type=_extras, default=d.extras, metavar="T,T,..",
@@ -57,13 +62,15 @@ def _adapter(args, choice: options.ModelChoice) -> ToyAdapter | HFAdapter:
     dtype = _DTYPES[args.dtype] if args.dtype is not None else None
     if choice.kind != "toy":
         return HFAdapter(choice.family, "tiny" if choice.kind == "path" else choice.size, dtype, args.device,
-                         args.widths, path=choice.path)
+                         args.widths, path=choice.path, attention=args.attention, pieces=args.pieces)
     make = ToyConfig.bench if choice.size == "bench" else ToyConfig.tiny
     config = make(dtype=dtype) if dtype is not None else make()
     if getattr(args, "tp", 1) > 1:
         from cudagraph_rt.tools.sweep_tp import TPAdapter
         return TPAdapter(config, args.device, args.widths)
-    return ToyAdapter(config, args.device, args.widths)
+    if args.attention == "varlen":
+        raise InputError(expected("--attention", "cells | eager-piece for the toy (varlen: hf models)", "varlen"))
+    return ToyAdapter(config, args.device, args.widths, attention=args.attention, pieces=args.pieces)
 
 
 def run(args) -> int:

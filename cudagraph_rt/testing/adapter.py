@@ -145,13 +145,28 @@ class PoolAdapter(BaseAdapter):
     after the step they must be unchanged.
 
     ``stepped`` is the model whose pool the runtime's steps use (``self.model``, unless a
-    subclass steps another one, e.g. the tensor-parallel split of it).
+    subclass steps another one, e.g. the tensor-parallel split of it). ``pieces``: the
+    runtime captures every width in pieces (``GraphRuntime(pieces=True)``), with the
+    model's ``step_values`` function (varlen attention needs one).
     """
 
     model: Decoder
+    pieces = False
     _watch: tuple[int, torch.Tensor, torch.Tensor] | None = None
     _shared: tuple[int, int] | None = None
     _rt: GraphRuntime | None = None
+
+    def runtime(self, graphs, widths) -> GraphRuntime:
+        """A new runtime over the model's step (its cache reset first)."""
+        self.model.reset_cache()
+        return self._runtime(GraphRuntime(self.model.step, self.input_specs(), widths=widths, graphs=graphs,
+                                          device=self.device, pieces=self.pieces,
+                                          step_values=getattr(self.model, "step_values", None)))
+
+    def _piece_args(self) -> list[str]:
+        """``--attention`` / ``--pieces`` as the CLI rebuilds them."""
+        att = getattr(self.model, "attention", "cells")
+        return (["--attention", att] if att != "cells" else []) + (["--pieces"] if self.pieces else [])
 
     @property
     def stepped(self) -> Decoder:
@@ -214,7 +229,7 @@ class ToyAdapter(PoolAdapter):
     """
 
     def __init__(self, config: ToyConfig | None = None, device: str | torch.device | None = None,
-                 widths: Sequence[int] | None = None):
+                 widths: Sequence[int] | None = None, *, attention: str = "cells", pieces: bool = False):
         self.config = config or ToyConfig.tiny()
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -225,7 +240,8 @@ class ToyAdapter(PoolAdapter):
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise InputError(expected("device", "a device this machine has", f"{device} (no CUDA here)"))
         self.widths = tuple(widths) if widths is not None else None
-        self.model = ToyDecoder(self.config, self.device)
+        self.model = ToyDecoder(self.config, self.device, attention=attention)
+        self.pieces = pieces
         self.capacity = Capacity(self.config.max_seqs, self.config.max_len, self.config.vocab)
         self.tolerance = Tolerance.for_dtype(self.config.dtype, self.device)
         self.name = f"toy {self._size()} {str(self.config.dtype).replace('torch.', '')}"
@@ -239,9 +255,7 @@ class ToyAdapter(PoolAdapter):
         return "custom"
 
     def build(self, graphs: bool) -> GraphRuntime:
-        self.model.reset_cache()
-        return self._runtime(GraphRuntime(self.model.step, self.input_specs(), widths=self.widths,
-                            graphs=graphs, device=self.device))
+        return self.runtime(graphs, self.widths)
 
     def reference(self, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model.reference(list(tokens))
@@ -275,7 +289,7 @@ class ToyAdapter(PoolAdapter):
         default_dtype = (ToyConfig.bench() if size == "bench" else ToyConfig.tiny()).dtype
         if c.dtype != default_dtype:
             args += ["--dtype", str(c.dtype).replace("torch.", "")]
-        return args + self._machine_args()
+        return args + self._piece_args() + self._machine_args()
 
 
 class HFAdapter(PoolAdapter):
@@ -293,7 +307,7 @@ class HFAdapter(PoolAdapter):
 
     def __init__(self, family: str = "llama", size: str = "tiny", dtype: torch.dtype | None = None,
                  device: str | torch.device | None = None, widths: Sequence[int] | None = None, *,
-                 model=None, seed: int = 0, path: str | None = None):
+                 model=None, seed: int = 0, path: str | None = None, attention: str = "cells", pieces: bool = False):
         from ..models import hf
 
         self._rebuildable = model is None  # a model passed in: the CLI cannot rebuild it
@@ -306,8 +320,9 @@ class HFAdapter(PoolAdapter):
                                               repr(device))) from None
                 if device.type == "cuda" and not torch.cuda.is_available():
                     raise InputError(expected("device", "a device this machine has", f"{device} (no CUDA here)"))
-            model = hf.build(family, size, dtype=dtype, device=device, seed=seed, path=path)
+            model = hf.build(family, size, dtype=dtype, device=device, seed=seed, path=path, attention=attention)
         self.model, self.family, self.size, self.path = model, model.config.family, model.config.size, path
+        self.pieces = pieces
         self.device = model.device
         self.widths = tuple(widths) if widths is not None else None
         c = model.config
@@ -316,9 +331,7 @@ class HFAdapter(PoolAdapter):
         self.name = f"hf:{self.family} {self.size} {str(c.dtype).replace('torch.', '')}"
 
     def build(self, graphs: bool) -> GraphRuntime:
-        self.model.reset_cache()
-        return self._runtime(GraphRuntime(self.model.step, self.input_specs(), widths=self.widths, graphs=graphs,
-                            device=self.device))
+        return self.runtime(graphs, self.widths)
 
     def reference(self, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         logits, hidden = self.model.reference_logits(list(tokens))
@@ -358,4 +371,4 @@ class HFAdapter(PoolAdapter):
         default = torch.float32 if self.size in ("tiny", "local") else torch.bfloat16
         if self.model.config.dtype != default:
             args += ["--dtype", str(self.model.config.dtype).replace("torch.", "")]
-        return args + self._machine_args()
+        return args + self._piece_args() + self._machine_args()
