@@ -121,16 +121,17 @@ class AttentionPlan:
     config: AttentionConfig
 
 
-# Measured defaults, keyed on (rows per tile, padded D, padded G): the first H200 run of
+# Measured defaults, keyed on (rows per tile, padded D, padded G, splits > 1: the kernel
+# with the merge, which needs more registers): the first H200 run of
 # tools/bench_attention.py (Llama-3.2-1B shapes, bf16, 16 layers; the bench prints the
 # entries), on the kernel before the in-kernel merge and the chunked table reads. Width
 # 1: tiles of 128 cells (393 us against 437 at 32k), splits of at least 128 positions
 # (190 us against 232 at 8k). Width 8 (a verify step, 32 lanes): 2 warps (540 us against
 # 724 at 32k; also the register budget: 4 warps spill here). The bench's goal cases
 # re-measure them around these. Other shapes take the rule in _default_config.
-TUNED_CONFIGS: dict[tuple[int, int, int], AttentionConfig] = {
-    (1, 64, 4): AttentionConfig(tile_n=128, num_warps=4, num_stages=3, min_chunk=128),
-    (8, 64, 4): AttentionConfig(tile_n=64, num_warps=2, num_stages=3, min_chunk=256),
+TUNED_CONFIGS: dict[tuple[int, int, int, bool], AttentionConfig] = {
+    (1, 64, 4, True): AttentionConfig(tile_n=128, num_warps=4, num_stages=3, min_chunk=128),
+    (8, 64, 4, True): AttentionConfig(tile_n=64, num_warps=2, num_stages=3, min_chunk=256),
 }
 
 MAX_ROWS_PER_TILE = 8  # a verify step of up to 8 rows of one sequence reads its context once
@@ -151,10 +152,13 @@ def _prev_pow2(n: int) -> int:
     return 1 << (max(1, int(n)).bit_length() - 1)
 
 
-def _default_config(rows: int, block_d: int, block_g: int) -> AttentionConfig:
+def _default_config(rows: int, block_d: int, block_g: int, split: bool) -> AttentionConfig:
     """The rule behind the table: about 32 KB of K and V per tile (128 cells of D 64 in
-    bf16, 64 of D 128), two tiles in flight; a split takes at least one tile."""
+    bf16, 64 of D 128), two tiles in flight; a split takes at least one tile. Without
+    splits (many sequences) half that: the kernel without the merge then needs about 80
+    registers instead of 140 and twice the programs fit on an SM (one wave)."""
     tile_n = 128 if block_d <= 64 else 64 if block_d <= 128 else 32
+    tile_n = tile_n if split else max(16, tile_n // 2)
     return AttentionConfig(tile_n=tile_n, min_chunk=tile_n)
 
 
@@ -177,7 +181,8 @@ def plan_attention(N: int, Hq: int, Hkv: int, D: int, *, splits: int | None = No
         cap = max(1, min(MAX_SPLITS, MERGE_LANE_SPLITS // (rows * block_g)))
         splits = max(1, min(cap, _next_pow2(-(-TARGET_PROGRAMS // busy))))
     block_d = max(16, _next_pow2(D))
-    config = TUNED_CONFIGS.get((rows, block_d, block_g)) or _default_config(rows, block_d, block_g)
+    key = (rows, block_d, block_g, splits > 1)
+    config = TUNED_CONFIGS.get(key) or _default_config(*key)
     return AttentionPlan(rows, 1, int(splits), config)
 
 

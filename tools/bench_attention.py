@@ -89,7 +89,8 @@ FULL = Sizes(
                                 ("tile_n+num_warps", (128, 4)))),
      Case("w8@32k", 8, 1, 32768, (("splits", 8), ("splits", 32), ("num_warps", 4), ("tile_n+num_warps", (128, 4)),
                                   ("num_stages", 4))),
-     Case("w64@1k", 64, 64, 1024, (("splits", 2), ("splits", 4), ("tile_n", 64), ("num_warps", 8), ("num_stages", 4)))),
+     Case("w64@1k", 64, 64, 1024, (("splits", 2), ("splits", 4), ("tile_n", 128), ("tile_n+num_stages", (32, 4)),
+                                    ("num_stages", 4)))),
 )
 QUICK = Sizes(
     Shape(1, 4, 2, 16, torch.float32), (24,), (1, 4), (3, 16), ((2, 16), (4, 64)), 12,
@@ -418,7 +419,7 @@ def suggestions(res: dict) -> list[str]:
             continue
         p, c = best["plan"], best["plan"]["config"]
         lines.append(f"{case['case']}: {_label(best)}; splits {p['splits']}; ({p['rows_per_tile']}, {block_d}, "
-                     f"{block_g}): AttentionConfig(tile_n={c['tile_n']}, num_warps={c['num_warps']}, "
+                     f"{block_g}, {p['splits'] > 1}): AttentionConfig(tile_n={c['tile_n']}, num_warps={c['num_warps']}, "
                      f"num_stages={c['num_stages']}, min_chunk={c['min_chunk']})")
     return lines
 
