@@ -197,7 +197,9 @@ def kernel_constants(plan: AttentionPlan, Hq: int, Hkv: int, D: int, block_size:
     block_d, tile_n = max(16, _next_pow2(D)), plan.config.tile_n
     block_l = block_r * block_g
     threads = 32 * plan.config.num_warps
-    merge_chunk = _prev_pow2(max(1, min(plan.splits, 16, MERGE_ELEMENTS_PER_THREAD * threads // (block_l * block_d))))
+    # not capped by the splits: one compiled kernel serves every split count (the unrolled
+    # steps past the arrivals load nothing)
+    merge_chunk = _prev_pow2(max(1, min(16, MERGE_ELEMENTS_PER_THREAD * threads // (block_l * block_d))))
     return dict(G=Hq // Hkv, D=D, BLOCK_D=block_d, BLOCK_G=block_g, BLOCK_M=max(16, block_l), BLOCK_L=block_l,
                 R=plan.rows_per_tile, BLOCK_R=block_r, P=plan.programs_per_tile, TILE_N=tile_n,
                 CHUNK_TILES=max(1, min(16, 2048 // tile_n)), BLOCK_SIZE=block_size, HAS_WINDOW=has_window,
