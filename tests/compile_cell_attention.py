@@ -55,6 +55,7 @@ def main() -> int:
         ("1B width 64", 64, 32, 8, 64, torch.bfloat16, {}),
         ("D 128 width 96", 96, 32, 8, 128, torch.bfloat16, {}),
         ("toy fp32 D 16 G 1", 8, 4, 4, 16, torch.float32, dict(block_size=4)),
+        ("toy bf16 width 1 G 1, bias", 1, 4, 4, 16, torch.bfloat16, dict(block_size=4, bias=True)),
     ]
     for label, N, Hq, Hkv, D, dtype, extra in cases:
         try:

@@ -301,6 +301,19 @@ def test_in_kernel_merge_leaves_its_counters_zero(rng):
 
 
 @needs_kernel
+def test_merge_of_more_splits_than_one_merge_step(rng):
+    """A verify tile (five rows of one sequence, three padding) of D 64 whose 10 busy
+    splits (of 12, not a power of two) take three merge steps of 4."""
+    rows = [(2, 150 + i) for i in range(5)] + [(-1, 0)] * 3
+    pb = Problem(rng, rows, D=64, S=4, MB=48)
+    plan = small(rows=8, splits=12, num_warps=1)
+    assert ca.kernel_constants(plan, pb.Hq, pb.Hkv, pb.D, pb.bs, pb.k.dtype, False, False)["MERGE_CHUNK"] == 4
+    counters = ca.new_attention_counters(DEV, 16)
+    check(pb, plan, scale=0.2, counters=counters)
+    assert not counters.any()
+
+
+@needs_kernel
 def test_a_row_with_one_busy_split_writes_directly(rng, monkeypatch):
     """8 splits of 16 positions: the rows at 3 and 15 (one split has work) write their
     output without partials or counter; the row at 120 merges eight; padding is 0."""
