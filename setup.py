@@ -10,9 +10,11 @@ from setuptools import setup
 setup(
     packages=[
         "cudagraph_rt",
+        "cudagraph_rt.debug",
         "cudagraph_rt.host_rows",
         "cudagraph_rt.inputs",
         "cudagraph_rt.models",
+        "cudagraph_rt.spec",
         "cudagraph_rt.testing",
         "cudagraph_rt.kernels",
         "cudagraph_rt.tools",

@@ -173,7 +173,7 @@ def test_architecture_layout_names_every_module():
 
 @pytest.mark.parametrize("doc", ["README.md", "ARCHITECTURE.md"])
 def test_files_the_docs_point_at_exist(doc):
-    """Every repository file the doc names (``tests/test_x.py``, ``cudagraph_rt/runner.py``)
+    """Every repository file the doc names (``tests/test_x.py``, ``cudagraph_rt/spec/runner.py``)
     exists, and a ``::Name`` after it is a class or function defined there."""
     text = (ROOT / doc).read_text()
     refs = re.findall(r"\b((?:tests|cudagraph_rt|tools|kernels)/[\w/]+\.py)(?:::(\w+))?", text)

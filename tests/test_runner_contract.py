@@ -15,10 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cudagraph_rt import InputError
-from cudagraph_rt.device_drafter import DeviceDrafter
-from cudagraph_rt.drafting import CommittedRows, DraftRule, controlled_drafts, controlled_drafts_py
+from cudagraph_rt.spec.device_drafter import DeviceDrafter
+from cudagraph_rt.spec.drafting import CommittedRows, DraftRule, controlled_drafts, controlled_drafts_py
 from cudagraph_rt.models import ToyConfig, ToyDecoder
-from cudagraph_rt.runner import ReferenceDrafter, Request, SpecRunner, ToyDrafter
+from cudagraph_rt.spec.runner import ReferenceDrafter, Request, SpecRunner, ToyDrafter
 from cudagraph_rt.tools import demo
 
 MODEL = ToyDecoder(ToyConfig.tiny(max_len=48, max_seqs=6), "cpu")

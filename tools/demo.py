@@ -1,5 +1,5 @@
 """`cgrt demo`: speculative decoding on the toy decoder (or ``--model hf:<family>``, a
-transformers model with random weights) through cudagraph_rt.runner.
+transformers model with random weights) through cudagraph_rt.spec.runner.
 
 Serves ``--sequences`` random prompts (at most ``--slots`` at once, so sequences retire
 and join), with graphs on and/or off, and reports tokens/s, steps/s, the acceptance
@@ -19,8 +19,8 @@ import torch
 from ..errors import CgrtError, InputError, expected
 from ..models import Decoder, ToyConfig, ToyDecoder
 from ..models.hf import build
-from ..device_drafter import DeviceDrafter
-from ..runner import PHASES, ReferenceDrafter, Request, RunReport, SpecRunner, ToyDrafter
+from ..spec.device_drafter import DeviceDrafter
+from ..spec.runner import PHASES, ReferenceDrafter, Request, RunReport, SpecRunner, ToyDrafter
 from ..testing.checks import Tolerance
 from . import options
 

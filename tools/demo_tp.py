@@ -1,6 +1,6 @@
 """``cgrt demo --tp N``: the speculative-decoding demo on the tensor-parallel toy.
 
-Rank 0 is the driver: it runs the host runner (cudagraph_rt.runner.SpecRunner) over a
+Rank 0 is the driver: it runs the host runner (cudagraph_rt.spec.runner.SpecRunner) over a
 DistributedRuntime whose inputs are broadcast (``inputs_from=0``) and whose host rows come
 from rank 0 only; the other ranks ``follow()``. Every generated token is checked on rank 0
 against greedy decoding of the ONE-device ToyDecoder with the same weights, and every
@@ -16,7 +16,7 @@ from ..distributed import DistributedRuntime
 from ..errors import CgrtError, expected
 from ..models import ToyConfig, ToyDecoder
 from ..models.tp import TPToyDecoder
-from ..runner import Request, RunReport, SpecRunner, ToyDrafter
+from ..spec.runner import Request, RunReport, SpecRunner, ToyDrafter
 from . import options, tp_launch
 from .demo import check, make_requests, publish, timing
 

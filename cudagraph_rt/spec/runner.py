@@ -45,12 +45,12 @@ import numpy as np
 import torch
 
 from .drafting import CommittedRows, ReferenceDrafter, ToyDrafter
-from .errors import InputError, expected
-from .host_rows import HostRows, HostRowsHandle
-from .models.pool import cdiv
-from .models.protocol import Decoder
+from ..errors import InputError, expected
+from ..host_rows import HostRows, HostRowsHandle
+from ..models.pool import cdiv
+from ..models.protocol import Decoder
 from .run_timing import PHASES, DeviceTimer, PhaseClock, RunReport
-from .runtime import GraphRuntime
+from ..runtime import GraphRuntime
 
 __all__ = ["CommittedRows", "DeviceTimer", "PHASES", "PhaseClock", "ReferenceDrafter", "Request", "RunReport",
            "Sequence", "SpecRunner", "ToyDrafter", "make_runtime"]
@@ -146,7 +146,7 @@ class SpecRunner:
     than the runtime's dynamic limit, 96 by default, makes a sliced step).
     ``record_rows`` keeps a copy of every committed hidden row per sequence (for checks).
     The drafter has ``observe(CommittedRows)``, ``propose(seqs, k) -> [len(seqs), k]`` and
-    ``forget(seq)``; see :mod:`cudagraph_rt.drafting`. The runner owns ``self.rt`` (its
+    ``forget(seq)``; see :mod:`cudagraph_rt.spec.drafting`. The runner owns ``self.rt`` (its
     graphs and pinned buffers live as long as the runner); one host thread drives it.
 
     KV cells come from the model's pool (``model.cell_range`` per sequence and step). A

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import CgrtError
+from ..errors import CgrtError
 
 
 __all__ = ["NeedsCudaError", "GraphInspectError", "GraphNode", "graph_nodes", "node_counts",
@@ -34,7 +34,7 @@ def _driver():
     try:
         from cuda.bindings import driver
     except ImportError as exc:  # pragma: no cover - depends on the install
-        from .extras import message
+        from ..extras import message
 
         raise NeedsCudaError(message("gpu", "graph introspection") + f" ({exc})") from exc
     torch.cuda.init()   # a current context for cuPointerGetAttribute

@@ -14,6 +14,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import dataclasses
+import importlib.util
 import linecache
 import os
 import sys
@@ -82,9 +83,10 @@ class Hazard:
 
 def _library_roots() -> tuple[tuple[str, ...], tuple[str, ...], str, tuple[str, ...]]:
     """(user roots inside the library, library roots, stdlib, site-packages roots)."""
-    pkg = os.path.dirname(os.path.abspath(__file__))
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # cudagraph_rt/ (this is debug/)
     lib = [os.path.dirname(os.path.abspath(torch.__file__)), pkg]
-    lib += [os.path.join(p, "kernels") for p in sys.modules[__package__].__path__]
+    kernels = importlib.util.find_spec("cudagraph_rt.kernels")  # inside pkg when installed, beside it in a tree
+    lib += [os.path.abspath(p) for p in (kernels.submodule_search_locations or ())] if kernels else []
     paths = sysconfig.get_paths()
     site = tuple(os.path.abspath(paths[k]) + os.sep for k in ("purelib", "platlib"))
     return ((os.path.join(pkg, "models") + os.sep,), tuple(d + os.sep for d in lib),

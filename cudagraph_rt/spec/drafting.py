@@ -26,11 +26,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .errors import InputError, expected
+from ..errors import InputError, expected
 
 if TYPE_CHECKING:  # annotations only: the models import nothing from here
-    from .models.protocol import Decoder
-    from .models.toy import ToyDecoder
+    from ..models.protocol import Decoder
+    from ..models.toy import ToyDecoder
 
 M32 = 0xFFFFFFFF
 # Odd multipliers below 2**31: a product with a 32-bit value stays below 2**63, so int64

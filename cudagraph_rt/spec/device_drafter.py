@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .drafting import CommittedRows, DraftRule, _Seen, controlled_drafts
-from .errors import InputError, expected
-from .runtime import GraphRuntime
-from .specs import InputSpec
+from ..errors import InputError, expected
+from ..runtime import GraphRuntime
+from ..specs import InputSpec
 
 
 class _Batch:
