@@ -1,8 +1,8 @@
 """The cell-attention kernel on Llama-3.2-1B shapes (Hq 32, Hkv 8, D 64, bf16, 16 layers):
 device time of the 16-layer loop against the KV-read floor and torch SDPA (issue 23).
 
-    PYTHONPATH=. python3 -m cudagraph_rt.tools.bench_attention --json OUT.json [--budget 110]
-    PYTHONPATH=. python3 -m cudagraph_rt.tools.bench_attention --quick --json OUT.json   # CPU smoke run
+    PYTHONPATH=. python3 -m cudagraph_rt.tools.bench.attention --json OUT.json [--budget 110]
+    PYTHONPATH=. python3 -m cudagraph_rt.tools.bench.attention --quick --json OUT.json   # CPU smoke run
 
 Sections (all in the JSON; a short table last on stdout):
 
@@ -420,7 +420,7 @@ def suggestions(res: dict) -> list[str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cudagraph_rt.tools.bench_attention", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m cudagraph_rt.tools.bench.attention", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", default=None, help="write every number here")
     p.add_argument("--quick", action="store_true", help="tiny shapes (the interpreter without a GPU), for CI")

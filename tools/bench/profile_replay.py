@@ -1,7 +1,7 @@
 """Where one captured width's device time goes: the kernels of ``--replays`` replays of a
 model's graph at ``--width``, by total device time (torch.profiler, CUDA activity).
 
-    python -m cudagraph_rt.tools.profile_replay --model hf:llama --size 1b --width 1 \\
+    python -m cudagraph_rt.tools.bench.profile_replay --model hf:llama --size 1b --width 1 \\
         [--compile default] [--fuse] [--capture-widths default] [--json OUT.json]
 
 Prints the replay's median time (CUDA events), the top kernels with their share and a
@@ -55,7 +55,7 @@ def _sdpa(name: str | None):
 
 
 def _parse(argv):
-    p = argparse.ArgumentParser(prog="python -m cudagraph_rt.tools.profile_replay", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m cudagraph_rt.tools.bench.profile_replay", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="hf:llama")
     p.add_argument("--size", default="1b")

@@ -1,7 +1,7 @@
 """The 1B Llama's weight matmuls at decode widths, separate against merged, cuBLAS against
 inductor, each against its weight-read floor (issue 24: what the floor needs). CUDA only.
 
-    python -m cudagraph_rt.tools.bench_projections --json OUT.json [--widths 1,2,4,8,16] [--impls cublas,...]
+    python -m cudagraph_rt.tools.bench.projections --json OUT.json [--widths 1,2,4,8,16] [--impls cublas,...]
 
 Per group of one layer (q/k/v, o, gate/up, down; the LM head once), at every width M:
 ``separate`` runs the model's linears one by one (q, k, v; gate, up), ``merged`` one
@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from .bench_hf import HBM_BYTES_PER_S
+from .hf import HBM_BYTES_PER_S
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,7 @@ def table(rows: list[Row], widths) -> str:
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="python -m cudagraph_rt.tools.bench_projections", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m cudagraph_rt.tools.bench.projections", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", required=True, help="where to write every row (rewritten after each implementation)")
     p.add_argument("--widths", default="1,2,4,8,16", help="comma-separated widths (default 1,2,4,8,16)")
