@@ -18,6 +18,9 @@ setup(
         "cudagraph_rt.testing",
         "cudagraph_rt.kernels",
         "cudagraph_rt.tools",
+        "cudagraph_rt.tools.bench",
+        "cudagraph_rt.tools.demo",
+        "cudagraph_rt.tools.sweep",
     ],
     package_dir={
         "cudagraph_rt": "cudagraph_rt",

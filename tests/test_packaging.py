@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MAPPED = {"kernels": "row_gather", "tools": "sweep"}  # folder -> a module inside it
+MAPPED = {"kernels": "row_gather", "tools": "options"}  # folder -> a module inside it
 
 # Run in the child: which file each mapped name comes from, and how every other name at
 # the repository root fares as cudagraph_rt.<name>.
@@ -112,9 +112,15 @@ def test_wheel_holds_the_package_only_and_resolves_inside_itself(wheel, tmp_path
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
     assert tops == {"cudagraph_rt", wheel.name.split("-")[0] + "-" + wheel.name.split("-")[1] + ".dist-info"}, tops
-    for must in ("cudagraph_rt/py.typed", "cudagraph_rt/kernels/row_gather.py", "cudagraph_rt/tools/sweep.py",
-                 "cudagraph_rt/models/toy.py", "cudagraph_rt/debug/inspect.py", "cudagraph_rt/spec/runner.py"):
+    for must in ("cudagraph_rt/py.typed", "cudagraph_rt/kernels/row_gather.py", "cudagraph_rt/tools/sweep/__init__.py",
+                 "cudagraph_rt/models/toy.py", "cudagraph_rt/debug/inspect.py", "cudagraph_rt/spec/runner.py",
+                 "cudagraph_rt/tools/bench/compile_child.py", "cudagraph_rt/tools/demo/serve.py"):
         assert must in names, must
+    # every module of the tree, at its installed path (a subpackage setup.py misses is caught here)
+    tree = {f"cudagraph_rt/{p.relative_to(ROOT / 'cudagraph_rt').as_posix()}" for p in (ROOT / "cudagraph_rt").rglob("*.py")}
+    tree |= {f"cudagraph_rt/{p.relative_to(ROOT).as_posix()}" for d in MAPPED for p in (ROOT / d).rglob("*.py")}
+    missing = sorted(n for n in tree if "__pycache__" not in n and n not in names)
+    assert not missing, f"the wheel misses {missing}"
     assert not [n for n in names if "/tests/" in n or n.endswith("conftest.py")]
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)

@@ -39,5 +39,7 @@ def test_setup_installs_every_package():
     call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
     listed = set(ast.literal_eval(next(k.value for k in call.keywords if k.arg == "packages")))
     found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "cudagraph_rt").rglob("__init__.py")}
-    found |= {"cudagraph_rt.kernels", "cudagraph_rt.tools"}  # package_dir maps them from the top level
+    for mapped in ("kernels", "tools"):  # package_dir maps them (and their subpackages) from the top level
+        found |= {".".join(("cudagraph_rt", *p.parent.relative_to(ROOT).parts)) for p in (ROOT / mapped).rglob("__init__.py")}
     assert found <= listed, f"setup.py packages miss {sorted(found - listed)}"
+

@@ -1,7 +1,11 @@
 """Where step()'s host time goes (issue 15): the bench toy with four host inputs at T = 1,
 the whole calls against replay() and a direct launch, then each piece of the short path
 timed alone. A diagnosis, not a bench (goals live in ``cgrt bench --sections 3``); needs
-CUDA. Run: ``PYTHONPATH=. python3 tools/profile_step.py``."""
+CUDA. Run: ``PYTHONPATH=. python3 tests/diagnostics/profile_step.py``.
+
+It times the runtime's own pieces (its lock, counters, short-path plans, the feed), so it
+reads private state of GraphRuntime: it lives with the tests, which are never installed,
+not in cudagraph_rt.tools (whose modules use the public API only)."""
 import ctypes
 import statistics
 import time

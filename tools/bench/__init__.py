@@ -16,7 +16,7 @@ sections that need CUDA report "skipped". Exit code: 1 if a section failed (or, 
 ``--strict``, a goal was missed), else 0.
 
 torch.compile setups (sections 1-2, ``--compile-setups``) run one child process each
-(``bench_compile``: same model, inputs and timing; a crash or timeout is reported as
+(``compile_setups``: same model, inputs and timing; a crash or timeout is reported as
 "unavailable", never taking the bench down): (a) ``static`` reduce-overhead with weights and
 KV pool marked static, (b) ``default`` reduce-overhead as a user gets it, ``cgrt`` the
 runtime capturing a compiled step. Skipped with --quick / on the CPU / with --no-compile.
@@ -37,21 +37,22 @@ from rich.text import Text
 
 from cudagraph_rt.errors import expected
 
-from . import bench_compile, bench_host_rows, bench_memory, bench_report, bench_steps, options
-from .bench_context import Context
-from .console import make_console
+from .. import options
+from ..console import make_console
+from . import compile_setups, host_rows, memory, report, steps
+from .context import Context
 
 SECTIONS = {
-    1: ("step_time", bench_steps.step_time),
-    2: ("mixed_trace", bench_steps.mixed_trace),
-    3: ("host_overhead", bench_steps.host_overhead),
-    4: ("memory", bench_memory.memory),
-    5: ("padding", bench_memory.padding),
-    6: ("host_rows", bench_host_rows.host_rows),
+    1: ("step_time", steps.step_time),
+    2: ("mixed_trace", steps.mixed_trace),
+    3: ("host_overhead", steps.host_overhead),
+    4: ("memory", memory.memory),
+    5: ("padding", memory.padding),
+    6: ("host_rows", host_rows.host_rows),
 }
 
 
-HF_SECTIONS = ("compiled", "pool", "spec", "capture", "greedy")  # tools/bench_hf.py's, by name
+HF_SECTIONS = ("compiled", "pool", "spec", "capture", "greedy")  # tools/bench/hf.py's, by name
 
 
 def _sections(text: str) -> tuple:
@@ -83,8 +84,8 @@ def _count(minimum: int):
 
 def _setups(text: str) -> tuple[str, ...]:
     picked = tuple(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
-    if not picked or any(n not in bench_compile.SETUPS for n in picked):
-        raise argparse.ArgumentTypeError(f"expected setups from {list(bench_compile.SETUPS)} like static,cgrt, "
+    if not picked or any(n not in compile_setups.SETUPS for n in picked):
+        raise argparse.ArgumentTypeError(f"expected setups from {list(compile_setups.SETUPS)} like static,cgrt, "
                                          f"got {text!r}")
     return picked
 
@@ -112,20 +113,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     options.add_seed(p, 0, "every random input and of the trace")
     options.add_device(p)
     p.add_argument("--no-compile", action="store_true", help="leave torch.compile out (it takes minutes)")
-    p.add_argument("--compile-setups", type=_setups, default=bench_compile.DEFAULT_SETUPS, metavar="static,...",
+    p.add_argument("--compile-setups", type=_setups, default=compile_setups.DEFAULT_SETUPS, metavar="static,...",
                    help="torch.compile setups, one child process each, in this order: static (a: reduce-overhead, "
                         "weights+KV marked static), default (b: reduce-overhead unmarked), cgrt (cudagraph_rt "
                         "capturing a compiled step), eager (control: eager timed in a child); "
-                        f"default {','.join(bench_compile.DEFAULT_SETUPS)}")
+                        f"default {','.join(compile_setups.DEFAULT_SETUPS)}")
     p.add_argument("--compile-timeout", type=_count(1), default=240, metavar="S",
                    help="seconds each compile child may run before it is killed (default 240)")
-    p.add_argument("--cgrt-compile-mode", type=options.one_of(*bench_compile.CGRT_MODES), default="default",
+    p.add_argument("--cgrt-compile-mode", type=options.one_of(*compile_setups.CGRT_MODES), default="default",
                    metavar="MODE", help="torch.compile mode of the step cudagraph_rt captures in the cgrt setup: "
-                   + " | ".join(bench_compile.CGRT_MODES) + " (default: default)")
+                   + " | ".join(compile_setups.CGRT_MODES) + " (default: default)")
     p.add_argument("--strict", action="store_true", help="exit 1 when a goal is missed")
-    options.add_tp(p, "; its own table (tools/bench_tp.py; --sections does not apply)")
+    options.add_tp(p, "; its own table (tools/bench/tp.py; --sections does not apply)")
     options.add_model(p, size_default="bench for the toy and 1b for hf: models on CUDA, tiny on a CPU",
-                      size_note="; hf models run their own sections, tools/bench_hf.py, against generate()")
+                      size_note="; hf models run their own sections, tools/bench/hf.py, against generate()")
     p.add_argument("--hf-prompt", type=_count(1), default=32, metavar="N", help="hf models: prompt tokens (default 32)")
     p.add_argument("--hf-new", type=_count(2), default=128, metavar="N", help="hf models: new tokens (default 128)")
     options.add_threads(p)
@@ -158,15 +159,15 @@ def run(args: argparse.Namespace) -> int:
     choice = options.model_choice(args, "tiny" if _light(args) else "bench", "tiny" if _light(args) else "1b")
     args.size = choice.size
     if getattr(args, "tp", 1) > 1:  # one process per rank, under torchrun
-        from . import bench_tp
+        from . import tp
 
         if choice.kind != "toy":
             raise options.UsageError(expected("--model", "toy with --tp (the tensor-parallel toy)", repr(args.model)))
-        return bench_tp.run_tp(args)
+        return tp.run_tp(args)
     dev = torch.device("cpu") if args.quick and args.device is None else options.device(args)  # as Context does
     with options.threads(options.thread_count(args, dev, True) if _light(args) else args.threads):
         if choice.kind != "toy":
-            from . import bench_hf
+            from . import hf
 
             args.model_path = choice.path
             args.family = choice.family
@@ -174,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
                 raise options.UsageError(expected("--sections", f"names from {','.join(HF_SECTIONS)} for hf models",
                                                   ",".join(map(str, args.sections))))
             args.hf_sections = tuple(n for n in args.sections if isinstance(n, str)) or None
-            return bench_hf.run(args)
+            return hf.run(args)
         if any(isinstance(n, str) for n in args.sections):
             raise options.UsageError(expected("--sections", f"numbers from {sorted(SECTIONS)} for the toy",
                                               ",".join(map(str, args.sections))))
@@ -201,11 +202,11 @@ def _run(args: argparse.Namespace) -> int:
         results, failed = _sections_run(ctx, args, console, progress, status)
     finally:
         ctx.close()
-    gs = bench_report.goals(results) if ctx.graphs else []
+    gs = report.goals(results) if ctx.graphs else []
     results["goals"] = gs
     if args.plot:
         try:
-            for path in bench_report.write_plots(results, args.plot):
+            for path in report.write_plots(results, args.plot):
                 console.print(f"plot: {path}")
         except Exception as e:  # noqa: BLE001
             failed += 1
@@ -221,7 +222,7 @@ def _run(args: argparse.Namespace) -> int:
         console.print(Text(options.CPU_NOTE, style="yellow"))
         console.print(f"{failed} section(s) failed")
         return rc
-    console.print(bench_report.goals_table(gs))
+    console.print(report.goals_table(gs))
     console.print(f"{sum(g['status'] == 'met' for g in gs)} met, {missed} missed, "
                   f"{sum(g['status'] == 'unclear' for g in gs)} unclear, "
                   f"{sum(g['status'] == 'n/a' for g in gs)} n/a; {failed} section(s) failed")
@@ -256,7 +257,7 @@ def _sections_run(ctx: Context, args: argparse.Namespace, console: Console, prog
         res["seconds"] = time.perf_counter() - t0
         results[key] = res
         if res["status"] == "ok":
-            for t in bench_report.tables(key, res):
+            for t in report.tables(key, res):
                 console.print(t)
         elif res["status"] == "skipped":
             console.print(Text(f"{n}. {key}: skipped: {res['reason']}", style="yellow"))

@@ -1,6 +1,6 @@
 """Shared pieces of ``cgrt bench``: the clock, random valid toy inputs, the mixed trace and
 the hand-written baselines (eager feed, bare CUDA graphs) the runtime is compared with.
-The torch.compile variants (``bench_compile``, in child processes) time themselves with the
+The torch.compile variants (``compile_setups``, in child processes) time themselves with the
 same helpers (:func:`measure`, :func:`measure_trace`) over the same inputs.
 
 Timing rule for every number: before each timed call the device is idle (synchronized);

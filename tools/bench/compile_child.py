@@ -2,16 +2,16 @@
 compiles (or warms up), checks its tokens against the eager step, times each width and
 the mixed trace, rewriting its result file after every stage.
 
-Run by the bench process (``bench_compile.run_setups``) as
+Run by the bench process (``compile_setups.run_setups``) as
 
-    python -m cudagraph_rt.tools.bench_compile_child --setup NAME --payload FILE --out FILE
+    python -m cudagraph_rt.tools.bench.compile_child --setup NAME --payload FILE --out FILE
 
 and only through that command: it is a separate module so that the bench process never
 imports what can only run here (the setups' compile and capture code). Lifetime: one
 setup per process; the process ends after the last stage. Failure modes: an exception is
 written to the result file (``error``, ``traceback``) and the exit code is 1; a crash that
 takes the process down (inductor's CUDA graphs can) leaves the stages written before it,
-which the bench reports as "partial" (see ``bench_compile.summarize_run``).
+which the bench reports as "partial" (see ``compile_setups.summarize_run``).
 
 Without ``--payload`` the child makes its own inputs from ``--seed`` (a standalone run for
 diagnosis, e.g. under CUDA_LAUNCH_BLOCKING=1 or compute-sanitizer); the results go to
@@ -34,7 +34,7 @@ import torch
 
 from cudagraph_rt.models.toy import ToyConfig, ToyDecoder
 
-from .bench_common import (
+from .common import (
     N_SETS,
     Feed,
     ToyRows,
@@ -47,7 +47,7 @@ from .bench_common import (
     sync_fn,
     trace_widths,
 )
-from .bench_compile import CGRT_MODES, NOTE, SETUPS, make_payload
+from .compile_setups import CGRT_MODES, NOTE, SETUPS, make_payload
 
 WARM_CALLS = 3  # reduce-overhead records its graph on the 2nd-3rd call of a shape
 
@@ -371,7 +371,7 @@ def add_child_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cudagraph_rt.tools.bench_compile_child",
+    p = argparse.ArgumentParser(prog="python -m cudagraph_rt.tools.bench.compile_child",
                                 description=__doc__.splitlines()[0])
     add_child_arguments(p)
     args = p.parse_args(argv)

@@ -1,11 +1,11 @@
 """The torch.compile variants of ``cgrt bench``, each in a child process of its own: the
-bench-process side (the child is ``bench_compile_child``).
+bench-process side (the child is ``compile_child``).
 
 Why a child: inductor's CUDA graphs can take the whole process down (an illegal memory
 access surfaces as ``terminate called ...`` from a destructor: no Python exception to
 catch). The bench process only writes a payload, runs
 
-    python -m cudagraph_rt.tools.bench_compile_child --setup NAME --payload FILE --out FILE
+    python -m cudagraph_rt.tools.bench.compile_child --setup NAME --payload FILE --out FILE
 
 with a timeout, and reads back what the child wrote. A crash (non-zero exit, a signal)
 or a timeout becomes "unavailable: <how it ended; its error; last lines of its output>";
@@ -23,7 +23,7 @@ Setups (``--compile-setups``, run one child each, in this order):
   eager    control: the eager variant of the bench, timed in a child (not by default)
 
 Same model (ToyConfig and seed from the payload), same input sets and trace (the
-bench's packed CPU tensors, in the payload), same timing helpers (``bench_common.measure``
+bench's packed CPU tensors, in the payload), same timing helpers (``common.measure``
 and ``measure_trace``: repeats, warm-up, sets rotated, clock), same call bodies as the
 bench process uses for eager / compile. The bench process is idle while a child runs.
 
@@ -199,7 +199,7 @@ def run_child(cmd: list[str], out_path: str, *, timeout: float, env: dict | None
 
 
 def child_command(setup: str, payload: str, out: str, cgrt_mode: str) -> list[str]:
-    return [sys.executable, "-m", "cudagraph_rt.tools.bench_compile_child", "--setup", setup, "--payload", payload,
+    return [sys.executable, "-m", "cudagraph_rt.tools.bench.compile_child", "--setup", setup, "--payload", payload,
             "--out", out, "--cgrt-compile-mode", cgrt_mode]
 
 

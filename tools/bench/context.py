@@ -14,9 +14,9 @@ import torch
 from cudagraph_rt import GraphRuntime, default_widths
 from cudagraph_rt.models.toy import ToyConfig, ToyDecoder
 
-from . import bench_compile
-from .bench_common import N_SETS, Feed, ToyRows, Trace, build_trace, capture_bare, sync_fn, trace_widths
-from .bench_compile import SETUPS, CompileRuns
+from . import compile_setups
+from .common import N_SETS, Feed, ToyRows, Trace, build_trace, capture_bare, sync_fn, trace_widths
+from .compile_setups import SETUPS, CompileRuns
 
 
 class Context:
@@ -45,7 +45,7 @@ class Context:
         self.all_widths = bool(args.all_widths)
         self.use_compile = not args.no_compile
         self.sections = tuple(getattr(args, "sections", None) or (1, 2))
-        self.compile_setups = tuple(getattr(args, "compile_setups", None) or bench_compile.DEFAULT_SETUPS)
+        self.compile_setups = tuple(getattr(args, "compile_setups", None) or compile_setups.DEFAULT_SETUPS)
         self.compile_timeout = float(getattr(args, "compile_timeout", None) or 240)
         self.cgrt_compile_mode = getattr(args, "cgrt_compile_mode", None) or "default"
         self.widths = default_widths(64)
@@ -116,23 +116,23 @@ class Context:
 
     @cached_property
     def compiled(self) -> CompileRuns:
-        """The torch.compile setups, each run in a child process (bench_compile) over this
+        """The torch.compile setups, each run in a child process (compile_setups) over this
         process's inputs: section 1's sets if section 1 is asked for, the trace if section 2
         is. Never raises for a child's failure: it is in the setup's record."""
         names = self.compile_setups
         if not self.graphs:
-            return CompileRuns([bench_compile.skipped(SETUPS[n], "needs CUDA") for n in names])
+            return CompileRuns([compile_setups.skipped(SETUPS[n], "needs CUDA") for n in names])
         if not self.use_compile:
-            return CompileRuns([bench_compile.skipped(SETUPS[n], "--no-compile") for n in names])
+            return CompileRuns([compile_setups.skipped(SETUPS[n], "--no-compile") for n in names])
         sets = self.width_sets if 1 in self.sections else None
         raw = self.trace_raw if 2 in self.sections else None
-        payload = bench_compile.make_payload(self.config, self.device, self.widths, seed=self.seed,
+        payload = compile_setups.make_payload(self.config, self.device, self.widths, seed=self.seed,
                                              repeats=self.repeats, warmup=self.warmup,
                                              trace_passes=self.trace_passes, sets=sets, trace=raw)
         folder = tempfile.mkdtemp(prefix="cgrt-bench-")
         self.stack.callback(shutil.rmtree, folder, ignore_errors=True)
         self.note(f"torch.compile setups {','.join(names)}: one child process each (minutes)", always=True)
-        return bench_compile.run_setups(names, payload, folder, timeout=self.compile_timeout,
+        return compile_setups.run_setups(names, payload, folder, timeout=self.compile_timeout,
                                         cgrt_mode=self.cgrt_compile_mode, note=self.note)
 
     @cached_property

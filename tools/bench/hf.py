@@ -189,13 +189,13 @@ def sec_spec(ctx) -> dict:
     ReferenceDrafter follows (so drafts follow the runtime's own rounding). A re-plan (the
     output left the plan on a near-tie) runs an eager generate() inside propose: counted and
     timed, and the speedup is also given without it (a real drafter has no such cost)."""
-    from . import demo
+    from ..demo import serve as serving
 
     out, plans = {}, None
-    reqs = demo.make_requests(ctx.model.config, ctx.spec_sequences, ctx.new, ctx.seed)
+    reqs = serving.make_requests(ctx.model.config, ctx.spec_sequences, ctx.new, ctx.seed)
     for name, k in (("greedy", 0), ("spec", 4)):
         args = SimpleNamespace(k=k, accept_prob=0.7, seed=ctx.seed, slots=1, lanes=1, chunk=128, rounds=0)
-        r = demo.serve(ctx.model, reqs, ctx.graphs, args, plans=plans)
+        r = serving.serve(ctx.model, reqs, ctx.graphs, args, plans=plans)
         plans = r.pop("finished_seqs")
         out[name] = {key: r[key] for key in ("tokens", "seconds", "tokens_per_s", "steps", "proposed", "accepted",
                                              "capture_s", "replans", "replan_seconds")}
@@ -234,7 +234,7 @@ def sec_capture(ctx) -> dict:
 
 
 def sec_pool(ctx) -> dict:
-    from .bench_pool import sec_pool as run_pool
+    from .pool import sec_pool as run_pool
     return run_pool(ctx)
 
 
@@ -262,7 +262,7 @@ class _Ctx:
         self.timeout = args.compile_timeout
         self.children = not (self.quick or args.no_compile or not self.graphs)
         max_len = max(256, self.prompt + self.new + 8) if not light else 64
-        from .options import building
+        from ..options import building
 
         # On CUDA the bench's runtime is what an engine would run: q/k/v and gate/up merged,
         # the step compiled (one dynamic-width graph), captured at every default width.
@@ -288,7 +288,7 @@ class _Ctx:
         with tempfile.TemporaryDirectory() as d:
             out = os.path.join(d, "out.json")
             payload = json.dumps({**self.build_args, **extra})
-            cmd = [sys.executable, "-m", "cudagraph_rt.tools.bench_hf", "--child", kind, payload, out]
+            cmd = [sys.executable, "-m", "cudagraph_rt.tools.bench.hf_child", kind, payload, out]
             t0 = time.perf_counter()
             try:
                 p = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout)
@@ -303,23 +303,6 @@ class _Ctx:
         res.setdefault("status", "ok")
         res["wall_s"] = wall
         return res
-
-
-def _child(kind: str, payload: str, out: str) -> int:
-    a = json.loads(payload)
-    dev = torch.device(a.get("device", "cuda"))
-    model = hf.build(a["family"], a["size"], device=dev, seed=a["seed"], max_seqs=a["max_seqs"],
-                     max_len=a["max_len"], path=a.get("path"))
-    per = {}  # the one child: transformers' generate with a static cache and its automatic compile
-    for B in a["seqs"]:
-        prompts = prompts_for(model, B, a["prompt"], a["seed"] + B)
-        first, _ = generate_greedy(model, prompts, a["new"], cache_implementation="static")
-        dt, toks = generate_greedy(model, prompts, a["new"], cache_implementation="static")
-        per[str(B)] = {"first_s": first, "tok_s": B * a["new"] / dt, "tokens": toks}
-    res = {"per_batch": per}
-    with open(out, "w") as f:
-        json.dump(res, f)
-    return 0
 
 
 # ------------------------------------------------------------------------------ report
@@ -357,7 +340,7 @@ def goals(r: dict) -> list[dict]:
         v is not None and v <= CAPTURE_GOAL_S)
     v = cap.get("shared_over_widest")
     add("shared pool / widest alone", v, "<= 1.25x", v is not None and v <= 1.25)
-    from .bench_pool import goals as pool_goals
+    from .pool import goals as pool_goals
     for name, value, target, ok in pool_goals(r.get("pool", {})):
         add(name, value, target, ok)
     return out
@@ -366,7 +349,7 @@ def goals(r: dict) -> list[dict]:
 def _print(r: dict) -> None:
     from rich.table import Table
 
-    from .console import fit, make_console
+    from ..console import fit, make_console
 
     con = make_console()
     m = r["meta"]
@@ -426,7 +409,7 @@ def _print(r: dict) -> None:
                       f" MiB, widest alone {sec['widest_alone_bytes'] / 2**20:.1f} MiB "
                       f"({sec['shared_over_widest'] or 0:.2f}x)", markup=False)
     if not r["goals"]:
-        from .options import CPU_NOTE
+        from ..options import CPU_NOTE
 
         con.print(CPU_NOTE, markup=False, style="yellow")
         return
@@ -443,7 +426,7 @@ def run(args: argparse.Namespace) -> int:
     with ``--strict`` a goal was missed)."""
     from cudagraph_rt.extras import MissingExtraError, require
 
-    from . import options
+    from .. import options
 
     try:
         transformers = require("hf", "cgrt bench --model hf:...")
@@ -488,11 +471,3 @@ def run(args: argparse.Namespace) -> int:
     r["ok"] = rc == 0  # what the exit code says
     options.write_json(args.json, r)
     return rc
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "--child":
-        sys.exit(_child(sys.argv[2], sys.argv[3], sys.argv[4]))
-    print("usage: cgrt bench --model hf:<family> (this module's __main__ is the bench's child process)",
-          file=sys.stderr)
-    sys.exit(2)

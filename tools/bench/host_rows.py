@@ -21,8 +21,8 @@ import torch
 
 from cudagraph_rt import HostRows, InputSpec
 
-from .bench_common import N_SETS, time_calls
-from .bench_context import Context
+from .common import N_SETS, time_calls
+from .context import Context
 
 H, T_MAIN = 4096, 64
 ACCEPTED = (1, 8, 32, 64)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import functools
 import statistics
 
-from .bench_common import padded_width, time_total
-from .bench_context import Context
+from .common import padded_width, time_total
+from .context import Context
 
 USER_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 

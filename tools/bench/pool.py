@@ -7,7 +7,7 @@ size and against the live context (issue 23's goals), on one model's weights.
   1.10x the small pool's.
 * context scaling: the same model on the big pool, one sequence at 1k, 8k and 32k live
   cells, widths 1 and 8: the whole step beside the attention kernels' device time of the
-  same shapes (``tools/bench_attention``'s 16-layer loop) against the KV-read floor (the
+  same shapes (``tools/bench/attention.py``'s 16-layer loop) against the KV-read floor (the
   live cells' K and V bytes of all layers / 4.8 TB/s). Goal: attention <= 2x that floor
   at 8k and 32k.
 * default pool, width 1: the step on ``hf.build``'s default pool (16 x 256 cells), for
@@ -77,10 +77,10 @@ def _kv_floor_us(model: hf.HFDecoder, live: int) -> float:
 
 def _attention_us(model: hf.HFDecoder, live: int, T: int) -> float:
     """The attention kernels' device time of one step (all layers) at ``live`` cells and
-    width T: tools/bench_attention's timed loop over the model's shapes (a CUDA graph of
+    width T: tools/bench/attention.py's timed loop over the model's shapes (a CUDA graph of
     every layer's kernel launch, L2 flushed before each replay, median)."""
-    from . import bench_attention as ba
-    from ..kernels import cell_attention as ca
+    from . import attention as ba
+    from cudagraph_rt.kernels import cell_attention as ca
 
     c = model.model.config
     shape = ba.Shape(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, model.head_dim,
@@ -94,7 +94,7 @@ def _attention_us(model: hf.HFDecoder, live: int, T: int) -> float:
 
 
 def sec_pool(ctx) -> dict:
-    """The section (``ctx``: bench_hf's context: its model, repeats)."""
+    """The section (``ctx``: bench.hf's context: its model, repeats)."""
     if not ctx.graphs:
         return {"status": "skipped", "reason": "needs CUDA (the kernels and graphs are what is measured)"}
     base, repeats = ctx.model, max(10, ctx.repeats)
@@ -123,7 +123,7 @@ def sec_pool(ctx) -> dict:
     torch.cuda.empty_cache()
     out["method"] = ("one sequence, its first row at `live` cells; steps through GraphRuntime (graphs on, widths 1 "
                      "and 8), median of 5 batches of back-to-back steps; pools filled with random K/V; attention: "
-                     "tools/bench_attention's 16-layer loop of the model's shapes (L2 flushed, CUDA graph); "
+                     "tools/bench/attention.py's 16-layer loop of the model's shapes (L2 flushed, CUDA graph); "
                      "KV floor: live cells' K and V bytes of all layers / 4.8 TB/s")
     return out
 

@@ -6,7 +6,7 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-from .console import SplitTable
+from ..console import SplitTable
 
 MiB = 1024 * 1024
 

@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from .bench_common import N_SETS, measure, measure_trace, pack, padded_width, summarize, time_interleaved
-from .bench_compile import SETUPS
-from .bench_context import Context
+from .common import N_SETS, measure, measure_trace, pack, padded_width, summarize, time_interleaved
+from .compile_setups import SETUPS
+from .context import Context
 
 VARIANTS = ("eager", "cgrt", "bare", *(s.variant for s in SETUPS.values()))
 
@@ -20,14 +20,14 @@ STEP_WHAT = {
             "untimed beforehand); until synchronize",
     "pipelined_us": "per call of back-to-back calls, one synchronize at the end (host work overlaps the "
                     "device work of earlier calls; bare replays without placing inputs)",
-    **{s.variant: s.what + " [timed in a child process: bench_compile_child]" for s in SETUPS.values()},
+    **{s.variant: s.what + " [timed in a child process: bench.compile_child]" for s in SETUPS.values()},
 }
 
 COMPILE_METHOD = (
-    "each compile setup runs in a child process of its own (python -m cudagraph_rt.tools.bench_compile_child, "
+    "each compile setup runs in a child process of its own (python -m cudagraph_rt.tools.bench.compile_child, "
     "one after another, this process idle meanwhile, timeout per child) over the same ToyConfig and seed, "
     "the same input sets and trace (this process's CPU tensors, passed in a file) and the same timing "
-    "helpers and settings (bench_common.measure / measure_trace); a crash or timeout makes it "
+    "helpers and settings (common.measure / measure_trace); a crash or timeout makes it "
     "'unavailable' with the reason and the child's last output lines")
 
 

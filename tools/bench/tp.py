@@ -26,13 +26,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..distributed import DistributedRuntime
-from ..models import ToyConfig, ToyDecoder
-from ..models.tp import TPToyDecoder
-from ..runtime import GraphRuntime
-from . import options, tp_launch
-from .options import CPU_NOTE
-from .bench_common import time_calls, time_pipelined
+from cudagraph_rt.distributed import DistributedRuntime
+from cudagraph_rt.models import ToyConfig, ToyDecoder
+from cudagraph_rt.models.tp import TPToyDecoder
+from cudagraph_rt.runtime import GraphRuntime
+from .. import options, tp_launch
+from ..options import CPU_NOTE
+from .common import time_calls, time_pipelined
 
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 N_SETS = 4
@@ -148,7 +148,7 @@ def goals(res: dict) -> list[dict]:
 
 
 def _print(res: dict) -> None:
-    from .console import SplitTable, make_console
+    from ..console import SplitTable, make_console
 
     out, c, rows = make_console(), res["config"], res["rows"]
     out.print(f"cgrt bench --tp {c['tp']}: toy {c['size']} ({c['dtype']}, {c['hidden']} hidden, {c['layers']} layers, "

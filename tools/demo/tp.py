@@ -12,13 +12,14 @@ import sys
 
 import torch
 
-from ..distributed import DistributedRuntime
-from ..errors import CgrtError, expected
-from ..models import ToyConfig, ToyDecoder
-from ..models.tp import TPToyDecoder
-from ..spec.runner import Request, RunReport, SpecRunner, ToyDrafter
-from . import options, tp_launch
-from .demo import check, make_requests, publish, timing
+from cudagraph_rt.distributed import DistributedRuntime
+from cudagraph_rt.errors import CgrtError, expected
+from cudagraph_rt.models import ToyConfig, ToyDecoder
+from cudagraph_rt.models.tp import TPToyDecoder
+from cudagraph_rt.spec.runner import Request, RunReport, SpecRunner, ToyDrafter
+from .. import options, tp_launch
+from .report import publish
+from .serve import check, make_requests, timing
 
 
 def _runtime(model: TPToyDecoder, runner: SpecRunner, graphs: bool) -> DistributedRuntime:

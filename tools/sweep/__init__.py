@@ -18,8 +18,9 @@ from cudagraph_rt.errors import CgrtError, InputError
 from cudagraph_rt.models.toy import ToyConfig
 from cudagraph_rt.testing import HFAdapter, SweepOptions, ToyAdapter, run_sweep
 from cudagraph_rt.testing.report import plot, rich_tables
-from cudagraph_rt.tools import options
-from cudagraph_rt.tools.console import make_console
+
+from .. import options
+from ..console import make_console
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -61,7 +62,7 @@ def _adapter(args, choice: options.ModelChoice) -> ToyAdapter | HFAdapter:
     make = ToyConfig.bench if choice.size == "bench" else ToyConfig.tiny
     config = make(dtype=dtype) if dtype is not None else make()
     if getattr(args, "tp", 1) > 1:
-        from cudagraph_rt.tools.sweep_tp import TPAdapter
+        from .tp import TPAdapter
         return TPAdapter(config, args.device, args.widths)
     return ToyAdapter(config, args.device, args.widths)
 
@@ -70,7 +71,7 @@ def run(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     if getattr(args, "tp", 1) > 1 and not getattr(args, "tp_inner", False):  # one process per rank
-        from cudagraph_rt.tools.sweep_tp import run_tp
+        from .tp import run_tp
         return run_tp(args, run)
     # With --json on stdout, stdout carries only the JSON; people's text goes to stderr.
     console, err = make_console(stderr=options.json_to_stdout(args)), make_console(stderr=True)

@@ -11,13 +11,13 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..distributed import DistributedRuntime
-from ..errors import expected
-from ..models.toy import ToyConfig
-from ..models.tp import TPToyDecoder
-from ..testing import ToyAdapter
-from ..testing.harness import fresh_seed
-from . import tp_launch
+from cudagraph_rt.distributed import DistributedRuntime
+from cudagraph_rt.errors import expected
+from cudagraph_rt.models.toy import ToyConfig
+from cudagraph_rt.models.tp import TPToyDecoder
+from cudagraph_rt.testing import ToyAdapter
+from cudagraph_rt.testing.harness import fresh_seed
+from .. import tp_launch
 
 
 class TPAdapter(ToyAdapter):
