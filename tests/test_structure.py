@@ -43,3 +43,170 @@ def test_setup_installs_every_package():
         found |= {".".join(("cudagraph_rt", *p.parent.relative_to(ROOT).parts)) for p in (ROOT / mapped).rglob("__init__.py")}
     assert found <= listed, f"setup.py packages miss {sorted(found - listed)}"
 
+
+# ------------------------------------------------------------------ the import graph
+# The installed package: cudagraph_rt/ and the two folders setup.py maps under it.
+PACKAGES = {"cudagraph_rt": ROOT / "cudagraph_rt", "cudagraph_rt.kernels": ROOT / "kernels",
+            "cudagraph_rt.tools": ROOT / "tools"}
+
+
+def package_modules(packages: dict = PACKAGES) -> dict[str, pathlib.Path]:
+    """Every module of the package by its dotted name (a package by its ``__init__.py``)."""
+    mods = {}
+    for pkg, folder in packages.items():
+        for p in sorted(folder.rglob("*.py")):
+            parts = p.relative_to(folder).with_suffix("").parts
+            if "__pycache__" in parts:
+                continue
+            mods[".".join((pkg, *parts[:-1], *([] if parts[-1] == "__init__" else parts[-1:])))] = p
+    return mods
+
+
+def _import_nodes(tree: ast.AST, lazy: bool):
+    """The file's import statements, except those under ``if TYPE_CHECKING:`` (never run);
+    with ``lazy`` False, only those that run at import (not inside a function)."""
+    todo = list(ast.iter_child_nodes(tree))
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo.extend(node.orelse)
+            continue
+        if not lazy and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        todo.extend(ast.iter_child_nodes(node))
+
+
+def imports_of(name: str, path: pathlib.Path, mods: dict, lazy: bool = True) -> dict[str, int]:
+    """The package's modules that importing ``name`` may run, each with the line of the
+    first import that does: every ``import`` / ``from ... import`` of the file, at module
+    level or (``lazy``) inside a function, which runs too, later. ``from P import n`` is
+    the module ``P.n`` when there is one, else ``P``; importing ``a.b.c`` also runs the
+    ``__init__`` of each package on the way (``a.b``) that does not already hold this
+    module (those are running or done). Dynamic imports (``importlib``) are not seen."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: dict[str, int] = {}
+
+    def add(target: str, line: int) -> None:
+        while target and target not in mods:  # `import a.b.X` where X is a name, not a module
+            target = target.rpartition(".")[0]
+        parts = target.split(".")
+        for i in range(1, len(parts) + 1):
+            mod = ".".join(parts[:i])
+            running = name == mod or name.startswith(mod + ".")
+            if mod in mods and mod != name and (mod == target or not running):
+                found[mod] = min(found.get(mod, line), line)
+
+    for node in _import_nodes(ast.parse(path.read_text()), lazy):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name, node.lineno)
+            continue
+        base = node.module or ""
+        if node.level:
+            up = package.split(".")
+            base = ".".join(up[:len(up) - (node.level - 1)] + ([node.module] if node.module else []))
+        for alias in node.names:
+            add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in mods else base, node.lineno)
+    return found
+
+
+def import_graph(packages: dict = PACKAGES, lazy: bool = True) -> dict[str, dict[str, int]]:
+    """module -> {module it imports: line}, over the whole package."""
+    mods = package_modules(packages)
+    return {name: imports_of(name, path, mods, lazy) for name, path in mods.items()}
+
+
+def _cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on, comps = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while not comp or comp[-1] != v:
+                comp.append(stack.pop())
+                on.discard(comp[-1])
+            if len(comp) > 1:
+                comps.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return comps
+
+
+def _cycle_path(graph, comp: list[str]) -> str:
+    """One shortest cycle through ``comp``'s first module, each hop with its import's line:
+    ``a:12 -> b:3 -> a`` (a's line 12 imports b, b's line 3 imports a)."""
+    start, inside = comp[0], set(comp)
+    paths, seen = [[start]], {start}
+    while paths:
+        path = paths.pop(0)
+        for w in sorted(graph[path[-1]]):
+            if w == start:
+                hops = path + [start]
+                return " -> ".join(f"{a}:{graph[a][b]}" for a, b in zip(hops, hops[1:])) + f" -> {start}"
+            if w in inside and w not in seen:
+                seen.add(w)
+                paths.append(path + [w])
+    raise AssertionError(f"no cycle through {comp}")
+
+
+def test_the_import_graph_has_no_cycles():
+    """No module of the package, kernels/ or tools/ imports one that imports it back, lazy
+    imports inside functions included (issue 25's demo <-> demo_tp circle was one)."""
+    graph = import_graph()
+    assert len(graph) > 60 and "cudagraph_rt.runtime" in graph["cudagraph_rt"], "the graph is not the package's"
+    cycles = [_cycle_path(graph, c) for c in _cycles(graph)]
+    assert not cycles, "import cycles:\n  " + "\n  ".join(cycles)
+
+
+def test_the_cycle_finder_sees_lazy_relative_and_package_imports(tmp_path):
+    """The finder on a planted package: a lazy relative import, a ``from . import`` of a
+    module, a package ``__init__`` run on the way to its module, and a TYPE_CHECKING
+    import that must not count (it would close a second cycle)."""
+    files = {
+        "__init__.py": "",
+        "a.py": "import os\ndef f():\n    from .w.x import g\n",
+        "w/__init__.py": "from . import y\n",
+        "w/x.py": "",
+        "w/y.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..b import h\nfrom .. import a\n",
+        "b.py": "from .w import x\nfrom p import w\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / "p" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "p" / rel).write_text(text)
+    graph = import_graph({"p": tmp_path / "p"})
+    assert graph["p.a"] == {"p.w": 3, "p.w.x": 3}  # the package on the way runs its __init__
+    assert graph["p.w"] == {"p.w.y": 1} and graph["p.w.y"] == {"p.a": 4}
+    assert graph["p.b"] == {"p.w": 1, "p.w.x": 1} and graph["p"] == {}
+    assert _cycles(graph) == [["p.a", "p.w", "p.w.y"]]
+    assert _cycle_path(graph, ["p.a", "p.w", "p.w.y"]) == "p.a:3 -> p.w:1 -> p.w.y:4 -> p.a"
+    assert import_graph({"p": tmp_path / "p"}, lazy=False)["p.a"] == {} and not _cycles(
+        import_graph({"p": tmp_path / "p"}, lazy=False))
+
+
+def test_the_wings_sit_on_the_core():
+    """The runner wing (``spec``) is imported by the tools alone; the diagnostics wing
+    (``debug``) by the tools and, from inside a function only (explain_capture, after a
+    failed capture), by the core: importing the core runs neither wing."""
+    graph, eager = import_graph(), import_graph(lazy=False)
+    in_wing = lambda m, w: m == f"cudagraph_rt.{w}" or m.startswith(f"cudagraph_rt.{w}.")
+    user = lambda m: m.startswith("cudagraph_rt.tools")
+    bad = [f"{m} imports {t}" for m, ts in graph.items() for t in ts
+           if in_wing(t, "spec") and not (in_wing(m, "spec") or user(m))]
+    bad += [f"{m}:{line} imports {t} at import time" for m, ts in eager.items() for t, line in ts.items()
+            if in_wing(t, "debug") and not (in_wing(m, "debug") or user(m))]
+    assert not bad, bad
+    assert "cudagraph_rt.debug.hazards" in graph["cudagraph_rt.runtime"]  # the lazy one, seen
