@@ -210,3 +210,146 @@ def test_the_wings_sit_on_the_core():
             if in_wing(t, "debug") and not (in_wing(m, "debug") or user(m))]
     assert not bad, bad
     assert "cudagraph_rt.debug.hazards" in graph["cudagraph_rt.runtime"]  # the lazy one, seen
+
+
+# ------------------------------------------------------------------ GraphRuntime's private members
+RUNTIME = ROOT / "cudagraph_rt" / "runtime.py"
+# Modules that still read GraphRuntime's private members through ``self`` without being a
+# GraphRuntime: each entry says what ends it, and the test fails once it is not needed.
+PENDING = {
+    "cudagraph_rt/handed.py": "issue 25's seams: the handed buffers become a component with an explicit "
+                              "constructor (or fold back into runtime.py)",
+}
+
+
+def _own_names(cls: ast.ClassDef) -> set[str]:
+    """What a class defines itself: its methods and class attributes, and ``self.x = ...``."""
+    names = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    for n in cls.body:
+        targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AnnAssign) else []
+        names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    for n in ast.walk(cls):
+        if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and ast.unparse(n.value) == "self":
+            names.add(n.attr)
+    return names
+
+
+def runtime_privates() -> set[str]:
+    """GraphRuntime's private members (``_name``, not dunders), read from its class body
+    and every ``self._name = ...`` of its methods in runtime.py."""
+    tree = ast.parse(RUNTIME.read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "GraphRuntime")
+    return {n for n in _own_names(cls) if n.startswith("_") and not n.startswith("__")}
+
+
+RUNTIME_NAME = re.compile(r"(^|\.)_?(rt|runtime|graph_runtime)$")  # receivers that name a runtime
+
+
+def class_table(sources: list[str]) -> dict[str, tuple[set[str], set[str]]]:
+    """Every class of ``sources``: name -> (what it defines itself, its bases' names)."""
+    table: dict[str, tuple[set[str], set[str]]] = {}
+    for source in sources:
+        for n in ast.walk(ast.parse(source)):
+            if isinstance(n, ast.ClassDef):
+                own, bases = table.get(n.name, (set(), set()))
+                table[n.name] = (own | _own_names(n), bases | {ast.unparse(b).rpartition(".")[2] for b in n.bases})
+    return table
+
+
+def _ancestry(name: str, table: dict) -> set[str]:
+    """``name`` and the classes of the table it inherits from (by name, transitively)."""
+    seen, todo = set(), [name]
+    while todo:
+        c = todo.pop()
+        if c not in seen:
+            seen.add(c)
+            todo += sorted(table.get(c, (set(), set()))[1])
+    return seen
+
+
+def private_reads(source: str, privates: set[str], table: dict) -> list[tuple[int, str]]:
+    """(line, expression) of each access in ``source`` to a private member of a runtime:
+    ``X._name`` (or ``getattr(X, "_name")``) where ``_name`` is one of ``privates`` and X
+    is not ``self`` of a class that is a GraphRuntime or defines ``_name`` itself (or a
+    base of it in ``table`` does); and any ``_name`` on a receiver named like a runtime
+    (``rt``, ``self._rt``, ``runner.rt``, ``runtime``)."""
+    found = []
+
+    def visit(node, own, is_runtime):
+        if isinstance(node, ast.ClassDef):
+            line = _ancestry(node.name, table) | {ast.unparse(b).rpartition(".")[2] for b in node.bases}
+            own = _own_names(node).union(*(table.get(c, (set(), set()))[0] for c in line))
+            is_runtime = "GraphRuntime" in line
+        attr = receiver = None
+        if isinstance(node, ast.Attribute):
+            attr, receiver = node.attr, node.value
+        elif (isinstance(node, ast.Call) and ast.unparse(node.func) in ("getattr", "setattr", "hasattr")
+              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+            attr, receiver = node.args[1].value, node.args[0]
+        if attr and attr.startswith("_") and not attr.startswith("__"):
+            text = ast.unparse(receiver)
+            mine = text == "self" and (is_runtime or attr in own)
+            if (attr in privates and not mine) or (RUNTIME_NAME.search(text) and text != "self"):
+                found.append((node.lineno, ast.unparse(node)))
+        for child in ast.iter_child_nodes(node):
+            visit(child, own, is_runtime)
+
+    visit(ast.parse(source), set(), False)
+    return found
+
+
+def test_nothing_outside_runtime_py_reads_a_private_member_of_graph_runtime():
+    """Every module of the package, kernels/ and tools/ (runtime.py aside) uses a runtime
+    through its public names: no ``rt._inputs``, ``self._rt._lock``, ``getattr(rt,
+    "_by_width")``; ``self._name`` only in a GraphRuntime subclass or where the class (or
+    one it inherits from) defines ``_name`` itself. The exceptions still pending are
+    listed in PENDING."""
+    privates, mods = runtime_privates(), package_modules()
+    assert {"_inputs", "_lock", "_by_width", "_counters", "_direct"} <= privates, sorted(privates)
+    sources = {str(p.relative_to(ROOT)): p.read_text() for p in mods.values()}
+    table = class_table([s for rel, s in sources.items() if rel != "cudagraph_rt/runtime.py"])
+    assert "GraphRuntime" in _ancestry("DistributedRuntime", table)
+    found, pending_seen = [], set()
+    for rel, source in sources.items():
+        if rel == "cudagraph_rt/runtime.py":
+            continue
+        reads = private_reads(source, privates, table)
+        if rel in PENDING:
+            pending_seen |= {rel} if reads else set()
+            continue
+        found += [f"{rel}:{line}: {expr}" for line, expr in reads]
+    assert not found, "private members of GraphRuntime read outside runtime.py:\n  " + "\n  ".join(found)
+    stale = sorted(set(PENDING) - pending_seen)
+    assert not stale, f"PENDING lists modules that read no private member any more: {stale} (remove them)"
+
+
+def test_the_private_member_rule_flags_what_it_should():
+    privates = {"_inputs", "_lock", "_by_width"}
+    source = """
+class Tool:
+    def __init__(self, rt):
+        self._rt = rt
+        self._lock = 1              # its own member of the same name: fine
+    def run(self, rt, runner, other):
+        rt._inputs                  # 1: a runtime's private
+        self._rt._lock              # 2
+        getattr(rt, "_by_width")    # 3
+        runner.rt._anything_new     # 4: any private, on a receiver named like a runtime
+        other._inputs               # 5: a known private on any other receiver
+        self._lock, rt.widths, other._unrelated, self._rt
+class SubTool(Tool):
+    def f(self):
+        return self._lock           # inherited from Tool: fine
+class Mixin:
+    def f(self):
+        return self._inputs         # 6: not its own, and not a runtime
+class Sub(GraphRuntime):
+    def f(self):
+        return self._inputs, self._lock
+class SubSub(Sub):
+    def g(self):
+        return self._by_width
+"""
+    got = [expr for _, expr in private_reads(source, privates, class_table([source]))]
+    assert got == ["rt._inputs", "self._rt._lock", "getattr(rt, '_by_width')", "runner.rt._anything_new",
+                   "other._inputs", "self._inputs"], got
