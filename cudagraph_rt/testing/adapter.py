@@ -150,6 +150,8 @@ class PoolAdapter(BaseAdapter):
 
     model: Decoder
     _watch: tuple[int, torch.Tensor, torch.Tensor] | None = None
+    _shared: tuple[int, int] | None = None
+    _rt: GraphRuntime | None = None
 
     @property
     def stepped(self) -> Decoder:
@@ -170,21 +172,37 @@ class PoolAdapter(BaseAdapter):
 
     def _watch_pad(self, written: set[int]) -> None:
         pool, pad = self.stepped.pool, int(self.input_specs()["cells"].pad)
-        self._watch = None
-        if pad != pool.scratch_cell and pad not in written and 0 <= pad < pool.scratch_cell and pool.readers(pad):
+        self._watch = self._shared = None
+        if pad == pool.scratch_cell or not 0 <= pad < pool.scratch_cell:
+            return
+        if pad not in written and pool.readers(pad):
             self._watch = (pad, pool.k[:, pad].clone(), pool.v[:, pad].clone())
+        elif pad in written and self._rt is not None:  # a live row and the pads write one cell
+            self._shared = (pad, self._rt.stats().padding_rows)
+
+    def _runtime(self, rt: GraphRuntime) -> GraphRuntime:
+        """What ``build`` returns, kept: the check reads its padding counter."""
+        self._rt = rt
+        return rt
 
     def check_state(self) -> list[str]:
-        """Padding rows wrote no live cell: the watched pad cell's K/V did not change."""
-        if self._watch is None:
-            return []
-        pad, k, v = self._watch
-        pool = self.stepped.pool
-        if torch.equal(pool.k[:, pad], k) and torch.equal(pool.v[:, pad], v):
+        """Padding rows wrote no live cell: the watched pad cell's K/V did not change, and
+        no step with padding rows wrote the pad cell where a live row of it writes too
+        (the pads' K/V then replace the live row's, which no later step can see)."""
+        pool, why = self.stepped.pool, None
+        if self._watch is not None:
+            pad, k, v = self._watch
+            if not (torch.equal(pool.k[:, pad], k) and torch.equal(pool.v[:, pad], v)):
+                why = "no row of the step writes it, yet its K/V changed"
+        elif self._shared is not None:
+            pad, before = self._shared
+            if self._rt.stats().padding_rows > before:
+                why = "a live row of the step writes it and the step's padding rows wrote it too"
+        if why is None:
             return []
         where = ", ".join(f"seq {s}, pos {p}" for s, p in pool.readers(pad))
-        return [f"padding rows wrote live cell(s) {pad} ({where}): no row of the step writes it, yet its K/V "
-                f"changed; the pad of 'cells' must be the scratch cell {pool.scratch_cell}"]
+        return [f"padding rows wrote live cell(s) {pad} ({where}): {why}; the pad of 'cells' must be the scratch "
+                f"cell {pool.scratch_cell}"]
 
 
 class ToyAdapter(PoolAdapter):
@@ -222,8 +240,8 @@ class ToyAdapter(PoolAdapter):
 
     def build(self, graphs: bool) -> GraphRuntime:
         self.model.reset_cache()
-        return GraphRuntime(self.model.step, self.input_specs(), widths=self.widths,
-                            graphs=graphs, device=self.device)
+        return self._runtime(GraphRuntime(self.model.step, self.input_specs(), widths=self.widths,
+                            graphs=graphs, device=self.device))
 
     def reference(self, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model.reference(list(tokens))
@@ -299,8 +317,8 @@ class HFAdapter(PoolAdapter):
 
     def build(self, graphs: bool) -> GraphRuntime:
         self.model.reset_cache()
-        return GraphRuntime(self.model.step, self.input_specs(), widths=self.widths, graphs=graphs,
-                            device=self.device)
+        return self._runtime(GraphRuntime(self.model.step, self.input_specs(), widths=self.widths, graphs=graphs,
+                            device=self.device))
 
     def reference(self, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         logits, hidden = self.model.reference_logits(list(tokens))
