@@ -313,7 +313,7 @@ class GraphRuntime(HandedBuffers):
         the inputs, each row its ``pad``: the arena and live KV cells are not touched); a
         subclass whose step holds collectives overrides it (DistributedRuntime stubs them)."""
         try:
-            from .hazards import find_capture_hazards
+            from .debug.hazards import find_capture_hazards
             return find_capture_hazards(self._body.values.on_pads(self.step_fn), self._inputs.pad_rows(width))
         except Exception:  # noqa: BLE001 - the explanation must never hide the capture error
             return ()

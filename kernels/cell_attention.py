@@ -123,7 +123,7 @@ class AttentionPlan:
 
 # Measured defaults, keyed on (rows per tile, padded D, padded G, splits > 1: the kernel
 # with the merge, which needs more registers): the first H200 run of
-# tools/bench_attention.py (Llama-3.2-1B shapes, bf16, 16 layers; the bench prints the
+# tools/bench/attention.py (Llama-3.2-1B shapes, bf16, 16 layers; the bench prints the
 # entries), on the kernel before the in-kernel merge and the chunked table reads. Width
 # 1: tiles of 128 cells (393 us against 437 at 32k), splits of at least 128 positions
 # (190 us against 232 at 8k). Width 8 (a verify step, 32 lanes): 2 warps (540 us against

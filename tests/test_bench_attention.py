@@ -1,9 +1,9 @@
-"""`python -m cudagraph_rt.tools.bench_attention --quick` runs end to end on the CPU (the
+"""`python -m cudagraph_rt.tools.bench.attention --quick` runs end to end on the CPU (the
 kernels in the interpreter) and writes every section, each kernel result checked against
 SDPA by the bench itself; the goal table names each goal case with pass or miss."""
 import json
 
-from cudagraph_rt.tools.bench_attention import FULL, main
+from cudagraph_rt.tools.bench.attention import FULL, main
 
 
 def test_quick_writes_every_section(tmp_path, capsys):

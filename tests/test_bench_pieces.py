@@ -1,4 +1,4 @@
-"""``cgrt bench --sections pieces`` (tools/bench_pieces.py) runs its whole path on a CPU:
+"""``cgrt bench --sections pieces`` (tools/bench/pieces.py) runs its whole path on a CPU:
 the tiny Llama, the runtimes' CUDA graphs replaced by emulated ones (the section itself
 needs CUDA). The figures mean nothing here; what is checked is what the H200 run reports:
 every T timed in every variant, the pieces per width, the whole graph of the varlen
@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 
 from cudagraph_rt import GraphRuntime  # noqa: E402
 from cudagraph_rt.models import hf  # noqa: E402
-from cudagraph_rt.tools import bench_pieces  # noqa: E402
+from cudagraph_rt.tools.bench import pieces as bench_pieces  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 

@@ -1,9 +1,9 @@
-"""tools/bench_projections.py's CPU smoke run (--quick): every group, layout and
+"""tools/bench/projections.py's CPU smoke run (--quick): every group, layout and
 implementation is timed after its outputs were checked against eager F.linear over the
 merged weight, and the JSON holds one row each. (Its figures are the H200's: BENCHMARKS.md.)"""
 import json
 
-from cudagraph_rt.tools import bench_projections
+from cudagraph_rt.tools.bench import projections as bench_projections
 
 
 def test_quick_run_checks_and_records_every_case(tmp_path):

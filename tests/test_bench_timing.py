@@ -19,8 +19,8 @@ import time
 import pytest
 
 from cudagraph_rt.cli import build_parser
-from cudagraph_rt.tools import bench_common, bench_steps
-from cudagraph_rt.tools.bench_context import Context
+from cudagraph_rt.tools.bench import common as bench_common, steps as bench_steps
+from cudagraph_rt.tools.bench.context import Context
 from cudagraph_rt.widths import default_widths
 from seeds import seeded_rng
 
@@ -271,7 +271,7 @@ def test_overhead_row_pools_repeats_and_keeps_the_old_keys(clock):
     sp = r["zero_copy_whole_over_bare_host"]
     assert sp["min"] == sp["max"] == sp["median"] == pytest.approx((HOST_INPUTS + STEP) / REPLAY)
     assert r["step_over_bare_latency"]["median"] == pytest.approx((STEP + SYNC) / (REPLAY + SYNC))
-    from cudagraph_rt.tools import bench_report
+    from cudagraph_rt.tools.bench import report as bench_report
     (table,) = bench_report.tables("host_overhead", {"status": "ok", "rows": [r], "repeats": 3})
     assert len(table.columns) == 14 and table.row_count == 1
     import io
@@ -287,7 +287,7 @@ def test_overhead_row_pools_repeats_and_keeps_the_old_keys(clock):
 
 
 def test_goal_status_only_where_the_repeats_agree():
-    from cudagraph_rt.tools import bench_report
+    from cudagraph_rt.tools.bench import report as bench_report
     assert bench_report.spread_status(1.2, 1.4, 1.5) is True
     assert bench_report.spread_status(1.6, 1.9, 1.5) is False
     assert bench_report.spread_status(1.4, 1.6, 1.5) == "unclear"

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 
 from cudagraph_rt.errors import CgrtError, expected
-from cudagraph_rt.inspect import InspectReport, inspect_runtime, short_kernel_name, to_dot
+from cudagraph_rt.debug.inspect import InspectReport, inspect_runtime, short_kernel_name, to_dot
 from cudagraph_rt.models import Decoder
 from cudagraph_rt.tools import options
 
