@@ -3,6 +3,8 @@ implementation is timed after its outputs were checked against eager F.linear ov
 merged weight, and the JSON holds one row each. (Its figures are the H200's: BENCHMARKS.md.)"""
 import json
 
+import pytest
+
 from cudagraph_rt.tools import bench_projections
 
 
@@ -29,6 +31,10 @@ def test_unknown_implementations_are_refused(tmp_path, capsys):
 def test_quick_run_of_the_small_m_kernel_and_its_tuning(tmp_path, capsys):
     """The kernel (interpreted here) timed beside cuBLAS, every case checked against
     F.linear first; --tune times the plan and the candidates and prints its table."""
+    from cudagraph_rt.kernels.small_linear import kernel_mode
+
+    if kernel_mode() != "interpreter":
+        pytest.skip("the kernel runs on CPU tensors in the interpreter only (a GPU machine: .ci/gpu_small_m.sh)")
     out = tmp_path / "proj.json"
     args = ["--quick", "--json", str(out), "--widths", "1", "--replays", "1", "--impls", "cublas,small", "--tune",
             "--candidates", "1"]

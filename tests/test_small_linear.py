@@ -23,7 +23,7 @@ from cudagraph_rt.kernels import small_linear as sl
 from seeds import seeded_rng
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
-DEV = torch.device("cuda", torch.cuda.current_device()) if sl.kernel_mode() == "compiled" else torch.device("cpu")
+DEV = torch.device("cuda") if sl.kernel_mode() == "compiled" and torch.cuda.is_available() else torch.device("cpu")
 
 CONFIGS = [None,  # the default plan
            sl.LinearConfig(block_n=16, block_k=16, split_k=1),

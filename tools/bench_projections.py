@@ -293,6 +293,10 @@ def main(argv=None) -> int:
     if not impls or any(i not in IMPLS for i in impls):
         print(f"bench_projections: --impls: expected some of {','.join(IMPLS)}, got {a.impls!r}", file=sys.stderr)
         return 2
+    if a.quick and ("small" in impls or a.tune) and _kernel_mode() != "interpreter":
+        print("bench_projections: --quick with the small-M kernel: expected TRITON_INTERPRET=1 (the kernel on a "
+              "CPU), got none", file=sys.stderr)
+        return 2
     if not a.quick and not torch.cuda.is_available():
         print("bench_projections: expected a CUDA device, got none (--quick runs on a CPU)", file=sys.stderr)
         return 2
@@ -320,6 +324,11 @@ def main(argv=None) -> int:
         tune_report(found, rows)
     print(f"wall {time.perf_counter() - t0:.0f} s")
     return 0
+
+
+def _kernel_mode() -> str:
+    from cudagraph_rt.kernels.small_linear import kernel_mode
+    return kernel_mode()
 
 
 def record(path: str, rows: list[Row], compile_s: dict, wall_s: float, tuned: list[dict] | None = None) -> None:
