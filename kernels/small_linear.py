@@ -49,8 +49,8 @@ except ImportError:  # pragma: no cover - exercised only on installs without tri
     triton = None
     tl = None
 
-__all__ = ["LinearConfig", "MAX_ROWS", "SUPPORTED_DTYPES", "SplitScratch", "TUNED_CONFIGS", "kernel_mode",
-           "plan_linear", "small_linear", "small_linear_reference"]
+__all__ = ["LinearConfig", "MAX_ROWS", "SUPPORTED_DTYPES", "SplitScratch", "TUNED_CONFIGS", "default_split",
+           "kernel_mode", "plan_linear", "small_linear", "small_linear_reference"]
 
 MAX_ROWS = 16  # x's rows: the widest step this kernel serves (verify of k <= 15 drafts)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -114,7 +114,7 @@ def plan_linear(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
     the :data:`TUNED_CONFIGS` entry if any, else the default tile; ``split_k`` filled in by
     :func:`default_split` where the entry leaves it None."""
     bucket = _next_pow2(max(1, min(m, MAX_ROWS)))
-    config = TUNED_CONFIGS.get((n, k, bucket, torch.empty((), dtype=dtype).element_size())) or LinearConfig()
+    config = TUNED_CONFIGS.get((n, k, bucket, dtype.itemsize)) or LinearConfig()
     if config.split_k is None:
         config = replace(config, split_k=default_split(n, k, config, _sm_count(torch.device(device))))
     return config
