@@ -5,18 +5,12 @@ the layout, one step's data path and the glossary.
 """
 from __future__ import annotations
 
-import os as _os
+from . import _source_tree
 
 # kernels/ and tools/ are top-level folders of the repository that install as
-# cudagraph_rt.kernels and cudagraph_rt.tools (setup.py package_dir). Run from a source
-# tree (PYTHONPATH=.), let the package find them in the same place. This stays: the GPU
-# machine runs the tree with PYTHONPATH=. and can install nothing (an editable install
-# would serve everywhere else).
-_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "kernels")) and _os.path.isfile(
-    _os.path.join(_root, "kernels", "__init__.py")
-):
-    __path__.append(_root)  # type: ignore[name-defined]
+# cudagraph_rt.kernels and cudagraph_rt.tools; from a source tree (PYTHONPATH=.) the
+# finder maps those two names, and only those (see _source_tree).
+_source_tree.install(__path__[0])  # type: ignore[name-defined]
 
 from .specs import InputSpec  # noqa: E402
 from .capture import CaptureReport, WidthCapture  # noqa: E402
@@ -33,6 +27,7 @@ from .errors import (  # noqa: E402
     StepFunctionError,
 )
 from .host_rows import HostRows, HostRowsHandle  # noqa: E402
+from .pieces import eager, step_values  # noqa: E402
 from .runtime import GraphRuntime, RuntimeStats, StepResult  # noqa: E402
 from .widths import Slice, default_widths, plan_step  # noqa: E402
 
@@ -41,6 +36,8 @@ __all__ = [
     "InputSpec",
     "HostRows",
     "HostRowsHandle",
+    "eager",
+    "step_values",
     "StepResult",
     "RuntimeStats",
     "StateDigest",

@@ -1,12 +1,16 @@
 """The `cgrt` command: sweep | inspect | bench | demo.
 
 Each subcommand lives in cudagraph_rt.tools.<name> with ``add_arguments(parser)`` and
-``run(args) -> int`` (the exit code: non-zero on any failure).
+``run(args) -> int`` (the exit code). The arguments every command shares, and the checks
+made before a command runs, are in cudagraph_rt.tools.options. Exit codes: 0 all good,
+1 a failed check (a mismatch, a hazard, a failed section), 2 a usage error (one line:
+``cgrt <command>: --flag: expected ..., got ...``).
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import platform
 import sys
 
 COMMANDS = {
@@ -17,9 +21,42 @@ COMMANDS = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with the commands' one error style: ``cgrt sweep: --widths: expected ...``
+    on one line, exit code 2 (argparse's own is a usage block and ``error: argument``)."""
+
+    def error(self, message: str):  # noqa: D102 - argparse's hook
+        message = message[len("argument "):] if message.startswith("argument ") else message
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
+def version() -> str:
+    import cudagraph_rt
+
+    try:
+        import torch
+        torch_version = torch.__version__
+    except ImportError:  # pragma: no cover - torch is a dependency
+        torch_version = "missing"
+    return (f"cgrt (cudagraph_rt) {cudagraph_rt.__version__} from {cudagraph_rt.__path__[0]}; "
+            f"torch {torch_version}, python {platform.python_version()}")
+
+
+class _Version(argparse.Action):
+    """``--version``: one line as is (argparse's own action wraps it at the terminal width)."""
+
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, help="print the version and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version())
+        parser.exit(0)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cgrt", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
+    p = Parser(prog="cgrt", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action=_Version)
+    sub = p.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}", parser_class=Parser)
     for name, (module, help_) in COMMANDS.items():
         sp = sub.add_parser(name, help=help_, description=help_)
         try:
@@ -33,8 +70,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns its exit code (``--help``, ``--version`` and usage errors
+    included: nothing here raises SystemExit)."""
+    from cudagraph_rt.tools.options import UsageError
+
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help / --version (0) or a usage error (2), already printed
+        return int(e.code or 0) if not isinstance(e.code, str) else 2
     if getattr(args, "_unavailable", None):
         print(args._unavailable, file=sys.stderr)
         return 2
@@ -42,7 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     tool = importlib.import_module(f"cudagraph_rt.tools.{args._module}")
-    return int(tool.run(args) or 0)
+    try:
+        return int(tool.run(args) or 0)
+    except UsageError as e:  # a check of several flags together, made before the run
+        print(f"cgrt {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from .errors import InputError, expected
+from .graph_mode import GraphMode, graph_mode_for
 from .host_rows import HostRows
 from .specs import InputSpec
+from .width_modes import CapturePolicy
 from .widths import check_widths, default_dynamic_limit, default_widths
 
 StepFn = Callable[[Mapping[str, torch.Tensor]], Any]
@@ -21,7 +23,7 @@ def _int(name: str, v: Any, lo: int, what: str) -> int:
     return v
 
 
-def _device(device: Any, graphs: bool) -> torch.device:
+def _device(device: Any, mode: GraphMode) -> torch.device:
     """The resolved device ("cuda" -> "cuda:<current>"); InputError for what cannot run."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -33,10 +35,9 @@ def _device(device: Any, graphs: bool) -> torch.device:
         if not torch.cuda.is_available():
             raise InputError(expected("device", "a device this machine has", f"{device} (no CUDA here)"))
         return torch.device("cuda", torch.cuda.current_device()) if dev.index is None else dev
-    if graphs:
-        raise InputError(expected("graphs", "False on a CPU device (CUDA graphs need a GPU)", True))
     if dev.type != "cpu":
         raise InputError(expected("device", "'cuda' or 'cpu'", str(dev)))
+    mode.check_device(dev)
     return dev
 
 
@@ -56,14 +57,17 @@ class RuntimeConfig:
     """Everything a GraphRuntime is built from, checked: the arguments of
     :class:`~cudagraph_rt.GraphRuntime` (see its docstring), with ``widths``,
     ``dynamic_limit`` and ``device`` resolved. ``rows`` is the arena's rows per input:
-    the widest step one slice runs. Raises InputError naming the argument."""
+    the widest step one slice runs. ``graphs`` reads back as given (True, False or
+    ``"emulate"``); ``graph_mode`` is the object it chose (see ``graph_mode``);
+    ``capture_policy`` what each width tries at capture, from ``pieces`` and
+    ``on_capture_error`` (see ``width_modes``). Raises InputError naming the argument."""
 
     step_fn: StepFn
     inputs: Mapping[str, InputSpec]
     widths: tuple[int, ...]
     dynamic_limit: int
     slicing: bool
-    graphs: bool
+    graphs: bool | str
     device: torch.device
     dynamic_fn: StepFn | None
     host_rows: HostRows | None
@@ -71,6 +75,10 @@ class RuntimeConfig:
     warmup: int
     keep_graphs: bool
     watch: Callable[[], Iterable[torch.Tensor]] | None
+    graph_mode: GraphMode
+    pieces: Any = False
+    step_values: Callable | None = None
+    capture_policy: CapturePolicy | None = None
 
     @property
     def rows(self) -> int:
@@ -79,20 +87,21 @@ class RuntimeConfig:
     @classmethod
     def build(cls, step_fn, inputs, *, widths=None, max_width=64, dynamic_limit=None, slicing=True,
               graphs=True, device=None, dynamic_fn=None, host_rows=None, on_capture_error="raise",
-              warmup=2, keep_graphs=False, watch=None) -> "RuntimeConfig":
+              warmup=2, keep_graphs=False, watch=None, pieces=False, step_values=None) -> "RuntimeConfig":
         for name, fn, what in (("step_fn", step_fn, "a callable"), ("dynamic_fn", dynamic_fn, "a callable or None"),
-                               ("watch", watch, "a callable returning tensors, or None")):
+                               ("watch", watch, "a callable returning tensors, or None"),
+                               ("step_values", step_values, "a callable (rows, width) -> values, or None")):
             if not callable(fn) and not (fn is None and name != "step_fn"):
                 raise InputError(expected(name, what, type(fn).__name__))
         specs = _specs(inputs)
         ws = check_widths(widths) if widths is not None else default_widths(max_width)
         limit = default_dynamic_limit(ws) if dynamic_limit is None else dynamic_limit
         _int("dynamic_limit", limit, ws[-1], f"an int >= the widest graph ({ws[-1]})")
-        if on_capture_error not in ("raise", "eager"):
-            raise InputError(expected("on_capture_error", "'raise' or 'eager'", repr(on_capture_error)))
+        policy = CapturePolicy.build(pieces, on_capture_error, ws)
         _int("warmup", warmup, 0, "an int >= 0")
         if host_rows is not None and not isinstance(host_rows, HostRows):
             raise InputError(expected("host_rows", "a HostRows or None", type(host_rows).__name__))
-        dev = _device(device, graphs)
-        return cls(step_fn, specs, ws, limit, slicing, graphs, dev, dynamic_fn, host_rows, on_capture_error,
-                   warmup, keep_graphs, watch)
+        mode = graph_mode_for(graphs)
+        dev = _device(device, mode)
+        return cls(step_fn, specs, ws, limit, slicing, mode.value, dev, dynamic_fn, host_rows, on_capture_error,
+                   warmup, keep_graphs, watch, mode, pieces, step_values, policy)

@@ -56,6 +56,8 @@ class DirectStep:
             if got is None:
                 return None
             T, ptrs = got
+        elif T < 0:  # another thread holds the next step's views: the general path refuses
+            return None
         e = self._per_t.get(T, False)
         if e is False:
             if T > self._rows:  # wider than any graph: the general path slices it
@@ -65,7 +67,7 @@ class DirectStep:
             return None
         if self._watching:
             self._watch.check()  # raises StaleCaptureError before anything is written
-        self._inputs.consume_fed()
+        self._inputs.consume()
         feed.write_rows(ptrs, T)
         c = self._counters
         c.replays[e.width] += 1
@@ -96,4 +98,4 @@ class DirectStep:
         if len(slices) != 1 or slices[0].path != "graph":
             return None
         ex = self._executors(slices[0].width)
-        return _PerT(slices, ex, self._layout, T) if isinstance(ex, GraphSlice) else None
+        return _PerT(slices, ex, self._layout, T) if isinstance(ex, GraphSlice) and ex.direct else None

@@ -34,7 +34,9 @@ def _driver():
     try:
         from cuda.bindings import driver
     except ImportError as exc:  # pragma: no cover - depends on the install
-        raise NeedsCudaError(f"graph introspection needs cuda-python (cuda.bindings): {exc}") from exc
+        from .extras import message
+
+        raise NeedsCudaError(message("gpu", "graph introspection") + f" ({exc})") from exc
     torch.cuda.init()   # a current context for cuPointerGetAttribute
     return driver
 

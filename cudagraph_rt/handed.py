@@ -7,8 +7,9 @@ from typing import Any
 
 import torch
 
-from .errors import BusyError, InputError, expected
+from .errors import BusyError, CapacityError, InputError, expected
 from .executor import GraphSlice
+from .widths import Slice
 
 
 class HandedBuffers:
@@ -30,11 +31,12 @@ class HandedBuffers:
 
     @property
     def pinned_bytes(self) -> int:
-        """Pinned host memory this runtime holds: staging arenas, feed, host-row ring."""
+        """Pinned host memory this runtime holds: staging arenas, feed, host-row ring (0 on
+        a CPU, where they are plain memory)."""
         if self._inputs is None:
             return 0
         ring = self._rows_mode.ring if self._rows_mode is not None else None
-        return sum(b.nbytes for b in self._inputs.staging) + (ring.nbytes if ring is not None else 0)
+        return sum(b.nbytes for b in self._inputs.staging) + (ring.nbytes if ring is not None and ring.pinned else 0)
 
     def static_inputs(self, width: int) -> dict[str, torch.Tensor]:
         """The device views a graph of ``width`` reads: rows ``[:width]`` of the arena.
@@ -62,10 +64,14 @@ class HandedBuffers:
         input's dtype without a word (1.7 into int64 is 1; out-of-range values wrap), where
         ``step`` with a list or array of another dtype raises InputError.
 
-        Lifetime: good for the next step only, from this thread. Views kept past it, or
-        cut, are refused with InputError (their arena may hold an older step's rows by
-        then). Captures first if ``capture()`` was not called (a capture would reset the
-        rows handed out). Refused with BusyError while another thread is inside ``step``."""
+        Lifetime: good for the next step only (whatever that step wrote), from this
+        thread. Views kept past it, or cut, are refused with InputError (their arena may
+        hold an older step's rows by then); written after it, they write the next step's
+        staging, which no check can see (padding rows are padded on every step all the
+        same). Until this thread steps them, another thread's ``host_inputs`` and ``step``
+        raise BusyError (the views of a thread that ended are free). Captures first if
+        ``capture()`` was not called (a capture would reset the rows handed out). Refused
+        with BusyError while another thread is inside ``step``."""
         if numpy is not True and numpy is not False:
             raise InputError(expected("host_inputs(numpy=)", "True or False", repr(numpy)))
         if not self._lock.acquire(blocking=False):  # not _exclusive: a generator costs µs here
@@ -92,3 +98,9 @@ class HandedBuffers:
         with self._exclusive("device_inputs"):
             self._single_slice(T, "device_inputs")
             return self._inputs.device_views(T)
+
+    def _single_slice(self, T: int, what: str) -> Slice:
+        plan = self.plan(T)
+        if len(plan) > 1:
+            raise CapacityError(expected(f"{what}(T)", f"T <= {self.config.rows} (one slice)", T))
+        return plan[0]

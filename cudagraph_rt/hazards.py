@@ -28,6 +28,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .pieces import marked_calls
+
 
 
 __all__ = ["HAZARD_KINDS", "Hazard", "find_capture_hazards", "explain_capture_failure"]
@@ -390,6 +392,18 @@ class _DispatchMode(TorchDispatchMode):
                     and value.numel() == 1 and not self.tr.is_dev(value))
 
 
+def _marked_call(tr: _Tracker):
+    """How a call marked ``cudagraph_rt.eager`` runs under the finder: for real, reported
+    nowhere (it runs outside the graphs and may sync: that is why it is marked)."""
+    def run(fn, args, kwargs):
+        tr.quiet += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            tr.quiet -= 1
+    return run
+
+
 @contextmanager
 def _capturing_as_seen_by_code():
     """``torch.cuda.is_current_stream_capturing()`` answers True while the finder runs, so
@@ -419,7 +433,8 @@ def find_capture_hazards(fn: Callable, *args, device=None, **kwargs) -> tuple[Ha
     when ``fn`` raised (the run stops there; hazards found before it are kept).
     Deduplicated by (kind, op, filename, lineno), in order of first sight.
 
-    Cannot see: work that bypasses torch (Triton/ctypes launches, ``torch.cuda.synchronize()``,
+    Calls marked ``cudagraph_rt.eager`` run, and nothing in them is reported. Cannot see:
+    work that bypasses torch (Triton/ctypes launches, ``torch.cuda.synchronize()``,
     stream/event waits, host-side Python state), branches on Python values, ops in code
     paths not taken on this run, and dynamic shapes that do not sync. ``fn`` really runs:
     its side effects (KV writes, counters) happen once.
@@ -432,7 +447,7 @@ def find_capture_hazards(fn: Callable, *args, device=None, **kwargs) -> tuple[Ha
         target = torch.device(device) if device is not None else torch.device("cuda")
         tr = _Tracker(simulate=True, target=target if target.type != "cpu" else torch.device("cuda"))
     try:
-        with _DispatchMode(tr), _FunctionMode(tr), _capturing_as_seen_by_code():
+        with _DispatchMode(tr), _FunctionMode(tr), _capturing_as_seen_by_code(), marked_calls(_marked_call(tr)):
             fn(*args, **kwargs)
     except Exception as exc:  # report it as a hazard at the user's line; keep the rest
         frames = [(f.filename, f.lineno) for f in reversed(traceback.extract_tb(exc.__traceback__))]

@@ -58,6 +58,7 @@ class WidthReport:
     diffs: tuple[OutputDiff, ...] = ()
     error: str | None = None
     nodes: tuple[GraphNode, ...] = field(default=(), repr=False)
+    layout: tuple[str, ...] = ()  # a width in pieces: ("piece 1", "eager <call>", "piece 2", ...)
 
     @property
     def kernels(self) -> tuple[GraphNode, ...]:
@@ -97,18 +98,17 @@ class InspectReport:
 
     @property
     def ok(self) -> bool:
-        """Readable, no hazard, no graph hazard, graphs on == graphs off, no error."""
-        return self.available and not any(
-            w.hazards or w.node_hazards or w.error or not all(d.equal for d in w.diffs)
-            for w in self.widths)
+        """Nothing found: no hazard, no graph hazard, graphs on == graphs off, no failed
+        width. Where graphs could not be read (``available`` False) only the hazard finder
+        ran, and ``ok`` is its verdict."""
+        return not any(w.hazards or w.node_hazards or w.error or not all(d.equal for d in w.diffs)
+                       for w in self.widths)
 
     @property
     def exit_code(self) -> int:
-        """What ``cgrt inspect`` exits with: 1 for a hazard, a graph hazard, an on/off
-        mismatch or a failed width (found with graphs readable or not), else 0."""
-        bad = any(w.hazards or w.node_hazards or w.error or not all(d.equal for d in w.diffs)
-                  for w in self.widths)
-        return 1 if bad else 0
+        """What ``cgrt inspect`` exits with: 0 when :attr:`ok`, else 1 (its JSON's "ok"
+        says the same)."""
+        return 0 if self.ok else 1
 
     def to_json(self) -> dict:
         return {"available": self.available, "reason": self.reason, "device": self.device,
@@ -206,7 +206,7 @@ def inspect_runtime(rt, *, widths=None, replays: int = 20, reference=None,
         reason = "no captured graphs: build the runtime with graphs=True, keep_graphs=True and call capture()"
     if reason:
         return InspectReport(False, reason, device, tuple(
-            WidthReport(w, hazards=_step_hazards(rt, w) if hazards else ()) for w in widths))
+            WidthReport(w, hazards=_step_hazards(rt, w) if hazards else (), layout=_layout(rt, w)) for w in widths))
     ref = reference() if callable(reference) and not hasattr(reference, "step") else reference
     compare = (ref, inputs) if ref is not None and inputs else None
     reports = []
@@ -228,9 +228,10 @@ def _width_report(rt, w: int, replays: int, hazards: bool, compare) -> WidthRepo
     try:
         if w not in graphs:
             raise GraphInspectError(error or f"width {w} has no captured graph")
-        nodes = graph_nodes(graphs[w])
+        g = graphs[w]
+        nodes = tuple(n for piece in getattr(g, "pieces", (g,)) for n in graph_nodes(piece))
         return WidthReport(
-            w, **facts, replay_s=_replay_seconds(graphs[w], replays), counts=node_counts(nodes),
+            w, **facts, layout=_layout(rt, w), replay_s=_replay_seconds(g, replays), counts=node_counts(nodes),
             static_inputs={k: v.data_ptr() for k, v in rt.static_inputs(w).items()},
             hazards=_step_hazards(rt, w) if hazards else (),
             diffs=_on_off(rt, compare[0], compare[1], w) if compare else (), nodes=nodes)
@@ -238,9 +239,19 @@ def _width_report(rt, w: int, replays: int, hazards: bool, compare) -> WidthRepo
         return WidthReport(w, **facts, error=f"{type(exc).__name__}: {exc}")
 
 
+def _layout(rt, width: int) -> tuple[str, ...]:
+    """What a width in pieces runs, in order (its graph's ``layout``); () for a whole graph."""
+    return tuple(getattr(_graphs(rt).get(width), "layout", ()))
+
+
 def _step_hazards(rt, width: int) -> tuple[Hazard, ...]:
     try:
-        return find_capture_hazards(rt.step_fn, dict(rt.static_inputs(width)))
+        fn = rt.step_fn
+        values = getattr(getattr(rt, "config", None), "step_values", None)
+        if values is not None:  # the step's marked calls read step values: those of padding rows
+            from .pieces import StepValues
+            fn = StepValues(values, rt.input_specs).on_pads(fn)
+        return find_capture_hazards(fn, dict(rt.static_inputs(width)))
     except Exception as exc:   # no static inputs (an unfinished runtime): say so
         return (Hazard(ERROR, type(exc).__name__, "<runtime>", 0, "", f"could not run the step: {exc}"),)
 

@@ -175,6 +175,10 @@ class SpecRunner:
         if depth is not None and depth < lanes + 1:
             raise InputError(expected("drafter.depth", f">= lanes + 1 = {lanes + 1} (a lane's drafts must outlive "
                                       "the other lanes' observes)", depth))
+        drafts = getattr(drafter, "k", None)  # a drafter that drafts at most k per sequence
+        if drafts is not None and drafts < k:
+            raise InputError(expected("drafter.k", f">= the runner's k = {k} (it proposes k drafts per sequence)",
+                                      drafts))
         self.model, self.drafter, self.k, self.chunk, self.record_rows = model, drafter, k, chunk, record_rows
         caps = [slots // lanes + (i < slots % lanes) for i in range(lanes)]
         # A step commits at most k + 1 rows per sequence; while one lane steps, every other
@@ -195,22 +199,32 @@ class SpecRunner:
 
     # -- public --------------------------------------------------------------------------
     def submit(self, requests) -> list[int]:
-        """Queue requests; returns their uids. InputError if one does not fit the model."""
-        uids, cfg, pool = [], self.model.config, self.model.pool
-        for r in requests:
-            if not r.prompt or r.max_new < 1 or len(r.prompt) + r.max_new - 1 > cfg.max_len:
-                raise InputError(expected("request", f"a prompt and max_new >= 1 within {cfg.max_len} positions",
-                                          (len(r.prompt), r.max_new)))
-            if self._blocks_for(len(r.prompt), r.max_new) > pool.num_blocks:
-                raise InputError(expected("request", f"at most {pool.num_blocks * pool.block_size} positions "
-                                          "(the model's whole KV pool)", (len(r.prompt), r.max_new)))
-            if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < cfg.vocab
-                       for t in r.prompt):
-                raise InputError(expected("request.prompt", f"token ids in [0, {cfg.vocab})", r.prompt))
-            self.waiting.append((self._next_uid, r))
-            uids.append(self._next_uid)
-            self._next_uid += 1
+        """Queue requests; returns their uids. All or none: InputError (naming the request)
+        if one does not fit the model or its ``max_new`` is not an int >= 1, and then none
+        of them is queued (a retry serves each once)."""
+        requests = list(requests)
+        for i, r in enumerate(requests):
+            self._check_request(i, r)
+        uids = list(range(self._next_uid, self._next_uid + len(requests)))
+        self.waiting.extend(zip(uids, requests))
+        self._next_uid += len(requests)
         return uids
+
+    def _check_request(self, i: int, r) -> None:
+        cfg = self.model.config
+        n = r.max_new
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise InputError(expected(f"requests[{i}].max_new", "an int >= 1", repr(n)))
+        if not r.prompt or len(r.prompt) + n - 1 > cfg.max_len:
+            raise InputError(expected(f"requests[{i}]", f"a prompt and max_new >= 1 within {cfg.max_len} positions",
+                                      (len(r.prompt), n)))
+        pool = self.model.pool
+        if self._blocks_for(len(r.prompt), n) > pool.num_blocks:
+            raise InputError(expected(f"requests[{i}]", f"at most {pool.num_blocks * pool.block_size} positions "
+                                      "(the model's whole KV pool)", (len(r.prompt), n)))
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < cfg.vocab
+                   for t in r.prompt):
+            raise InputError(expected(f"requests[{i}].prompt", f"token ids in [0, {cfg.vocab})", r.prompt))
 
     def run(self, max_steps: int | None = None) -> RunReport:
         """Serve until every request is done (or ``max_steps`` more steps were launched;

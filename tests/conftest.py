@@ -29,3 +29,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(params=[False, "emulate"], ids=["graphs-off", "emulated"])
+def rig_graphs(request):
+    """Run the test twice: every Rig built without ``graphs=`` runs graphs off, then with
+    emulated graphs (the graph path's feed, short path, views and static outputs, on a CPU)."""
+    import reliability_harness
+    reliability_harness.GRAPHS[0] = request.param
+    yield request.param
+    reliability_harness.GRAPHS[0] = False

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from cudagraph_rt import GraphRuntime, HostRows, InputSpec
-from cudagraph_rt.testing.internals import host_ring, poison_next_slot
+from ring_hooks import host_ring, poison_next_slot
 from models_for_tests import SlotModel
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -21,13 +21,18 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 class ScaleChooser(SlotModel):
     """SlotModel that chooses its accepted rows on the device: the rows whose ``scale`` is
     above 0.5, packed in row order. Padding rows have scale 0 (the pad), so they are never
-    chosen: this is the contract a device chooser must keep (see guarantees.md)."""
+    chosen: this is the contract a device chooser must keep (see guarantees.md).
+    ``rows_dtype`` / ``count_dtype``: the dtypes of its outputs (int32 or int64)."""
+
+    def __init__(self, *a, rows_dtype=torch.int32, count_dtype=torch.int32, **kw):
+        super().__init__(*a, **kw)
+        self.rows_dtype, self.count_dtype = rows_dtype, count_dtype
 
     def __call__(self, x):
         out = super().__call__(x)
         keep = (x["scale"][:, 0] > 0.5).to(torch.int32)
-        out["accept_rows"] = torch.sort(1 - keep, stable=True).indices.to(torch.int32)
-        out["accept_count"] = keep.sum().to(torch.int32).reshape(1)
+        out["accept_rows"] = torch.sort(1 - keep, stable=True).indices.to(self.rows_dtype)
+        out["accept_count"] = keep.sum().to(self.count_dtype).reshape(1)
         return out
 
 
@@ -67,12 +72,23 @@ def fresh_gen() -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-class Rig:
-    """A GraphRuntime (graphs off unless ``device='cuda'`` and ``graphs=True``) over a
-    SlotModel plus its reference. ``mode``: None or a HostRows mode."""
+GRAPHS = [False]  # what a Rig built without ``graphs=`` runs: conftest's ``rig_graphs`` sets it
 
-    def __init__(self, mode=None, *, device="cpu", graphs=False, depth=3, capacity=None,
+
+def default_graphs():
+    """The graph mode of the test that runs now (False, or "emulate" under ``rig_graphs``)."""
+    return GRAPHS[0]
+
+
+class Rig:
+    """A GraphRuntime over a SlotModel plus its reference. ``mode``: None or a HostRows
+    mode. ``graphs``: None takes the test's graph mode (``default_graphs``: graphs off, or
+    emulated graphs on a CPU); ``device='cuda'`` with ``graphs=True`` for CUDA graphs."""
+
+    def __init__(self, mode=None, *, device="cpu", graphs=None, depth=3, capacity=None,
                  n_slots=256, extra=False, seed=None, model_cls=None, H=32, gen=None, **kw):
+        if graphs is None:
+            graphs = default_graphs()
         if seed is None:
             seed = int(torch.randint(0, 1000, (1,)))
             print(f"Rig model seed {seed}")

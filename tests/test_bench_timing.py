@@ -274,6 +274,16 @@ def test_overhead_row_pools_repeats_and_keeps_the_old_keys(clock):
     from cudagraph_rt.tools import bench_report
     (table,) = bench_report.tables("host_overhead", {"status": "ok", "rows": [r], "repeats": 3})
     assert len(table.columns) == 14 and table.row_count == 1
+    import io
+
+    from rich.console import Console
+    con = Console(width=80, file=io.StringIO(), color_system=None)
+    con.print(table)  # at 80 columns: split into parts, the key column in each, no figure cut
+    text = con.file.getvalue()
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80, text
+    words = set(text.split())
+    assert not [w for cell in table.rows[0] for w in str(cell).split() if w not in words], text
+    assert text.count("(continued)") >= 1
 
 
 def test_goal_status_only_where_the_repeats_agree():

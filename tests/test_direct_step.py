@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cudagraph_rt import GraphRuntime, InputError, InputSpec
-from cudagraph_rt.inputs.arena import SRC, ArenaLayout
+from cudagraph_rt.inputs.arena import ArenaLayout
 from cudagraph_rt.inputs.feed import Feed
 from cudagraph_rt.inputs.validate import Prepared, Validator
 from test_staging import SPECS, FakeEvent, rows
@@ -80,7 +80,7 @@ def test_the_short_check_takes_only_what_the_full_check_takes_as_plain_host_rows
 
 
 def _feed():
-    layout = ArenaLayout(SPECS, 16, {SRC: (len(SPECS) + 1, torch.bool)})
+    layout = ArenaLayout(SPECS, 16, Feed.control_blocks(len(SPECS)))
     arena = torch.zeros(layout.nbytes, dtype=torch.uint8)
     full = layout.carve(arena)
     layout.fill_pads(full)

@@ -20,6 +20,7 @@ from cudagraph_rt.device_drafter import DeviceDrafter
 from cudagraph_rt.models import ToyConfig, ToyDecoder
 from cudagraph_rt.runner import Request, SpecRunner, ToyDrafter
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 MODEL = ToyDecoder(ToyConfig.tiny(max_len=48, max_seqs=6), "cpu")
 V, L = MODEL.config.vocab, MODEL.config.max_len
 

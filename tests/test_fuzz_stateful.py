@@ -14,7 +14,10 @@ model run unpadded at exactly T rows, through random sequences of
   sliced commits, a device-mode step wider than the default capacity;
 - host-row choices per mode (host: rows before the step; device: the step function picks
   the rows whose scale > 0.5; commit: rows after the step), handles held and released,
-  commits fresh and stale, ``reset_stats``, ``recapture``; ``close`` at the end.
+  commits fresh and stale, ``reset_stats``, ``recapture``; ``close`` at the end;
+- a piecewise runtime (``pieces=True`` over MarkedSlotModel: its first line and its state
+  write/read run as marked eager calls between three pieces per width), graphs off or
+  emulated, against the same plain reference.
 
 After every rule: valid steps match the reference (outputs, real KV slots, shipped rows),
 every held handle still reads its own step's rows, ``stats()`` equals an independent count,
@@ -37,15 +40,20 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from cudagraph_rt import (BusyError, CapacityError, CgrtError, GraphRuntime, HostRows, InputError,
+from cudagraph_rt import (BusyError, CapacityError, CaptureError, CgrtError, GraphRuntime, HostRows, InputError,
                           StaleRowsError)
-from cudagraph_rt.testing.internals import poison_next_slot
-from models_for_tests import Boom, SlotModel, failing
+from ring_hooks import poison_next_slot
+from models_for_tests import Boom, MarkedSlotModel, SlotModel, failing
 from reliability_harness import ScaleChooser, bits, chosen_by_scale, commit_turn
 
+
+class MarkedChooser(ScaleChooser, MarkedSlotModel):
+    """ScaleChooser over MarkedSlotModel (the piecewise runtime's device-mode model)."""
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 TOL = dict(rtol=1e-5, atol=1e-5)
-WIDTHS = (1, 2, 4, 8, 16, 32, 64)  # default widths, dynamic limit 96, rows 96
-ROWS = 96
+WIDTHS = (1, 2, 4, 8, 16, 32, 64)  # default widths; dynamic limit 96 (rows 96), or 64: sliced
+ROWS = 96                          # steps then replay the width-64 graph in several slices
 T_ALL = st.one_of(st.integers(1, 64), st.integers(65, 96), st.integers(97, 140))
 T_ONE = st.integers(1, ROWS)  # one-slice steps (host_inputs / device_inputs)
 # README: host_inputs views are "good for the next step only"; a commit is no step, so
@@ -63,18 +71,37 @@ def _rows_at(t) -> tuple:
 
 
 
-def plan(T: int) -> list[tuple[str, int, int]]:
-    """(path, width, length) of each slice, by the README's rule, stated here again."""
+def plan(T: int, rows: int = ROWS) -> list[tuple[str, int, int]]:
+    """(path, width, length) of each slice, by the README's rule, stated here again
+    (``rows``: the dynamic limit; at the widest width, slices replay that graph)."""
     out, start = [], 0
     while start < T:
         left = T - start
         if left <= WIDTHS[-1]:
             out.append(("graph", next(w for w in WIDTHS if w >= left), left))
             break
-        n = min(left, ROWS)
-        out.append(("dynamic", n, n))
+        n = min(left, rows)
+        out.append(("graph", WIDTHS[-1], n) if n <= WIDTHS[-1] else ("dynamic", n, n))
         start += n
     return out
+
+
+def in_thread(fn):
+    """``fn()`` on another thread; its result, or the exception it raised, raised here."""
+    box = []
+
+    def run():
+        try:
+            box.append((True, fn()))
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller
+            box.append((False, e))
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    ok, v = box[0]
+    if not ok:
+        raise v
+    return v
 
 
 def as_form(x: dict, form: str, gen: torch.Generator) -> dict:
@@ -108,20 +135,28 @@ class RuntimeMachine(RuleBasedStateMachine):
 
     # -- set-up ----------------------------------------------------------------------------
     @initialize(mode=st.sampled_from([None, "host", "device", "commit"]), depth=st.integers(2, 3),
-                seed=st.integers(0, 2**31 - 1), capacity=st.sampled_from([None, 140]))
-    def build(self, mode, depth, seed, capacity):
-        print(f"fuzz: mode={mode} depth={depth} capacity={capacity} seed={seed}")
+                seed=st.integers(0, 2**31 - 1), capacity=st.sampled_from([None, 140]),
+                graphs=st.sampled_from([False, "emulate"]), rows=st.sampled_from([ROWS, 64]), pieces=st.booleans(),
+                chooser=st.sampled_from([(torch.int32, torch.int32), (torch.int64, torch.int32),
+                                         (torch.int32, torch.int64), (torch.int64, torch.int64)]))
+    def build(self, mode, depth, seed, capacity, graphs, rows, chooser, pieces):
+        print(f"fuzz: mode={mode} depth={depth} capacity={capacity} graphs={graphs} rows={rows} "
+              f"chooser={chooser} pieces={pieces} seed={seed}")
         cls = ScaleChooser if mode == "device" else SlotModel
-        self.m = failing(cls)("cpu", H=16, n_slots=160, seed=seed % 1000)
-        self.ref = cls("cpu", H=16, n_slots=160, seed=seed % 1000)
+        stepped = (MarkedChooser if mode == "device" else MarkedSlotModel) if pieces else cls
+        kw = dict(rows_dtype=chooser[0], count_dtype=chooser[1]) if mode == "device" else {}
+        self.m = failing(stepped)("cpu", H=16, n_slots=160, seed=seed % 1000, **kw)
+        self.ref = cls("cpu", H=16, n_slots=160, seed=seed % 1000, **kw)
         self.gen = torch.Generator().manual_seed(seed)
-        self.mode, self.depth = mode, depth
-        self.capacity = capacity or ROWS
+        self.mode, self.depth, self.rows, self.chooser = mode, depth, rows, chooser
+        self.capacity = capacity or rows
         hr = HostRows(source="hidden", mode=mode, depth=depth, capacity=capacity) if mode else None
-        self.rt = GraphRuntime(self.m, self.m.specs(), graphs=False, device="cpu", host_rows=hr)
+        self.rt = GraphRuntime(self.m, self.m.specs(), graphs=graphs, device="cpu", host_rows=hr,
+                               dynamic_limit=rows, pieces=pieces)
+        self.graphs, self.pieces = graphs, pieces
         # the model of what the runtime should have done
         self.counts = dict(steps=0, slices=0, padding=0, commits=0)
-        self.eager, self.dynamic = Counter(), Counter()
+        self.eager, self.dynamic, self.replays = Counter(), Counter(), Counter()
         self.next_slot = 0
         self.held: dict[int, tuple] = {}      # ring slot -> (handle, expected rows)
         self.one_slice_steps = 0              # commit-window turns taken
@@ -130,6 +165,7 @@ class RuntimeMachine(RuleBasedStateMachine):
         self.stale: list[dict] = []           # views consumed by a step
         self.closed = False
         self.probed = mode is None  # HostRows: the first capture probes the step function
+        self.captured = False  # graphs: the first step (or host_inputs) captures every width
 
     # -- helpers ---------------------------------------------------------------------------
     def inputs(self, T: int) -> dict:
@@ -150,6 +186,13 @@ class RuntimeMachine(RuleBasedStateMachine):
         with pytest.raises(exc, match=match):
             call()
         self.assert_unchanged(before)
+
+    def per_path(self, path: str) -> Counter:
+        """The counter a slice of ``path`` moves: graph slices replay with emulated graphs
+        (a width that raised is counted too: its replay began), else run eagerly."""
+        if path == "dynamic":
+            return self.dynamic
+        return self.replays if self.graphs else self.eager
 
     def ring_full(self) -> bool:
         return self.next_slot in self.held
@@ -176,7 +219,7 @@ class RuntimeMachine(RuleBasedStateMachine):
 
     def expect_refusal(self, T: int, rows):
         """The error a valid-looking step must raise (before anything is written), or None."""
-        if self.mode == "device" and len(plan(T)) > 1 and self.capacity == ROWS and T > ROWS:
+        if self.mode == "device" and len(plan(T, self.rows)) > 1 and self.capacity == self.rows and T > self.rows:
             return CapacityError, r"HostRows\(mode='device'\)"
         if self.ships(rows) and self.ring_full():
             return CapacityError, rf"host-row ring: slot {self.next_slot} still holds"
@@ -190,19 +233,19 @@ class RuntimeMachine(RuleBasedStateMachine):
             return
         poison_next_slot(self.rt)
         res = call()
-        self.probed = True
+        self.probed = self.captured = True
         want = self.ref_step(x)
-        assert res.T == T and [(s.path, s.width, s.length) for s in res.slices] == plan(T)
+        assert res.T == T and [(s.path, s.width, s.length) for s in res.slices] == plan(T, self.rows)
         torch.testing.assert_close(res.outputs["hidden"], want["hidden"], **TOL)
         assert torch.equal(res.outputs["tok"], want["tok"]) or torch.allclose(
             res.outputs["hidden"], want["hidden"], **TOL)
         torch.testing.assert_close(self.m.state[:-1], self.ref.state[:-1], **TOL)
         # counters
         self.counts["steps"] += 1
-        for path, w, n in plan(T):
+        for path, w, n in plan(T, self.rows):
             self.counts["slices"] += 1
             self.counts["padding"] += w - n
-            (self.eager if path == "graph" else self.dynamic)[w] += 1
+            self.per_path(path)[w] += 1
         # host rows
         if self.ships(rows):
             chosen = chosen_by_scale(x) if self.mode == "device" else [int(i) for i in list(rows)]
@@ -210,6 +253,10 @@ class RuntimeMachine(RuleBasedStateMachine):
             assert h is not None and h.slot == self.next_slot
             exp = want["hidden"][chosen]
             assert h.indices().tolist() == chosen
+            if self.mode == "device":  # the outputs say what was shipped, in the chooser's dtypes
+                count, order = res.outputs["accept_count"], res.outputs["accept_rows"]
+                assert (order.dtype, count.dtype) == self.chooser
+                assert count.tolist() == [len(chosen)] and order[:len(chosen)].tolist() == chosen
             torch.testing.assert_close(h.rows(), exp, **TOL)
             self.next_slot = (self.next_slot + 1) % self.depth
             if hold:
@@ -240,8 +287,9 @@ class RuntimeMachine(RuleBasedStateMachine):
     @precondition(lambda self: not self.closed)
     @rule(T=T_ONE, how=st.sampled_from(["none", "some"]), hold=st.booleans(), as_np=st.booleans())
     def host_views_fill_step(self, T, how, hold, as_np):
+        T = min(T, self.rows)
         v = self.rt.host_inputs(T, numpy=as_np)
-        self.probed = True  # host_inputs captures first
+        self.probed = self.captured = True  # host_inputs captures first
         x = self.inputs(T)
         for k, t in x.items():
             (v[k] if as_np else v[k].numpy())[:] = t.numpy()
@@ -254,10 +302,11 @@ class RuntimeMachine(RuleBasedStateMachine):
     @rule(T=T_ONE, as_np=st.booleans())
     def host_views_fill_only(self, T, as_np):
         """Views handed and filled, stepped by a later rule (other calls may come first)."""
+        T = min(T, self.rows)
         if self.views is not None:
             self.stale.append(self.views[0])  # newer views replace them
         v = self.rt.host_inputs(T, numpy=as_np)
-        self.probed = True
+        self.probed = self.captured = True
         x = self.inputs(T)
         for k, t in x.items():
             (v[k] if as_np else v[k].numpy())[:] = t.numpy()
@@ -275,6 +324,7 @@ class RuntimeMachine(RuleBasedStateMachine):
     @precondition(lambda self: not self.closed)
     @rule(T=T_ONE, refuse_first=st.booleans())
     def device_views_step(self, T, refuse_first):
+        T = min(T, self.rows)
         d = self.rt.device_inputs(T)
         x = self.inputs(T)
         for k, t in x.items():
@@ -293,23 +343,26 @@ class RuntimeMachine(RuleBasedStateMachine):
         rows = self.draw_rows(T, how)
         if self.expect_refusal(T, rows) is not None:
             return
-        if views and T <= ROWS:
+        if views and T <= self.rows:
             v = self.rt.host_inputs(T)
-            self.probed = True
+            self.probed = self.captured = True
             for k, t in self.inputs(T).items():
                 v[k].copy_(t)
         else:
             v, views = as_form(self.inputs(T), "tensor", self.gen), False
         kw = {"rows": rows} if rows is not None else {}
+        # the first-use probe raises as it is (no slice ran); a graph capture wraps the step
+        # function's error in CaptureError (it ran in warm-up), and nothing ran either
+        capture_fails = self.probed and self.graphs and not self.captured
         self.m.fail = True
         try:
-            with pytest.raises(Boom):
+            with pytest.raises(CaptureError if capture_fails else Boom):
                 self.rt.step(**kw, **v)
         finally:
             self.m.fail = False
-        if self.probed:  # else the first-use probe raised, before any slice ran
-            path, w, _ = plan(T)[0]
-            (self.eager if path == "graph" else self.dynamic)[w] += 1  # the call that raised
+        if self.probed and not capture_fails:
+            path, w, _ = plan(T, self.rows)[0]
+            self.per_path(path)[w] += 1  # the call that raised
         if self.views is not None:  # the arena took the new rows: handed views are used up
             self.stale.append(self.views[0])
             self.views = None
@@ -320,11 +373,45 @@ class RuntimeMachine(RuleBasedStateMachine):
     @rule(w=st.sampled_from(WIDTHS + (80, 96)))
     def static_views_step(self, w):
         """Rows written through static_inputs(w) (the arena itself), stepped as given."""
+        w = min(w, self.rows)
         s = self.rt.static_inputs(w)
         x = self.inputs(w)
         for k, t in x.items():
             s[k].copy_(t)
         self.run_step(x, w, None, lambda: self.rt.step(**s), False)
+
+    # -- threads, and views written after their step (issue 22) ----------------------------------
+    @precondition(lambda self: not self.closed)
+    @rule(T=T_ALL, hold=st.booleans())
+    def other_thread_steps_fresh_rows(self, T, hold):
+        """Another thread's step of its own rows: refused (BusyError, nothing written) while
+        views handed to this thread are not stepped (it would use them up while their owner
+        may still write them); else a valid step like any other."""
+        x = self.inputs(T)
+        call = lambda: in_thread(lambda: self.rt.step(**x))  # noqa: E731
+        if self.views is not None:
+            self.refused(call, BusyError, r"handed the next step's rows to another thread")
+            return
+        self.run_step(x, T, None, call, hold)
+
+    @precondition(lambda self: not self.closed and self.views is None)
+    @rule(T=T_ONE)
+    def views_of_a_thread_that_ended(self, T):
+        """A thread asks for views and ends without stepping them: they block no one."""
+        T = min(T, self.rows)
+        in_thread(lambda: self.rt.host_inputs(T))
+        self.probed = self.captured = True
+
+    @precondition(lambda self: not self.closed and self.views is None and bool(self.stale))
+    @rule(i=st.integers(0, 5))
+    def late_write_into_stepped_views(self, i):
+        """Views written after their step (a bug the runtime cannot see: the memory is the
+        next step's staging) with rows of live slots: later steps' padding rows must still
+        run the pads (the real KV slots are checked after every step)."""
+        v = self.stale[i % len(self.stale)]
+        n = len(v["tokens"])
+        for k, t in self.inputs(n).items():
+            (v[k] if isinstance(v[k], np.ndarray) else v[k].numpy())[:] = t.numpy()
 
     # -- refused calls --------------------------------------------------------------------------
     @precondition(lambda self: not self.closed and bool(self.stale))
@@ -333,7 +420,9 @@ class RuntimeMachine(RuleBasedStateMachine):
         v = self.stale[i % len(self.stale)]
         if self.views is not None and all(_rows_at(v[k]) == _rows_at(self.views[0][k]) for k in v):
             return  # host_inputs(T) hands the same rows out again for the same T (views or arrays): live
-        self.refused(lambda: self.rt.step(**v), InputError, r"expected memory apart from the runtime's static")
+        # (re-handed to another thread since, one that ended: refused as that thread's views)
+        self.refused(lambda: self.rt.step(**v), InputError,
+                     r"expected memory apart from the runtime's static|expected views host_inputs\(\) handed to this")
 
     @precondition(lambda self: not self.closed and self.views is not None)
     @rule()
@@ -465,17 +554,26 @@ class RuntimeMachine(RuleBasedStateMachine):
     def reset_stats(self):
         self.rt.reset_stats()
         self.counts = dict(steps=0, slices=0, padding=0, commits=0)
-        self.eager, self.dynamic = Counter(), Counter()
+        self.eager, self.dynamic, self.replays = Counter(), Counter(), Counter()
 
     @precondition(lambda self: not self.closed)
     @rule()
     def recapture(self):
+        """Capture writes padding rows only: no KV slot, no ring slot, no counter moves. With
+        graphs (emulated here) it resets the staging and the feed, dropping handed views
+        (README: recapture() drops the views host_inputs() handed out before it), and its
+        gathers write the spare ring slot and spare snapshot, which no handle or commit reads
+        (held handles and pending commits are checked against their own rows later)."""
         digest, state = self.snapshot()
         self.rt.recapture()
-        self.probed = True
+        self.probed = self.captured = True
         now = self.rt.state_digest()
-        assert not digest.changed(now), f"recapture changed {digest.changed(now)}"
+        allowed = {"staging", "ring", "snapshots"} if self.graphs else set()
+        assert set(digest.changed(now)) <= allowed, f"recapture changed {digest.changed(now)}"
         assert torch.equal(state, bits(self.m.state[:-1]))
+        if self.graphs and self.views is not None:
+            self.stale.append(self.views[0])
+            self.views = None
 
     # -- after every rule -----------------------------------------------------------------------
     @invariant()
@@ -486,7 +584,10 @@ class RuntimeMachine(RuleBasedStateMachine):
         assert (s.steps, s.slices, s.padding_rows, s.commits) == (
             self.counts["steps"], self.counts["slices"], self.counts["padding"], self.counts["commits"])
         assert dict(s.eager_calls) == +self.eager and dict(s.dynamic_calls) == +self.dynamic
-        assert dict(s.graph_replays) == {}
+        assert dict(s.graph_replays) == +self.replays
+        assert s.graph_mode == ("emulated" if self.graphs else "off")
+        mode = ("pieces" if self.pieces else "graph") if self.graphs and self.captured else "eager"
+        assert dict(s.width_modes) == {w: mode for w in WIDTHS}
 
     @invariant()
     def held_handles_read_their_own_rows(self):
@@ -515,4 +616,91 @@ TestRuntimeFuzz = RuntimeMachine.TestCase
 TestRuntimeFuzz.settings = settings(
     max_examples=300, stateful_step_count=40, deadline=None, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink])
+
+
+# ======================================================================================
+# The runner's submit (issue 22): a refused submit leaves the queue as it was
+# ======================================================================================
+class RunnerMachine(RuleBasedStateMachine):
+    """``SpecRunner`` on the tiny toy, graphs off or emulated (the runner then fills feed
+    views with ``host_inputs(numpy=True)`` and replays graphs), through random submits of
+    batches mixing good and bad requests, and runs cut into pieces. A refused submit must
+    queue nothing (the uids it would have taken stay free); every finished sequence equals
+    greedy decoding; a drafter with a smaller k than the runner's is refused up front."""
+
+    @initialize(graphs=st.sampled_from([False, "emulate"]), k=st.integers(0, 3), lanes=st.integers(1, 2),
+                drafter=st.sampled_from(["host", "device", "device_short"]), seed=st.integers(0, 2**31 - 1))
+    def build(self, graphs, k, lanes, drafter, seed):
+        from cudagraph_rt.device_drafter import DeviceDrafter
+        from cudagraph_rt.runner import SpecRunner, ToyDrafter
+        print(f"runner fuzz: graphs={graphs} k={k} lanes={lanes} drafter={drafter} seed={seed}")
+        RUNNER_MODEL.reset_cache()
+        if drafter == "host":
+            d = ToyDrafter(RUNNER_MODEL, 0.6, seed)
+        else:
+            dk = max(k - 1, 1) if drafter == "device_short" else max(k, 1)
+            d = DeviceDrafter(RUNNER_MODEL, 0.6, seed, k=dk, depth=lanes + 1, graphs=graphs)
+            if dk < k:  # refused before any step launched
+                with pytest.raises(InputError, match=r"drafter.k: expected >= the runner's k"):
+                    SpecRunner(RUNNER_MODEL, d, k=k, lanes=lanes, slots=4, graphs=graphs)
+                assert d.rt.stats().steps == 0
+                k = dk
+        self.runner = SpecRunner(RUNNER_MODEL, d, k=k, lanes=lanes, slots=4, chunk=8, graphs=graphs)
+        self.gen = np.random.default_rng(seed)
+        self.queued: dict[int, tuple] = {}  # uid -> request, every request accepted so far
+        self.next_uid = 0
+
+    def request(self, kind: str):
+        from cudagraph_rt.runner import Request
+        L, V = RUNNER_MODEL.config.max_len, RUNNER_MODEL.config.vocab
+        n = int(self.gen.integers(1, 8))
+        prompt = tuple(int(t) for t in self.gen.integers(0, V, n))
+        return {"good": Request(prompt, int(self.gen.integers(1, 6))), "zero": Request(prompt, 0),
+                "float": Request(prompt, 2.5), "bool": Request(prompt, True), "long": Request(prompt, L - n + 2),  # one past max_len
+                "token": Request(prompt + (V,), 2), "empty": Request((), 2)}[kind]
+
+    @rule(kinds=st.lists(st.sampled_from(["good"] * 4 + ["zero", "float", "bool", "long", "token", "empty"]),
+                         min_size=1, max_size=4))
+    def submit(self, kinds):
+        reqs = [self.request(k) for k in kinds]
+        waiting = list(self.runner.waiting)
+        if all(k == "good" for k in kinds):
+            uids = self.runner.submit(reqs)
+            assert uids == list(range(self.next_uid, self.next_uid + len(reqs)))
+            self.queued.update(zip(uids, reqs))
+            self.next_uid += len(reqs)
+            return
+        with pytest.raises(InputError, match=r"requests\[\d+\]"):
+            self.runner.submit(reqs)
+        assert list(self.runner.waiting) == waiting, "a refused submit changed the queue"
+
+    @rule(steps=st.sampled_from([1, 2, None]))
+    def run(self, steps):
+        self.runner.run(max_steps=steps)
+        self.check_finished()
+
+    def check_finished(self):
+        for s in self.runner.finished:
+            r = self.queued[s.uid]
+            assert s.generated == RUNNER_MODEL.greedy_generate(list(r.prompt), r.max_new), s.uid
+
+    def teardown(self):
+        if not hasattr(self, "runner"):
+            return
+        self.runner.run()
+        self.check_finished()
+        assert sorted(s.uid for s in self.runner.finished) == sorted(self.queued)
+
+
+def _runner_model():
+    from cudagraph_rt.models import ToyConfig, ToyDecoder
+    return ToyDecoder(ToyConfig.tiny(max_len=32, max_seqs=4), "cpu")
+
+
+RUNNER_MODEL = _runner_model()
+TestRunnerSubmitFuzz = RunnerMachine.TestCase
+TestRunnerSubmitFuzz.settings = settings(
+    max_examples=25, stateful_step_count=8, deadline=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
     phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink])

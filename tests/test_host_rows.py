@@ -267,3 +267,93 @@ def seeded() -> torch.Generator:
     seed = int(torch.randint(0, 2**31, (1,)))
     print(f"seed {seed}")
     return torch.Generator().manual_seed(seed)
+
+
+# ---- device-chosen rows on the graph path: static outputs overwritten by the next replay --
+# (issue 22) Emulated graphs run the graph path's code on a CPU: each replay of a width
+# writes the same static output tensors, as a CUDA graph's replay does.
+GRAPH_PATHS = [False, "emulate", pytest.param(True, marks=pytest.mark.cuda)]
+GRAPH_IDS = ["graphs-off", "emulated", "cuda-graphs"]
+
+
+class DtypeChooser(SlotModel):
+    """Accepts the rows whose scale is above 0.5 (packed first, in row order), with its
+    ``accept_rows`` / ``accept_count`` outputs in the given dtypes (int64 is allowed)."""
+
+    def __init__(self, *a, rows_dtype=torch.int32, count_dtype=torch.int32, **kw):
+        super().__init__(*a, **kw)
+        self.rows_dtype, self.count_dtype = rows_dtype, count_dtype
+
+    def __call__(self, x):
+        out = super().__call__(x)
+        keep = (x["scale"][:, 0] > 0.5).to(torch.int32)
+        out["accept_rows"] = torch.sort(1 - keep, stable=True).indices.to(self.rows_dtype)
+        out["accept_count"] = keep.sum().reshape(1).to(self.count_dtype)
+        return out
+
+
+def scale_chosen(x) -> list[int]:
+    return [i for i, s in enumerate(x["scale"][:, 0].tolist()) if s > 0.5]
+
+
+@pytest.mark.parametrize("graphs", GRAPH_PATHS, ids=GRAPH_IDS)
+@pytest.mark.parametrize("rows_dtype,count_dtype", [(torch.int64, torch.int32), (torch.int32, torch.int64),
+                                                    (torch.int64, torch.int64), (torch.int32, torch.int32)],
+                         ids=["int64-rows", "int64-count", "int64-both", "int32"])
+def test_sliced_device_steps_ship_the_chosen_rows_whatever_the_choosers_dtype(graphs, rows_dtype, count_dtype):
+    """widths (1, 2, 4), dynamic_limit 4: a 12-row step is three slices replaying the
+    width-4 graph. A slice's record used to keep the graph's own int64 output (``.long()``
+    is no copy), which the next slice's replay overwrote: host rows [1, 5, 9, 10] for
+    [2, 4, 9, 10] on the H200; int32 and graphs off were right."""
+    device = "cuda" if graphs is True else "cpu"
+    m = DtypeChooser(device, seed=5, rows_dtype=rows_dtype, count_dtype=count_dtype)
+    ref = SlotModel(device, seed=5)
+    rt = GraphRuntime(m, m.specs(), widths=(1, 2, 4), dynamic_limit=4, graphs=graphs, device=device,
+                      host_rows=HostRows(source="hidden", mode="device", capacity=16))
+    gen = seeded()
+    for T in [12, 11, 9, 12, 4, 3, 7]:
+        x = m.random_inputs(T, gen=gen)
+        res = rt.step(**x)
+        want = ref({n: v.to(device) for n, v in x.items()})["hidden"]
+        chosen = scale_chosen(x)
+        h = res.host_rows
+        assert h.indices().tolist() == chosen, (T, [(s.width, s.length) for s in res.slices])
+        torch.testing.assert_close(h.rows(), want[chosen].cpu(), rtol=1e-5, atol=1e-5)
+        count, rows = res.outputs["accept_count"], res.outputs["accept_rows"]
+        assert (rows.dtype, count.dtype) == (rows_dtype, count_dtype)
+        assert int(count.reshape(-1)[0]) == len(chosen) and rows[:len(chosen)].tolist() == chosen
+        h.release()
+
+
+class AcceptEveryRow(SlotModel):
+    """A chooser that breaks the contract: it accepts every row it runs, padding rows
+    included, with an int64 count."""
+
+    def __call__(self, x):
+        out = super().__call__(x)
+        n = out["tok"].shape[0]
+        out["accept_rows"] = torch.arange(n, device=out["tok"].device)
+        out["accept_count"] = torch.full((1,), n, dtype=torch.int64, device=out["tok"].device)  # no host copy
+        return out
+
+
+@pytest.mark.parametrize("graphs", GRAPH_PATHS, ids=GRAPH_IDS)
+def test_device_mode_outputs_say_what_was_shipped_one_slice_or_sliced(graphs):
+    """``accept_count`` / ``accept_rows`` of a step are the rows shipped (padding rows
+    dropped), in the chooser's dtypes, whether the step ran one slice or several: a
+    one-slice step used to hand out the chooser's own count (8 for T=5 at width 8)."""
+    device = "cuda" if graphs is True else "cpu"
+    m, ref = AcceptEveryRow(device, seed=3), SlotModel(device, seed=3)
+    rt = GraphRuntime(m, m.specs(), graphs=graphs, device=device,
+                      host_rows=HostRows(source="hidden", mode="device", capacity=256))
+    gen = seeded()
+    for T in [5, 33, 80, 130, 3]:  # padded, padded, dynamic, sliced (96 + 34), padded again
+        x = m.random_inputs(T, gen=gen)
+        res = rt.step(**x)
+        ref({n: v.to(device) for n, v in x.items()})
+        count, rows = res.outputs["accept_count"], res.outputs["accept_rows"]
+        assert count.dtype == rows.dtype == torch.int64
+        assert count.reshape(-1).tolist() == [T], (T, [(s.width, s.length) for s in res.slices])
+        assert rows[:T].tolist() == list(range(T))
+        assert res.host_rows.indices().tolist() == list(range(T))
+        res.host_rows.release()

@@ -5,6 +5,7 @@ runtime ran on the wrong rows, changed a value, or raised a raw error after writ
 
 Every "refused" case checks the public state digest: a refused call writes nothing.
 """
+import re
 import threading
 
 import numpy as np
@@ -231,3 +232,170 @@ def test_an_input_named_self_steps():
 def test_input_named_rows_is_refused_at_construction():
     with pytest.raises(InputError, match=r"inputs: expected identifier names other than 'rows'"):
         GraphRuntime(lambda x: x, {"rows": InputSpec()}, graphs=False, device="cpu")
+
+
+# ---- issue 22: handed views and threads, on the graph path too ---------------------------
+# graphs="emulate" runs the graph path's code (the feed, the short path) on a CPU.
+GRAPH_PATHS = [False, "emulate", pytest.param(True, marks=pytest.mark.cuda)]
+GRAPH_IDS = ["graphs-off", "emulated", "cuda-graphs"]
+
+
+def path_runtime(graphs, seed=3, **kw):
+    device = "cuda" if graphs is True else "cpu"
+    m, ref = SlotModel(device, seed=seed), SlotModel(device, seed=seed)
+    return m, ref, GraphRuntime(m, m.specs(), graphs=graphs, device=device, **kw)
+
+
+def in_thread(fn):
+    """``fn()`` on another thread: its result, or the exception it raised."""
+    box = []
+
+    def run():
+        try:
+            box.append(fn())
+        except Exception as e:  # noqa: BLE001 - examined by the caller
+            box.append(e)
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    return box[0]
+
+
+def on(ref, x, device):
+    return ref({k: v.to(device) for k, v in x.items()})
+
+
+@pytest.mark.parametrize("graphs", GRAPH_PATHS, ids=GRAPH_IDS)
+def test_another_threads_step_is_refused_while_views_are_held(graphs):
+    """Thread A holds host_inputs(3) and is filling it; thread B steps fresh rows. That step
+    used A's views up, B's host_inputs(3) then handed out the same objects over the same
+    memory, and A's late fill landed in B's step (B got A's rows, no error; on the fed
+    path A's rows past B's T ran as padding rows and wrote A's KV cells). Now B's step is
+    refused (BusyError, nothing written) until A steps its views."""
+    m, ref, rt = path_runtime(graphs)
+    dev = m.state.device
+    gen = seeded_gen()
+    rt.step(**(x0 := m.random_inputs(2, gen=gen)))
+    on(ref, x0, dev)
+    v = rt.host_inputs(3)
+    a = m.random_inputs(3, gen=gen)
+    v["tokens"].copy_(a["tokens"])  # A is half-way through its fill
+    b = m.random_inputs(3, gen=gen)
+    before, state = rt.state_digest(), m.state.clone()
+    got = in_thread(lambda: rt.step(**b))
+    assert isinstance(got, BusyError), got
+    assert "another thread" in str(got)
+    got = in_thread(lambda: rt.host_inputs(3))
+    assert isinstance(got, BusyError), got
+    assert rt.state_digest() == before and torch.equal(m.state, state)
+    fill(v, a)  # A finishes and steps: its own rows
+    torch.testing.assert_close(rt.step(**v).outputs["hidden"], on(ref, a, dev)["hidden"])
+    out = in_thread(lambda: rt.step(**b).outputs["hidden"].clone())  # B's turn now
+    torch.testing.assert_close(out, on(ref, b, dev)["hidden"])
+    torch.testing.assert_close(m.state[:-1], ref.state[:-1])
+
+
+@pytest.mark.parametrize("graphs", GRAPH_PATHS, ids=GRAPH_IDS)
+def test_views_of_a_thread_that_ended_block_no_one(graphs):
+    m, ref, rt = path_runtime(graphs)
+    gen = seeded_gen()
+    in_thread(lambda: rt.host_inputs(4))  # asked for, never stepped: that thread has ended
+    x = m.random_inputs(4, gen=gen)
+    torch.testing.assert_close(rt.step(**x).outputs["hidden"], on(ref, x, m.state.device)["hidden"])
+    v = rt.host_inputs(2)
+    fill(v, y := m.random_inputs(2, gen=gen))
+    torch.testing.assert_close(rt.step(**v).outputs["hidden"], on(ref, y, m.state.device)["hidden"])
+
+
+@pytest.mark.parametrize("graphs", GRAPH_PATHS, ids=GRAPH_IDS)
+@pytest.mark.parametrize("T_other", [80, 192], ids=["dynamic", "all-dynamic-slices"])
+def test_views_kept_past_a_step_that_did_not_write_the_feed_are_refused(graphs, T_other):
+    """A dynamic step (or a sliced one whose slices are all dynamic) writes no feed: feed
+    views kept past it used to stay live, so the next step took them (rows a step older
+    than it should) and other threads' host_inputs() stayed blocked with BusyError."""
+    m, ref, rt = path_runtime(graphs)
+    dev = m.state.device
+    gen = seeded_gen()
+    v = rt.host_inputs(3)
+    fill(v, m.random_inputs(3, gen=gen))
+    x = m.random_inputs(T_other, gen=gen)
+    res = rt.step(**x)
+    assert all(s.path == "dynamic" for s in res.slices)
+    torch.testing.assert_close(res.outputs["hidden"], on(ref, x, dev)["hidden"])
+    before = rt.state_digest()
+    with pytest.raises(InputError, match=r"expected memory apart from the runtime's static buffers"):
+        rt.step(**v)
+    assert rt.state_digest() == before
+    got = in_thread(lambda: rt.host_inputs(3))
+    assert isinstance(got, dict), got  # not BusyError: the views were used up
+
+
+# ---- issue 22: float lists rounded once, into the spec's dtype ---------------------------
+def _nearest(x: float, dtype: torch.dtype) -> float:
+    """The value of ``dtype`` nearest to the double ``x`` (ties to an even last bit), by
+    exact arithmetic over the neighbours of torch's own conversion."""
+    from fractions import Fraction
+    c = torch.tensor([x], dtype=torch.float64).to(dtype)
+    bits = int(c.view(torch.int16)[0])
+    cands = torch.tensor([bits - 1, bits, bits + 1], dtype=torch.int16).view(dtype).double().tolist()
+    return min(zip(cands, (bits - 1, bits, bits + 1)), key=lambda cb: (abs(Fraction(cb[0]) - Fraction(x)), cb[1] & 1))[0]
+
+
+def _near_ties(dtype, gen, n=64) -> list[float]:
+    """Doubles just off the midpoint of two neighbours of ``dtype``: through float32 they
+    land on the midpoint, and a second rounding goes to the even one, half of the time
+    away from the nearest."""
+    base = torch.rand(n, generator=gen, dtype=torch.float64) * 8 - 4
+    lo = base.to(dtype)
+    bits = lo.view(torch.int16)
+    hi = (bits + 1).view(dtype)
+    mid = (lo.double() + hi.double()) / 2
+    off = mid.abs() * 2.0 ** -35 * torch.where(torch.rand(n, generator=gen) > 0.5, 1.0, -1.0).double()
+    return (mid + off).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_float_lists_for_half_specs_are_rounded_once(dtype):
+    """A list of Python floats for a float16 / bfloat16 input was rounded through float32
+    (about 1 value in 16k float16, 1 in 128k bfloat16, 1 ulp off)."""
+    gen = seeded_gen()
+    vals = [1 + 2 ** -8 + 2 ** -30, 1 + 2 ** -11 + 2 ** -40] + _near_ties(dtype, gen)
+    vals += (torch.randn(200, generator=gen, dtype=torch.float64) * 100).tolist()
+    rt = GraphRuntime(lambda x: {"f": x["f"] * 1}, {"f": InputSpec((), dtype, 0.0)}, graphs=False, device="cpu",
+                      widths=(8,), dynamic_limit=512)
+    out = rt.step(f=vals).outputs["f"]
+    assert out.dtype == dtype
+    want = [_nearest(v, dtype) for v in vals]
+    wrong = [(v, w, g) for v, w, g in zip(vals, want, out.double().tolist()) if w != g]
+    assert not wrong, f"{len(wrong)} values not rounded to nearest once, e.g. {wrong[:3]}"
+    if dtype == torch.float16:  # host_inputs(numpy=True) arrays round the same way (numpy)
+        a = rt.host_inputs(len(vals), numpy=True)
+        a["f"][:] = vals
+        assert torch.equal(rt.step(**a).outputs["f"], out)
+
+
+@pytest.mark.parametrize("dtype,value", [(torch.float16, 1e5), (torch.float16, 65520.0),
+                                         (torch.bfloat16, 3.4e38), (torch.float32, 1e39)], ids=str)
+def test_float_lists_beyond_the_spec_dtypes_range_are_refused(dtype, value):
+    """A finite float that becomes inf in the spec's dtype is refused by name (it became
+    inf silently); inf and nan themselves are values as given, and pass."""
+    rt = GraphRuntime(lambda x: {"f": x["f"] * 1}, {"f": InputSpec((), dtype, 0.0)}, graphs=False, device="cpu")
+    before = rt.state_digest()
+    with pytest.raises(InputError, match=rf"f: expected values within {dtype}'s range .*got {re.escape(repr(value))}"):
+        rt.step(f=[1.0, value])
+    assert rt.state_digest() == before
+    out = rt.step(f=[float("inf"), -float("inf"), float(torch.finfo(dtype).max)]).outputs["f"]
+    assert out[:2].tolist() == [float("inf"), -float("inf")] and out[2].item() == torch.finfo(dtype).max
+
+
+def test_lists_of_numpy_unsigned_scalars_are_read_by_value():
+    """Lists of np.uint64 scalars were refused (torch has no reading for them): they go
+    through numpy now, range-checked like a uint64 array."""
+    m, ref, rt = slot_runtime()
+    x = m.random_inputs(3, gen=seeded_gen())
+    given = dict(x, tokens=[np.uint64(t) for t in x["tokens"].tolist()], slot=[np.uint32(s) for s in x["slot"].tolist()])
+    torch.testing.assert_close(rt.step(**given).outputs["hidden"], ref(x)["hidden"])
+    before = rt.state_digest()
+    with pytest.raises(InputError, match=r"tokens: expected values that fit torch.int64"):
+        rt.step(**dict(x, tokens=[np.uint64(1), np.uint64(2**63 + 5), np.uint64(2)]))
+    assert rt.state_digest() == before

@@ -251,7 +251,7 @@ def test_graph_nodes_needs_cuda():
 
 
 class _StubRuntime:
-    """Just the attributes inspect_runtime reads (the GraphRuntime of API.md)."""
+    """Just the attributes inspect_runtime reads of a GraphRuntime (its public API)."""
 
     device = torch.device("cpu")
     widths = (1, 2)
@@ -345,7 +345,7 @@ def test_capture_facts_from_the_capture_report():
 def fake_driver(edges_cuda13: bool):
     """The calls graph_nodes makes, answering like cuda.bindings.driver for a 4-node graph:
     kernel -> pageable HtoD memcpy -> memset, and a pinned DtoH memcpy after the kernel."""
-    from cuda.bindings import driver as real
+    real = pytest.importorskip("cuda.bindings.driver", reason="needs cuda-python, the [gpu] extra")
 
     ok, bad = real.CUresult.CUDA_SUCCESS, real.CUresult.CUDA_ERROR_INVALID_VALUE
     T, M = real.CUgraphNodeType, real.CUmemorytype

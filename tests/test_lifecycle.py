@@ -62,9 +62,13 @@ def test_capture_report_counts_the_step_function_calls():
 
 
 # ---- R10: a failed step does not use up a turn of the commit window ----------------------
-def test_a_failed_step_keeps_the_commit_windows_turn():
+@pytest.mark.parametrize("graphs", [False, "emulate"], ids=["graphs-off", "emulated"])
+def test_a_failed_step_keeps_the_commit_windows_turn(graphs):
+    """Emulated (issue 22, found by the stateful fuzz under the emulation): a graph step
+    counted its snapshot as begun before the replay, which CUDA's replay always completes;
+    an emulated replay whose step function raises before the gather wrote no snapshot."""
     m, ref = failing(SlotModel)("cpu", seed=6), SlotModel("cpu", seed=6)
-    rt = GraphRuntime(m, m.specs(), graphs=False, device="cpu",
+    rt = GraphRuntime(m, m.specs(), graphs=graphs, device="cpu",
                       host_rows=HostRows(source="hidden", mode="commit", depth=2))
     gen = seeded()
     x0 = m.random_inputs(5, gen=gen)
@@ -128,7 +132,7 @@ def test_state_digest_waits_for_the_device_before_reading_the_ring():
     arena's ``.cpu()`` copy syncs anything: a digest taken right after a step that is still
     on the device reads the ring before the step's gather lands, so "equal digests before
     and after a refused call" can fail spuriously (or pass on a half-written ring)."""
-    from cudagraph_rt.testing.internals import poison_next_slot
+    from ring_hooks import poison_next_slot
     m = SlotModel("cuda", seed=2)
     rt = GraphRuntime(m, m.specs(), graphs=True, device="cuda",
                       host_rows=HostRows(source="hidden", mode="host", depth=2))
@@ -183,3 +187,33 @@ def test_close_or_del_frees_the_buffers_without_waiting_for_the_garbage_collecto
     finally:
         gc.enable()
         gc.collect()
+
+
+# ---- issue 22: explain_capture off the record, pinned_bytes of what is pinned -------------
+@pytest.mark.parametrize("graphs", [False, "emulate"], ids=["graphs-off", "emulated"])
+def test_explain_capture_runs_the_step_on_padding_rows_only(graphs):
+    """explain_capture(w) (public: a CaptureError runs it, a user may too) ran the step
+    function on the arena's current rows: the last step's real rows, whose KV cells it
+    wrote again. It runs on a scratch copy of padding rows now."""
+    m = Recorder("cpu", seed=2)
+    rt = GraphRuntime(m, m.specs(), graphs=graphs, device="cpu")
+    d = rt.device_inputs(4)
+    for k, v in m.random_inputs(4, gen=seeded()).items():
+        d[k].copy_(v)
+    rt.step(**d)  # the arena now holds real rows
+    arena, state, n = rt.state_digest().arena, m.state.clone(), len(m.calls)
+    assert rt.explain_capture(4) == ()
+    assert len(m.calls) == n + 1 and only_padding(m.calls[-1], m.specs())
+    assert torch.equal(m.state[:-1], state[:-1]), "explain_capture wrote a real KV slot"
+    assert rt.state_digest().arena == arena
+
+
+@pytest.mark.parametrize("graphs", [False, "emulate"], ids=["graphs-off", "emulated"])
+@pytest.mark.parametrize("mode", [None, "host", "commit"])
+def test_pinned_bytes_count_only_pinned_memory(graphs, mode):
+    """On a CPU no buffer is pinned: pinned_bytes used to count the host-row ring there."""
+    m = SlotModel("cpu", seed=1)
+    rt = GraphRuntime(m, m.specs(), graphs=graphs, device="cpu",
+                      host_rows=HostRows(source="hidden", mode=mode) if mode else None)
+    rt.step(**m.random_inputs(5, gen=seeded()))
+    assert rt.pinned_bytes == 0

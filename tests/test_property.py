@@ -1,6 +1,8 @@
 """Property test (issue 7): random sequences of valid and invalid steps, host-row choices,
-handle holds/releases and commits, on the CPU with graphs off, against the eager reference
-and an independent model of the host-row ring and the commit window.
+handle holds/releases and commits, on the CPU with graphs off and with emulated graphs
+(``graphs="emulate"``: the graph path's feed, short path and static outputs, each replay
+overwriting them), against the eager reference and an independent model of the host-row
+ring and the commit window.
 
 Each invalid call must raise the predicted error class (and name the argument), and leave
 the arena, the real KV slots, the ring, the snapshots and the counters byte-identical.
@@ -17,6 +19,7 @@ from hypothesis import strategies as st
 from cudagraph_rt import CapacityError, DeviceRowIndexError, InputError, StaleRowsError
 from reliability_harness import TOL, Rig, chosen_by_scale, commit_turn
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 DEPTH, CAPACITY = 2, 48
 WIDEST, LIMIT = 64, 96
 
@@ -118,14 +121,15 @@ def invalid_call(rig: Rig, kind: str, T: int):
     raise AssertionError(kind)
 
 
+@pytest.mark.parametrize("graphs", [False, "emulate"], ids=["graphs-off", "emulated"])
 @pytest.mark.parametrize("mode", [None, "host", "device", "commit"])
 # No shrink phase: a failing sequence is reported as drawn (shrinking 30-op sequences can
 # take minutes); hypothesis still prints it and its seed.
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow],
           phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(ops=st.lists(OP, min_size=4, max_size=30), seed=st.integers(0, 2**31 - 1))
-def test_random_step_sequences_against_reference(mode, ops, seed):
-    rig = Rig(mode, depth=DEPTH, capacity=CAPACITY, seed=seed % 1000,
+def test_random_step_sequences_against_reference(mode, graphs, ops, seed):
+    rig = Rig(mode, depth=DEPTH, capacity=CAPACITY, seed=seed % 1000, graphs=graphs,
               gen=torch.Generator().manual_seed(seed))
     model = Model(mode)
     for kind, T, arg, flag in ops:

@@ -1,5 +1,5 @@
 """Tests of kernels/row_gather.py: the Triton gather against its torch reference and
-against the contract itself (API.md, "Row gather kernel").
+against the contract itself (the "Contract" in kernels/row_gather.py's docstring).
 
 Where the kernel runs: tests/conftest.py sets TRITON_INTERPRET=1 on machines without
 CUDA before anything imports triton, so the "kernel" tests run the interpreter on CPU

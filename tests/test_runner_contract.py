@@ -5,6 +5,7 @@ runner tests do not draw (controlled drafts at extreme keys and seeds, the refer
 drafter through the runner)."""
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -283,3 +284,40 @@ def test_reference_drafter_serves_greedy_through_the_runner():
         assert _greedy_ok(runner) and len(runner.finished) == len(reqs)
         assert rep.accepted == (rep.proposed if p == 1.0 else 0) and rep.proposed > 0
         assert d.replans == 0
+
+
+# ------------------------------------------------------- submit and the drafter's k (issue 22)
+def test_a_refused_submit_leaves_the_queue_as_it_was():
+    """submit([good, bad]) raised InputError but left ``good`` queued with no uid returned:
+    a retry served it twice. All or none now."""
+    MODEL.reset_cache()
+    runner = SpecRunner(MODEL, ToyDrafter(MODEL, 0.5, 0), k=2)
+    good, late = Request((1, 2, 3), 4), Request((7, 8), 3)
+    for bad, name in [(Request((4, 5), 0), r"requests\[1\].max_new: expected an int >= 1, got 0"),
+                      (Request((4, 5), 2.5), r"requests\[1\].max_new: expected an int >= 1, got 2.5"),
+                      (Request((4, 5), True), r"requests\[1\].max_new: expected an int >= 1, got True"),
+                      (Request((4, MODEL.config.vocab), 2), r"requests\[1\].prompt: expected token ids"),
+                      (Request((), 2), r"requests\[1\]: expected a prompt")]:
+        with pytest.raises(InputError) as ei:
+            runner.submit([good, bad, late])
+        assert len(runner.waiting) == 0, f"a refused submit queued {len(runner.waiting)} of its requests"
+        assert re.search(name, str(ei.value)), str(ei.value)
+    assert runner.submit([good, late]) == [0, 1]  # the uids a refused call never took
+    runner.run()
+    assert sorted(s.uid for s in runner.finished) == [0, 1] and _greedy_ok(runner)
+    assert [len(s.generated) for s in sorted(runner.finished, key=lambda s: s.uid)] == [4, 3]
+
+
+@pytest.mark.parametrize("drafter_k", [1, 3])
+def test_a_device_drafter_with_a_smaller_k_is_refused_before_any_step(drafter_k):
+    """A DeviceDrafter proposing at most k=1 under a runner with k=4 failed in propose(),
+    after the first steps launched; the runner refuses it at construction now."""
+    MODEL.reset_cache()
+    d = DeviceDrafter(MODEL, 0.5, 0, k=drafter_k, depth=3)
+    with pytest.raises(InputError, match=rf"drafter.k: expected >= the runner's k = 4 .*got {drafter_k}"):
+        SpecRunner(MODEL, d, k=4, lanes=2)
+    assert d.rt.stats().steps == 0
+    ok = SpecRunner(MODEL, d, k=drafter_k, lanes=2)  # its own k (or less) is served
+    ok.submit([Request((1, 2, 3), 6)])
+    ok.run()
+    assert _greedy_ok(ok)

@@ -31,13 +31,14 @@ def seeded() -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def make(**kw):
+def make(graphs=False, **kw):
     spy = Spy(SPECS)
-    return spy, GraphRuntime(spy, SPECS, graphs=False, device="cpu", **kw)
+    return spy, GraphRuntime(spy, SPECS, graphs=graphs, device="cpu", **kw)
 
 
-def test_padding_rows_filled_and_real_rows_copied():
-    spy, rt = make()
+@pytest.mark.parametrize("graphs", [False, "emulate"], ids=["graphs-off", "emulated"])
+def test_padding_rows_filled_and_real_rows_copied(graphs):
+    spy, rt = make(graphs)
     rt.step(a=torch.arange(60), b=torch.randn(60, 3))  # leave stale rows behind
     for T in [1, 3, 5, 9, 17, 33, 64]:
         a, b = torch.randint(0, 100, (T,)), torch.randn(T, 3)
@@ -331,3 +332,49 @@ def test_host_tensors_that_require_grad_never_join_an_autograd_graph():
     views = rt.static_inputs(8)
     assert not any(v.requires_grad or v.grad_fn is not None for v in views.values())
     assert not any(v.requires_grad for v in rt.static_inputs(64).values())
+
+
+class Blob(SlotModel):
+    """SlotModel with one more input it does not read, wide enough (96 rows of 256 floats)
+    that the arena is over one copy's size: no fed graphs (CUDA stages the rows instead)."""
+
+    def specs(self):
+        return {**super().specs(), "blob": InputSpec((256,), torch.float32, 0.0)}
+
+    def random_inputs(self, T, device="cpu", gen=None):
+        return {**super().random_inputs(T, device, gen), "blob": torch.zeros(T, 256)}
+
+
+GRAPH_PATHS = ["emulate", pytest.param(True, marks=pytest.mark.cuda)]
+
+
+@pytest.mark.parametrize("graphs", GRAPH_PATHS, ids=["emulated", "cuda-graphs"])
+@pytest.mark.parametrize("cls", [SlotModel, Blob], ids=["fed", "staged"])
+def test_padding_rows_run_the_pads_even_after_views_written_past_their_step(graphs, cls):
+    """Issue 22: rows written into host_inputs() views after their step (a kept view, or a
+    thread filling late) land in staging rows the bookkeeping counts as pads; the fed path
+    then ran them as padding rows, which wrote their KV cells. The prologue of every fed
+    graph now pads rows [T, width) on the device, and staging pads them on every write."""
+    from cudagraph_rt.testing.checks import check_pad_rows
+    device = "cuda" if graphs is True else "cpu"
+    m, ref = cls(device, seed=6), cls(device, seed=6)
+    rt = GraphRuntime(m, m.specs(), graphs=graphs, device=device)
+    gen = seeded()
+    v = rt.host_inputs(4)
+    assert rt.fed_graphs == (cls is SlotModel)
+    for k, t in (x := m.random_inputs(4, gen=gen)).items():
+        v[k].copy_(t)
+    rt.step(**v)
+    ref({k: t.to(device) for k, t in x.items()})
+    for i in range(4):  # T=3 at width 4: one padding row per step
+        if i == 2:
+            for k, t in m.random_inputs(4, gen=gen).items():  # the kept views, written late
+                v[k].copy_(t)
+        x = m.random_inputs(3, gen=gen)
+        res = rt.step(**x)
+        want = ref({k: t.to(device) for k, t in x.items()})
+        torch.testing.assert_close(res.outputs["hidden"], want["hidden"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(m.state[:-1], ref.state[:-1], rtol=1e-5, atol=1e-5)
+    assert rt.stats().steps == 5 and dict(rt.stats().graph_replays) == {4: 5}
+    # last: static_inputs() turns the feed off until the next step (a caller's own rows)
+    assert check_pad_rows(rt, res.slices[-1]) is None

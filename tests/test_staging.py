@@ -4,7 +4,7 @@ words a fed graph's prologue takes from the feed and which it keeps."""
 import torch
 
 from cudagraph_rt import InputSpec
-from cudagraph_rt.inputs.arena import SRC, ArenaLayout
+from cudagraph_rt.inputs.arena import ArenaLayout
 from cudagraph_rt.inputs.feed import Feed
 from cudagraph_rt.inputs.staging import HostArena
 from cudagraph_rt.inputs.validate import Prepared
@@ -70,7 +70,7 @@ class FakeEvent:
 
 def test_the_feed_prologue_takes_fed_inputs_and_keeps_the_others():
     gen = seeded()
-    layout = ArenaLayout(SPECS, 8, {"__ctrl__": (4, torch.int32), SRC: (len(SPECS) + 1, torch.bool)})
+    layout = ArenaLayout(SPECS, 8, {"__ctrl__": (4, torch.int32), **Feed.control_blocks(len(SPECS))})
     arena = torch.zeros(layout.nbytes, dtype=torch.uint8)
     full = layout.carve(arena)
     layout.fill_pads(full)
@@ -98,3 +98,73 @@ def test_the_feed_prologue_takes_fed_inputs_and_keeps_the_others():
     feed.prologue()
     for name, t in y.items():
         assert torch.equal(full[name][:2], t) and (full[name][2:].float() == float(SPECS[name].pad)).all()
+
+
+# ---- issue 22: padding rows are the pads whatever the feed or the staging held -----------
+def _fed(rows_n=8):
+    layout = ArenaLayout(SPECS, rows_n, Feed.control_blocks(len(SPECS)))
+    arena = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    full = layout.carve(arena)
+    layout.fill_pads(full)
+    return Feed(layout, arena, full, FakeEvent(), pinned=False), full
+
+
+def _scribble(views, lo, hi, gen):
+    """Rows a caller writes into views after their step: no bookkeeping sees them."""
+    for name, t in rows(hi, gen).items():
+        views[name][lo:hi].copy_(t[lo:hi])
+
+
+def test_the_feed_prologue_pads_every_row_from_T_whatever_the_feed_held():
+    """Rows written into the feed after their step (views kept past it, or filled late by
+    another thread) sit in rows the host bookkeeping counts as pads: the prologue used to
+    move them into the arena, where a padding row ran them (and wrote their KV cells)."""
+    gen = seeded()
+    feed, full = _fed()
+    for T, late in [(6, None), (3, None), (3, (3, 7)), (2, (0, 8)), (5, (5, 8))]:
+        if late is not None:
+            _scribble(feed.host.views, *late, gen)
+        x = rows(T, gen)
+        feed.write_rows([x[n].data_ptr() for n in SPECS], T)
+        feed.prologue()
+        for name, t in x.items():
+            assert torch.equal(full[name][:T], t), (T, name)
+        assert_padded(HostArenaView(full), T)
+
+
+def test_the_feed_prologue_pads_device_fed_rows_and_none_once_unfed():
+    gen = seeded()
+    feed, full = _fed()
+    x = rows(3, gen)
+    feed.write(Prepared(3, x, frozenset(), {n: t.data_ptr() for n, t in x.items()}), 0, 3, 4, None)
+    _scribble(feed.host.views, 3, 8, gen)
+    feed.prologue()
+    assert_padded(HostArenaView(full), 3)
+    by_hand = rows(8, gen)  # unfed: a caller's own rows, all 8 of them, stay as written
+    for name, t in by_hand.items():
+        full[name].copy_(t)
+    feed.unfeed()
+    feed.prologue()
+    for name, t in by_hand.items():
+        assert torch.equal(full[name], t), name
+
+
+def test_staging_pads_the_padding_rows_whatever_its_bookkeeping_says():
+    gen = seeded()
+    arena = HostArena(ArenaLayout(SPECS, 16, {}), pinned=False)
+    for name, t in rows(4, gen).items():
+        arena.stage(name, t, t.data_ptr(), 0, 4, 4)
+    for name, t in rows(2, gen).items():
+        arena.stage(name, t, t.data_ptr(), 0, 2, 4)  # pads rows [2, 4): the bookkeeping says 2 rows
+    _scribble(arena.views, 2, 4, gen)  # a late write into rows the bookkeeping calls pads
+    for name, t in rows(2, gen).items():
+        arena.stage(name, t, t.data_ptr(), 0, 2, 4)
+    for name, spec in SPECS.items():
+        assert (arena.views[name][2:4].float() == float(spec.pad)).all(), name
+
+
+class HostArenaView:
+    """``assert_padded`` over a dict of views (the arena's), not a HostArena."""
+
+    def __init__(self, views):
+        self.views = views

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import platform
 import sys
 import time
@@ -36,8 +35,11 @@ import torch
 from rich.console import Console
 from rich.text import Text
 
-from . import bench_compile, bench_host_rows, bench_memory, bench_report, bench_steps
+from cudagraph_rt.errors import expected
+
+from . import bench_compile, bench_host_rows, bench_memory, bench_report, bench_steps, options
 from .bench_context import Context
+from .console import make_console
 
 SECTIONS = {
     1: ("step_time", bench_steps.step_time),
@@ -49,13 +51,21 @@ SECTIONS = {
 }
 
 
-def _sections(text: str) -> tuple[int, ...]:
+HF_SECTIONS = ("compiled", "pool", "spec", "capture", "pieces", "greedy")  # tools/bench_hf.py's, by name
+
+
+def _sections(text: str) -> tuple:
+    """Toy section numbers (``1,3``) or hf section names (``pool,compiled``)."""
+    words = [s.strip() for s in text.split(",") if s.strip()]
+    if words and all(w in HF_SECTIONS for w in words):
+        return tuple(dict.fromkeys(words))
     try:
-        picked = tuple(sorted({int(s) for s in text.split(",") if s.strip()}))
+        picked = tuple(sorted({int(s) for s in words}))
     except ValueError:
         picked = ()
     if not picked or any(n not in SECTIONS for n in picked):
-        raise argparse.ArgumentTypeError(f"expected section numbers from {sorted(SECTIONS)} like 1,3, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected section numbers from {sorted(SECTIONS)} like 1,3 (toy) or names "
+                                         f"from {','.join(HF_SECTIONS)} (hf models), got {text!r}")
     return picked
 
 
@@ -85,17 +95,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     doc = __doc__ or ""
     p.epilog = doc[doc.find("Sections"):doc.find("Every figure")].rstrip() + "\n\nBENCHMARKS.md: commands and figures."
     p.add_argument("--quick", action="store_true",
-                   help="CPU smoke run: tiny model, graphs off, few repeats, short trace (CI)")
-    p.add_argument("--json", metavar="FILE", help="write every figure, method and setting to FILE")
-    p.add_argument("--plot", metavar="DIR", help="write step_time.png and host_rows.png into DIR")
+                   help="smoke run: tiny model on the CPU, graphs off, few repeats, short trace (CI); a CPU "
+                        "runs these settings by default")
+    options.add_json(p)
+    options.add_plot(p, "step_time.png and host_rows.png")
     p.add_argument("--sections", type=_sections, default=tuple(SECTIONS), metavar="1,2,...",
-                   help="which sections to run (default: all six)")
+                   help="which sections to run (default: all): toy 1..6; hf models by name ("
+                        + ",".join(HF_SECTIONS) + ")")
     p.add_argument("--all-widths", action="store_true", help="section 1 at every T in 1..64, not only 1,2,4..64")
-    p.add_argument("--repeats", type=_count(1), help="timed calls per figure (default 200; quick 5)")
-    p.add_argument("--warmup", type=_count(0), help="untimed calls before each figure (default 20; quick 2)")
-    p.add_argument("--trace-steps", type=_count(1), help="steps in the mixed trace (default 2000; quick 200)")
-    p.add_argument("--seed", type=int, default=0, help="seed of every random input and of the trace")
-    p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when present (cpu with --quick)")
+    p.add_argument("--repeats", type=_count(1), metavar="N",
+                   help="timed calls per figure (default 200; on a CPU or with --quick 5)")
+    p.add_argument("--warmup", type=_count(0), metavar="N",
+                   help="untimed calls before each figure (default 20; on a CPU or with --quick 2)")
+    p.add_argument("--trace-steps", type=_count(1), metavar="N",
+                   help="steps in the mixed trace (default 2000; on a CPU or with --quick 200)")
+    options.add_seed(p, 0, "every random input and of the trace")
+    options.add_device(p)
     p.add_argument("--no-compile", action="store_true", help="leave torch.compile out (it takes minutes)")
     p.add_argument("--compile-setups", type=_setups, default=bench_compile.DEFAULT_SETUPS, metavar="static,...",
                    help="torch.compile setups, one child process each, in this order: static (a: reduce-overhead, "
@@ -104,18 +119,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"default {','.join(bench_compile.DEFAULT_SETUPS)}")
     p.add_argument("--compile-timeout", type=_count(1), default=240, metavar="S",
                    help="seconds each compile child may run before it is killed (default 240)")
-    p.add_argument("--cgrt-compile-mode", choices=bench_compile.CGRT_MODES, default="default",
-                   help="torch.compile mode of the step cudagraph_rt captures in the cgrt setup (default: default)")
+    p.add_argument("--cgrt-compile-mode", type=options.one_of(*bench_compile.CGRT_MODES), default="default",
+                   metavar="MODE", help="torch.compile mode of the step cudagraph_rt captures in the cgrt setup: "
+                   + " | ".join(bench_compile.CGRT_MODES) + " (default: default)")
     p.add_argument("--strict", action="store_true", help="exit 1 when a goal is missed")
-    p.add_argument("--tp", type=int, default=1,
-                   help="tensor-parallel ranks: launch with torchrun --nproc-per-node N; its own table "
-                        "(tools/bench_tp.py; --sections does not apply; default 1)")
-    p.add_argument("--model", default="toy", metavar="M",
-                   help="toy (default) | hf:llama | hf:qwen2 | hf:qwen3 | hf:mistral: a transformers model against "
-                        "generate() (its own sections, tools/bench_hf.py; --sections does not apply)")
-    p.add_argument("--size", default="1b", help="hf models: 1b (default: Llama-3.2-1B shape, bf16) | tiny")
+    options.add_tp(p, "; its own table (tools/bench_tp.py; --sections does not apply)")
+    options.add_model(p, size_default="bench for the toy and 1b for hf: models on CUDA, tiny on a CPU",
+                      size_note="; hf models run their own sections, tools/bench_hf.py, against generate()")
     p.add_argument("--hf-prompt", type=_count(1), default=32, metavar="N", help="hf models: prompt tokens (default 32)")
     p.add_argument("--hf-new", type=_count(2), default=128, metavar="N", help="hf models: new tokens (default 128)")
+    options.add_threads(p)
 
 
 def _meta(ctx: Context, args: argparse.Namespace) -> dict:
@@ -142,36 +155,39 @@ def _meta(ctx: Context, args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> int:
     """Run the chosen sections, print a table each and the goals last; write --json and
     --plot. Returns the exit code (1: a section failed, or --strict and a goal missed)."""
-    threads = torch.get_num_threads()
+    choice = options.model_choice(args, "tiny" if _light(args) else "bench", "tiny" if _light(args) else "1b")
+    args.size = choice.size
     if getattr(args, "tp", 1) > 1:  # one process per rank, under torchrun
         from . import bench_tp
 
+        if choice.kind != "toy":
+            raise options.UsageError(expected("--model", "toy with --tp (the tensor-parallel toy)", repr(args.model)))
         return bench_tp.run_tp(args)
-    if getattr(args, "model", "toy") != "toy":
-        from cudagraph_rt.errors import InputError, expected
-        from cudagraph_rt.models.hf import SIZES, parse_model
+    dev = torch.device("cpu") if args.quick and args.device is None else options.device(args)  # as Context does
+    with options.threads(options.thread_count(args, dev, True) if _light(args) else args.threads):
+        if choice.kind != "toy":
+            from . import bench_hf
 
-        try:
-            parse_model(args.model)
-            if args.size not in SIZES:
-                raise InputError(expected("--size", " | ".join(SIZES), repr(args.size)))
-        except InputError as e:
-            print(f"cgrt bench: {e}", file=sys.stderr)
-            return 2
-        from . import bench_hf
-
-        try:
+            args.model_path = choice.path
+            args.family = choice.family
+            if all(isinstance(n, int) for n in args.sections) and args.sections != tuple(SECTIONS):
+                raise options.UsageError(expected("--sections", f"names from {','.join(HF_SECTIONS)} for hf models",
+                                                  ",".join(map(str, args.sections))))
+            args.hf_sections = tuple(n for n in args.sections if isinstance(n, str)) or None
             return bench_hf.run(args)
-        finally:
-            torch.set_num_threads(threads)
-    try:
+        if any(isinstance(n, str) for n in args.sections):
+            raise options.UsageError(expected("--sections", f"numbers from {sorted(SECTIONS)} for the toy",
+                                              ",".join(map(str, args.sections))))
         return _run(args)
-    finally:
-        torch.set_num_threads(threads)
+
+
+def _light(args: argparse.Namespace) -> bool:
+    """The CPU defaults (a run of about a minute): --quick, --device cpu, or no CUDA."""
+    return bool(args.quick) or args.device == "cpu" or not torch.cuda.is_available()
 
 
 def _run(args: argparse.Namespace) -> int:
-    console = Console(width=None if sys.stdout.isatty() else 150, highlight=False, markup=False)
+    console = make_console(stderr=options.json_to_stdout(args), markup=False)
     status = console.status("") if console.is_terminal else None
 
     def progress(text: str, always: bool) -> None:
@@ -181,15 +197,11 @@ def _run(args: argparse.Namespace) -> int:
             console.print(Text(f"... {text}", style="dim"))
 
     ctx = Context(args, progress=progress)
-    if not ctx.graphs:
-        # One CPU thread: with intra-op threads on a busy machine, single calls stall for
-        # tens of ms on spinning workers (the smoke run must stay fast and stable).
-        torch.set_num_threads(1)
     try:
         results, failed = _sections_run(ctx, args, console, progress, status)
     finally:
         ctx.close()
-    gs = bench_report.goals(results)
+    gs = bench_report.goals(results) if ctx.graphs else []
     results["goals"] = gs
     if args.plot:
         try:
@@ -198,16 +210,22 @@ def _run(args: argparse.Namespace) -> int:
         except Exception as e:  # noqa: BLE001
             failed += 1
             console.print(Text(f"plots failed: {type(e).__name__}: {e}", style="red"))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1, default=str)
-        console.print(f"json: {args.json}")
-    console.print(bench_report.goals_table(gs))
     missed = sum(g["status"] == "missed" for g in gs)
+    rc = 1 if failed or (args.strict and missed) else 0
+    results["ok"] = rc == 0  # what the exit code says
+    if args.json:
+        written = options.write_json(args.json, results)
+        if written:
+            console.print(f"json: {written}")
+    if not ctx.graphs:
+        console.print(Text(options.CPU_NOTE, style="yellow"))
+        console.print(f"{failed} section(s) failed")
+        return rc
+    console.print(bench_report.goals_table(gs))
     console.print(f"{sum(g['status'] == 'met' for g in gs)} met, {missed} missed, "
                   f"{sum(g['status'] == 'unclear' for g in gs)} unclear, "
                   f"{sum(g['status'] == 'n/a' for g in gs)} n/a; {failed} section(s) failed")
-    return 1 if failed or (args.strict and missed) else 0
+    return rc
 
 
 def _sections_run(ctx: Context, args: argparse.Namespace, console: Console, progress, status) -> tuple[dict, int]:
@@ -216,7 +234,7 @@ def _sections_run(ctx: Context, args: argparse.Namespace, console: Console, prog
     failed = 0
     c = ctx.config
     console.print(f"cgrt bench on {results['meta']['device_name']} ({ctx.device}), torch {torch.__version__}, "
-                  f"toy {'tiny' if ctx.quick else 'bench'} config ({str(c.dtype).removeprefix('torch.')}, hidden "
+                  f"toy {ctx.size} config ({str(c.dtype).removeprefix('torch.')}, hidden "
                   f"{c.hidden}, {c.layers} layers, {c.max_seqs} sequences x {c.max_len} positions on a KV pool of "
                   f"{c.cells:,} cells), {ctx.repeats} repeats")
     for n, (key, fn) in SECTIONS.items():

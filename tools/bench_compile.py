@@ -29,8 +29,7 @@ bench process uses for eager / compile. The bench process is idle while a child 
 
 This module holds what the two sides share (the setups, the payload, the progress-line
 prefix) and the bench side (run a child, read and summarize what it left). It never
-imports the child module, except to keep ``python -m cudagraph_rt.tools.bench_compile``
-(the command before the split) working as the child's entry point.
+imports the child module (the child imports this one).
 """
 from __future__ import annotations
 
@@ -340,9 +339,3 @@ def make_payload(config: ToyConfig, device: torch.device, widths: tuple[int, ...
         "trace_Ts": [int(p.shape[1]) for p in trace] if trace else None,
         "trace": torch.cat(trace, 1).contiguous() if trace else None,
     }
-
-
-if __name__ == "__main__":  # the command before the split: the child's entry point
-    from .bench_compile_child import main
-
-    sys.exit(main())

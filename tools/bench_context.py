@@ -34,11 +34,13 @@ class Context:
             self.device = torch.device("cpu")
         self.graphs = self.device.type == "cuda"
         self.pin = self.graphs
-        self.config = ToyConfig.tiny() if self.quick else ToyConfig.bench()
-        self.repeats = args.repeats or (5 if self.quick else 200)
-        self.warmup = args.warmup if args.warmup is not None else (2 if self.quick else 20)
-        self.trace_steps = args.trace_steps or (200 if self.quick else 2000)
-        self.trace_passes = 1 if self.quick else 3
+        light = self.quick or not self.graphs  # a CPU's defaults: about a minute in all
+        self.size = getattr(args, "size", None) or ("tiny" if light else "bench")
+        self.config = ToyConfig.bench() if self.size == "bench" else ToyConfig.tiny()
+        self.repeats = args.repeats or (5 if light else 200)
+        self.warmup = args.warmup if args.warmup is not None else (2 if light else 20)
+        self.trace_steps = args.trace_steps or (200 if light else 2000)
+        self.trace_passes = 1 if light else 3
         self.seed = args.seed
         self.all_widths = bool(args.all_widths)
         self.use_compile = not args.no_compile

@@ -6,6 +6,8 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
+from .console import SplitTable
+
 MiB = 1024 * 1024
 
 
@@ -23,16 +25,11 @@ def _mib(b: int | None) -> str:
     return "—" if b is None else f"{b / MiB:.1f}"
 
 
-def _table(title: str, cols: list[str], rows: list[list[Any]], caption: str | None = None) -> Table:
-    """Plain text everywhere (Text, not markup: reasons and errors may hold brackets).
-    min_width: a title wider than the columns would otherwise wrap (captions may wrap)."""
-    t = Table(title=Text(title), caption=Text(caption) if caption else None, title_justify="left",
-              caption_justify="left", min_width=min(150, len(title)))
-    for i, c in enumerate(cols):
-        t.add_column(c, justify="left" if i == 0 else "right")
-    for r in rows:
-        t.add_row(*(c if isinstance(c, Text) else Text(str(c)) for c in r))
-    return t
+def _table(title: str, cols: list[str], rows: list[list[Any]], caption: str | None = None) -> SplitTable:
+    """Plain text everywhere (Text, not markup: reasons and errors may hold brackets). On a
+    console narrower than the table, its columns split over several tables, the first
+    column repeated in each (SplitTable): no figure is cut at 80 columns."""
+    return SplitTable(title, cols, rows, caption)
 
 
 def setup_line(c: dict) -> str:
@@ -72,7 +69,7 @@ def compile_caption(comp: dict) -> str:
     return "\n".join(lines)
 
 
-def tables(key: str, sec: dict) -> list[Table]:
+def tables(key: str, sec: dict) -> list[SplitTable]:
     """The rich tables for one section result."""
     if key == "step_time":
         setups = sec["compile"]["setups"]
@@ -151,7 +148,7 @@ def _range(sp: dict | None) -> str:
     return "—" if not sp else f"{sp['median']:.2f}x ({sp['min']:.2f}–{sp['max']:.2f})"
 
 
-def _overhead_table(sec: dict) -> Table:
+def _overhead_table(sec: dict) -> SplitTable:
     """Section 3: pooled medians and Δ over replay; the whole zero-copy step; per-repeat
     ratio spreads of step and whole zero-copy over replay (host time)."""
     rows = [[str(r["inputs"]), str(r["width"]), _us(r["bare_host"]), _us(r["step_host"]),
@@ -281,7 +278,7 @@ def _host_overhead_goals(ho: dict | None) -> list[dict]:
     return out
 
 
-def goals_table(gs: list[dict]) -> Table:
+def goals_table(gs: list[dict]) -> SplitTable:
     """The goals with met (green) / missed (red) / unclear (magenta: the repeats
     disagree) / n/a (yellow)."""
     style = {"met": "green", "missed": "red", "unclear": "magenta", "n/a": "yellow"}
@@ -292,15 +289,16 @@ def goals_table(gs: list[dict]) -> Table:
 
 # --------------------------------------------------------------------------------- plots
 def write_plots(results: dict, folder: str) -> list[str]:
-    """PNGs: step time per width for every variant measured; host-rows time vs accepted."""
+    """PNGs into ``folder`` (an existing folder: the command checks it before the run):
+    step time per width for every variant measured; host-rows time vs accepted."""
     import os
 
-    import matplotlib
+    from cudagraph_rt.extras import require
 
+    matplotlib = require("plot", "cgrt bench --plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    os.makedirs(folder, exist_ok=True)
     written = []
     st = results.get("step_time")
     if st and st.get("status") == "ok":

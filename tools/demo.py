@@ -11,7 +11,6 @@ position; any mismatch exits 1.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 
@@ -19,10 +18,11 @@ import torch
 
 from ..errors import CgrtError, InputError, expected
 from ..models import Decoder, ToyConfig, ToyDecoder
-from ..models.hf import SIZES, build, parse_model
+from ..models.hf import build
 from ..device_drafter import DeviceDrafter
 from ..runner import PHASES, ReferenceDrafter, Request, RunReport, SpecRunner, ToyDrafter
 from ..testing.checks import Tolerance
+from . import options
 
 # Hidden rows against the unbatched reference: fp32 differs by reduction order only;
 # bf16 by a few ulps per layer (the toy's own GPU test allows 0.25 on the bench size).
@@ -30,35 +30,35 @@ _ROW_TOL = {torch.float32: 1e-3, torch.float16: 0.25, torch.bfloat16: 0.25}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sequences", type=int, default=12, help="prompts to serve (default 12)")
-    p.add_argument("--k", type=int, default=4, help="draft tokens per sequence and step (default 4)")
-    p.add_argument("--accept-prob", type=float, default=0.7, help="chance each draft token is right (default 0.7)")
-    p.add_argument("--max-new", type=int, default=32,
+    p.add_argument("--sequences", type=options.int_at_least(1), default=12, metavar="N",
+                   help="prompts to serve (default 12)")
+    p.add_argument("--k", type=options.int_at_least(0), default=4, metavar="N",
+                   help="draft tokens per sequence and step (default 4)")
+    p.add_argument("--accept-prob", type=options.probability, default=0.7, metavar="P",
+                   help="chance each draft token is right (default 0.7)")
+    p.add_argument("--max-new", type=options.int_at_least(1), default=32, metavar="N",
                    help="most tokens per sequence; each draws its own limit in [max_new/2, max_new] (default 32)")
-    p.add_argument("--rounds", type=int, default=0, help="stop after this many steps (default 0: serve everything)")
-    p.add_argument("--graphs", choices=("on", "off", "both"), default="both",
-                   help="CUDA graphs on, off or both (default both; a CPU runs off only)")
-    p.add_argument("--device", default=None, help="cuda or cpu (default cuda if available)")
-    p.add_argument("--bench-size", choices=("tiny", "bench"), default="tiny",
-                   help="toy model size: tiny (fp32, 64 hidden) or bench (bf16, 1024 hidden, 6 layers)")
-    p.add_argument("--model", default="toy",
-                   help="toy (default) | hf:llama | hf:qwen2 | hf:qwen3 | hf:mistral (transformers, random weights; "
-                        "drafts follow the model's own greedy decoding, right with --accept-prob)")
-    p.add_argument("--size", default="tiny", help="hf models: tiny (default, fp32, CPU) | 1b (Llama-3.2-1B shape, bf16)")
-    p.add_argument("--drafter", choices=("host", "gpu"), default="host",
+    p.add_argument("--rounds", type=options.int_at_least(0), default=0, metavar="N",
+                   help="stop after this many steps (default 0: serve everything)")
+    options.add_graphs(p)
+    options.add_device(p)
+    options.add_model(p)
+    p.add_argument("--drafter", type=options.one_of("host", "gpu"), default="host", metavar="D",
                    help="host: numpy drafter on the host (default); gpu: a small draft model in its own GraphRuntime "
                         "on its own stream, fed the committed hidden rows (toy only; graphs as --graphs)")
-    p.add_argument("--slots", type=int, default=None, help="sequences served at once (default: the model's max_seqs)")
-    p.add_argument("--lanes", type=int, default=2, help="groups of sequences that take turns on the GPU (default 2)")
-    p.add_argument("--chunk", type=int, default=128,
+    p.add_argument("--slots", type=options.int_at_least(1), default=None, metavar="N",
+                   help="sequences served at once (default: the model's max_seqs)")
+    p.add_argument("--lanes", type=options.int_at_least(1), default=2, metavar="N",
+                   help="groups of sequences that take turns on the GPU (default 2)")
+    p.add_argument("--chunk", type=options.int_at_least(1), default=128, metavar="N",
                    help="prompt rows per step and lane; wider than the dynamic limit (96) gets sliced (default 128)")
-    p.add_argument("--seed", type=int, default=0, help="toy weights, prompts, limits and drafter RNG (default 0)")
-    p.add_argument("--tp", type=int, default=1,
-                   help="tensor-parallel ranks (launch with torchrun --nproc-per-node N; default 1)")
-    p.add_argument("--profile", metavar="FILE", default=None,
+    options.add_seed(p, 0, "the toy's weights, the prompts, the limits and the drafter")
+    options.add_tp(p)
+    p.add_argument("--profile", type=options.output_file, metavar="FILE", default=None,
                    help="cProfile the timed run(s) only; the top functions by own time go to FILE "
                         "(one section per run)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    options.add_json(p)
+    options.add_threads(p)
 
 
 def make_requests(cfg: ToyConfig, n: int, max_new: int, seed: int) -> list[Request]:
@@ -210,7 +210,7 @@ def _profiled(fn, path: str | None, title: str):
 def _print(report: dict) -> None:
     from rich.table import Table
 
-    from .console import make_console
+    from .console import fit, make_console
 
     out, c = make_console(), report["config"]
     out.print(f"cgrt demo: {c.get('model', 'toy')} {c['size']} ({c['dtype']}, {c['hidden']} hidden, {c['layers']} layers) on "
@@ -219,22 +219,21 @@ def _print(report: dict) -> None:
               markup=False)
     for note in report["notes"]:
         out.print(f"note: {note}", markup=False)
-    t = Table()
-    for h in ("graphs", "steps", "tokens", "seconds", "tokens/s", "steps/s", "accepted", "GPU busy", "capture s",
-              "check"):
+    t = Table(caption="GPU busy: the steps' device time / wall time (n/a on a CPU)", caption_justify="left")
+    for h in ("graphs", "steps", "tokens", "tokens/s", "steps/s", "accepted", "GPU busy", "check"):
         t.add_column(h, justify="left" if h in ("graphs", "check") else "right")
     for r in report["runs"]:
         rate = r["accepted"] / r["proposed"] if r["proposed"] else 0.0
         busy = r.get("gpu_busy")
-        t.add_row("on" if r["graphs"] else "off", str(r["steps"]), str(r["tokens"]), f"{r['seconds']:.3f}",
+        t.add_row("on" if r["graphs"] else "off", str(r["steps"]), str(r["tokens"]),
                   f"{r['tokens_per_s']:.1f}", f"{r['steps_per_s']:.1f}", f"{rate:.2f}",
-                  "n/a" if busy is None else f"{100 * busy:.0f}%", f"{r['capture_s']:.2f}",
-                  "ok" if r["check"]["ok"] else "FAIL")
-    out.print(t)
+                  "n/a" if busy is None else f"{100 * busy:.0f}%", "ok" if r["check"]["ok"] else "FAIL")
+    out.print(fit(t))
     out.print(_phase_table(report["runs"]))
     for r in report["runs"]:
         hist, top = r["accept_hist"], max(r["accept_hist"] + [1])
-        lines = [f"graphs {'on' if r['graphs'] else 'off'}: accepted drafts per verify group (of up to k={c['k']})"]
+        lines = [f"graphs {'on' if r['graphs'] else 'off'}: {r['tokens']} tokens in {r['seconds']:.3f} s (capture "
+                 f"{r['capture_s']:.2f} s); accepted drafts per verify group (of up to k={c['k']}):"]
         lines += [f"  {a:>2} | {'#' * round(40 * n / top):<40} {n}" for a, n in enumerate(hist)]
         w, ch = r["widths"], r["check"]
         lines.append(f"  widths: graph replays {w['graph_replays'] or '-'}; eager {w['eager_calls'] or '-'}; "
@@ -248,61 +247,52 @@ def _print(report: dict) -> None:
 
 
 def _phase_table(runs: list[dict]):
-    """Host µs per step per phase (runner.PHASES), one row per run, and their sum."""
+    """Host µs per step per phase (runner.PHASES) and their sum: one row per phase, one
+    column per run (so it fits 80 columns)."""
     from rich.table import Table
 
-    t = Table(title="host time per step, µs, by phase (GPU busy: steps' device time / wall; n/a on a CPU)",
-              title_justify="left")
-    for h in ("graphs", *PHASES, "sum"):
-        t.add_column(h, justify="left" if h == "graphs" else "right")
+    from .console import fit
+
+    t = Table(title="host µs per step, by phase", title_justify="left", min_width=30)
+    t.add_column("phase", justify="left")
     for r in runs:
-        ph = r.get("host_phases_us_per_step") or {}
-        t.add_row("on" if r["graphs"] else "off", *(f"{ph.get(n, 0.0):.1f}" for n in PHASES),
-                  f"{sum(ph.values()):.1f}")
-    return t
+        t.add_column(f"graphs {'on' if r['graphs'] else 'off'}", justify="right")
+    per_run = [r.get("host_phases_us_per_step") or {} for r in runs]
+    for n in PHASES:
+        t.add_row(n, *(f"{ph.get(n, 0.0):.1f}" for ph in per_run))
+    t.add_row("sum", *(f"{sum(ph.values()):.1f}" for ph in per_run))
+    return fit(t)
+
+
+def _model(args, choice: options.ModelChoice, device: torch.device):
+    """The model ``--model``/``--size`` name, built on ``device`` (progress while it builds)."""
+    if choice.kind == "toy":
+        size = ToyConfig.bench if choice.size == "bench" else ToyConfig.tiny
+        return ToyDecoder(size(seed=args.seed), device)
+    with options.building("cgrt demo", f"{choice.label} on {device.type}"):
+        if choice.kind == "path":
+            return build(choice.family, "tiny", device=device, seed=args.seed, path=choice.path)
+        return build(choice.family, choice.size, device=device, seed=args.seed)
 
 
 def run(args) -> int:
     if getattr(args, "tp", 1) > 1 and getattr(args, "drafter", "host") != "host":
-        print("cgrt demo: --drafter: expected host with --tp (the device drafter runs on one GPU), got gpu",
-              file=sys.stderr)
-        return 2
+        raise options.UsageError(expected("--drafter", "host with --tp (the device drafter runs on one GPU)", "gpu"))
     if getattr(args, "tp", 1) > 1:  # one process per rank, under torchrun
         from .demo_tp import run_tp
         return run_tp(args)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("cgrt demo: --device: expected a device this machine has, got cuda (no CUDA here)", file=sys.stderr)
-        return 2
-    notes, modes = [], {"on": [True], "off": [False], "both": [True, False]}[args.graphs]
-    if device.type != "cuda":
-        if args.graphs == "on":
-            print("cgrt demo: --graphs on: expected a CUDA device (CUDA graphs need a GPU), got cpu",
-                  file=sys.stderr)
-            return 2
-        if args.graphs == "both":
-            notes.append("graphs on skipped: CUDA graphs need a GPU; graphs off only")
-        modes = [False]
+    choice = options.model_choice(args)
+    device = options.device(args)
+    modes, notes = options.graph_modes(args.graphs, device)
     try:
-        family = parse_model(args.model)
-        if family is None:
-            if args.size != "tiny":
-                raise InputError(expected("--size", "tiny for the toy (its GPU config is --bench-size bench)",
-                                          repr(args.size)))
-            size = ToyConfig.bench if args.bench_size == "bench" else ToyConfig.tiny
-            model = ToyDecoder(size(seed=args.seed), device)
-        else:
-            if args.size not in SIZES:
-                raise InputError(expected("--size", " | ".join(SIZES), repr(args.size)))
-            if args.bench_size != "tiny":
-                raise InputError(expected("--bench-size", "the toy only (hf models take --size)", args.model))
-            model = build(family, args.size, device=device, seed=args.seed)
+        model = _model(args, choice, device)
     except (ValueError, ImportError) as e:  # ImportError: hf models without the hf extra
         print(f"cgrt demo: {e}", file=sys.stderr)
         return 2
     try:
-        requests = make_requests(model.config, args.sequences, args.max_new, args.seed)
-        runs = [serve(model, requests, g, args) for g in modes]
+        with options.threads(options.thread_count(args, device, choice.tiny)):
+            requests = make_requests(model.config, args.sequences, args.max_new, args.seed)
+            runs = [serve(model, requests, g, args) for g in modes]
         for r in runs:
             r.pop("finished_seqs")
     except ValueError as e:  # a bad argument (InputError is a ValueError)
@@ -312,7 +302,7 @@ def run(args) -> int:
         print(f"cgrt demo: failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     cfg = model.config
-    report = {"config": {"model": args.model, "size": args.bench_size if family is None else args.size, "dtype": str(cfg.dtype).replace("torch.", ""),
+    report = {"config": {"model": args.model, "size": choice.size, "dtype": str(cfg.dtype).replace("torch.", ""),
                          "hidden": cfg.hidden, "layers": cfg.layers, "device": str(device),
                          "sequences": args.sequences, "slots": args.slots or cfg.max_seqs, "lanes": args.lanes,
                          "k": args.k, "accept_prob": args.accept_prob, "max_new": args.max_new,
@@ -322,11 +312,13 @@ def run(args) -> int:
     return publish(report, args.json)
 
 
-def publish(report: dict, as_json: bool) -> int:
-    """Print the report (a table, or JSON) and return the exit code: 0 when every run's
-    check passed."""
-    if as_json:
-        print(json.dumps(report, indent=2))
-    else:
+def publish(report: dict, json_target: str | None) -> int:
+    """Print the report (tables, unless the JSON goes to stdout), write ``--json``'s JSON,
+    and return the exit code: 0 when every run's check passed (the JSON's "ok")."""
+    if json_target is not None:
+        options.write_json(json_target, report)
+    if json_target != options.STDOUT:
         _print(report)
+        if json_target is not None:
+            print(f"json: {json_target}")
     return 0 if report["ok"] else 1

@@ -13,11 +13,11 @@ import sys
 import torch
 
 from ..distributed import DistributedRuntime
-from ..errors import CgrtError
+from ..errors import CgrtError, expected
 from ..models import ToyConfig, ToyDecoder
 from ..models.tp import TPToyDecoder
 from ..runner import Request, RunReport, SpecRunner, ToyDrafter
-from . import tp_launch
+from . import options, tp_launch
 from .demo import check, make_requests, publish, timing
 
 
@@ -74,17 +74,14 @@ def serve_tp(model: TPToyDecoder, ref: ToyDecoder, requests: list[Request], grap
 
 def run_tp(args) -> int:
     """``cgrt demo --tp N`` on every rank of a torchrun launch; exit code agreed by all."""
-    if args.graphs == "on" and args.device == "cpu":
-        print("cgrt demo: --graphs on: expected a CUDA device (CUDA graphs need a GPU), got cpu", file=sys.stderr)
-        return 2
+    choice = options.model_choice(args)
+    if choice.kind != "toy":
+        raise options.UsageError(expected("--model", "toy with --tp (the tensor-parallel toy)", repr(args.model)))
+    options.graph_modes(args.graphs, options.device(args))  # refused before the ranks start, as without --tp
 
     def body(device: torch.device) -> int:
-        notes, modes = [], {"on": [True], "off": [False], "both": [True, False]}[args.graphs]
-        if device.type != "cuda":
-            if args.graphs == "both":
-                notes.append("graphs on skipped: CUDA graphs need a GPU; graphs off only")
-            modes = [False]
-        size = ToyConfig.bench if args.bench_size == "bench" else ToyConfig.tiny
+        modes, notes = options.graph_modes(args.graphs, device)
+        size = ToyConfig.bench if choice.size == "bench" else ToyConfig.tiny
         cfg = size(seed=args.seed)
         try:
             model = TPToyDecoder(cfg, device, table_from=0)  # rank 0 drives: its block table every step
@@ -101,7 +98,7 @@ def run_tp(args) -> int:
             return 0
         notes.append(f"tensor-parallel over {args.tp} ranks ({'NCCL' if device.type == 'cuda' else 'gloo'}); "
                      f"tokens and rows checked against the one-device toy with the same weights")
-        report = {"config": {"size": args.bench_size, "dtype": str(cfg.dtype).replace("torch.", ""),
+        report = {"config": {"size": choice.size, "dtype": str(cfg.dtype).replace("torch.", ""),
                              "hidden": cfg.hidden, "layers": cfg.layers, "device": f"{device} x {args.tp} ranks",
                              "tp": args.tp, "sequences": args.sequences, "slots": args.slots or cfg.max_seqs,
                              "lanes": args.lanes, "k": args.k, "accept_prob": args.accept_prob,

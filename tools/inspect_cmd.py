@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
-import json
 import os
 import sys
 import weakref
@@ -27,10 +26,10 @@ from typing import Any, Callable
 
 import torch
 
-from cudagraph_rt.errors import CgrtError
+from cudagraph_rt.errors import CgrtError, expected
 from cudagraph_rt.inspect import InspectReport, inspect_runtime, short_kernel_name, to_dot
 from cudagraph_rt.models import Decoder
-from cudagraph_rt.models.hf import SIZES, parse_model
+from cudagraph_rt.tools import options
 
 DEFAULT_TARGET = "cudagraph_rt.tools.inspect_cmd:toy_target"   # the embedded toy decoder
 
@@ -41,14 +40,16 @@ DEFAULT_TARGET = "cudagraph_rt.tools.inspect_cmd:toy_target"   # the embedded to
 _LAST: dict[bool, weakref.ref] = {}
 
 
-def _target(model: Decoder, graphs: bool):
-    """A runtime over ``model``'s step (graphs kept when on) and ``inputs(T)``: one
+def _target(model: Decoder, graphs: bool, pieces: bool = False):
+    """A runtime over ``model``'s step (graphs kept when on; every width in pieces with
+    ``pieces``) and ``inputs(T)``: one
     sequence, a fresh id each call (its blocks freed and taken again, in this model's pool
     and in that of the last model built for the other graph mode), positions 0..T-1,
     random tokens (seed 0)."""
     from cudagraph_rt import GraphRuntime
 
-    rt = GraphRuntime(model.step, model.inputs(), graphs=graphs, keep_graphs=graphs, device=model.device)
+    rt = GraphRuntime(model.step, model.inputs(), graphs=graphs, keep_graphs=graphs, device=model.device,
+                      pieces=pieces and graphs, step_values=model.step_values)
     gen, calls = torch.Generator().manual_seed(0), iter(range(1 << 30))
     _LAST[graphs] = weakref.ref(model)
 
@@ -76,21 +77,31 @@ def toy_target(graphs: bool):
     return _target(ToyDecoder(), graphs)
 
 
+def toy_pieces_target(graphs: bool):
+    """The toy decoder with its attention marked eager, every width captured in pieces
+    (``--target cudagraph_rt.tools.inspect_cmd:toy_pieces_target``): the report lists each
+    width's pieces and the attention calls between them."""
+    from cudagraph_rt.models.toy import ToyDecoder
+
+    return _target(ToyDecoder(attention="eager-piece"), graphs, pieces=True)
+
+
 @functools.lru_cache(maxsize=2)
-def _hf_model(family: str, size: str):
+def _hf_model(family: str, size: str, path: str | None = None):
     from cudagraph_rt.models.hf import build
 
-    return build(family, size)
+    return build(family, size, path=path)
 
 
-def hf_target(graphs: bool, family: str = "llama", size: str = "tiny", compile_mode: str | None = None):
+def hf_target(graphs: bool, family: str = "llama", size: str = "tiny", compile_mode: str | None = None,
+              path: str | None = None):
     """``--model hf:<family>``: a transformers model with random weights (built once: the
     graphs-on and graphs-off runtimes share its weights, each with its own KV pool).
     ``compile_mode``: the graphs-on runtime captures ``compile_decoder(compile_mode)``
     (the graphs-off reference stays eager). ``inputs(T)`` as :func:`_target`'s."""
     from cudagraph_rt.models.hf import HFDecoder
 
-    base = _hf_model(family, size)
+    base = _hf_model(family, size, path)
     model = HFDecoder(base.model, max_seqs=base.config.max_seqs, max_len=base.config.max_len, family=family,
                       size=size)
     if compile_mode and graphs:
@@ -98,33 +109,23 @@ def hf_target(graphs: bool, family: str = "llama", size: str = "tiny", compile_m
     return _target(model, graphs)
 
 
-def _width_list(text: str) -> tuple[int, ...]:
-    try:
-        widths = tuple(int(w) for w in text.split(",") if w.strip())
-    except ValueError:
-        widths = ()
-    if not widths or min(widths) < 1:
-        raise argparse.ArgumentTypeError(f"--widths: expected comma-separated positive ints, got {text!r}")
-    return widths
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = ("exit codes: 0 clean; 1 a capture hazard, a graph hazard, a graphs on/off mismatch "
                 "or a failed width (on a CPU: the hazard finder alone); 2 a usage error")
     p.add_argument("--target", default=DEFAULT_TARGET, metavar="MODULE:FACTORY",
                    help=f"runtime factory (default: {DEFAULT_TARGET}); see the module docstring")
-    p.add_argument("--model", default="toy", metavar="M",
-                   help="toy (default) | hf:llama | hf:qwen2 | hf:qwen3 | hf:mistral (replaces --target)")
-    p.add_argument("--size", default="tiny", help="hf models: tiny (default) | 1b (Llama-3.2-1B shape, bf16)")
-    p.add_argument("--compile", default=None, metavar="MODE", choices=("default", "max-autotune-no-cudagraphs"),
-                   help="hf models: capture the decoder through torch.compile(mode=MODE) (inductor kernels in "
-                        "the graphs; the graphs-off reference stays eager)")
-    p.add_argument("--widths", type=_width_list, default=None, metavar="W,W,...",
-                   help="inspect only these captured widths (default: all)")
-    p.add_argument("--replays", type=int, default=20, help="event-timed replays per width (median)")
+    options.add_model(p, model_note="; not toy: replaces --target")
+    p.add_argument("--compile", default=None, metavar="MODE", type=options.one_of("default", "max-autotune-no-cudagraphs"),
+                   help="hf models: capture the decoder through torch.compile(mode=MODE), MODE default | "
+                        "max-autotune-no-cudagraphs (inductor kernels in the graphs; the graphs-off reference stays eager)")
+    options.add_widths(p, "inspect only these of the widths the target captures (default: all)")
+    p.add_argument("--replays", type=options.int_at_least(1), default=20, metavar="N",
+                   help="event-timed replays per width (median; default 20)")
     p.add_argument("--no-compare", action="store_true", help="skip graphs on vs off")
-    p.add_argument("--dot", metavar="DIR", help="write one Graphviz file per width into DIR")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--dot", type=options.output_folder, metavar="DIR",
+                   help="write one Graphviz file per width into DIR, an existing folder")
+    options.add_json(p)
+    options.add_threads(p)
 
 
 def _load(target: str | Callable) -> Callable:
@@ -136,57 +137,72 @@ def _load(target: str | Callable) -> Callable:
     return getattr(importlib.import_module(module), attr)
 
 
-def _build(factory: Callable, graphs: bool) -> tuple[Any, Callable | None]:
+def _build(factory: Callable, graphs: bool, widths: tuple[int, ...] | None = None) -> tuple[Any, Callable | None]:
     made = factory(graphs=graphs)
     rt, inputs = made if isinstance(made, tuple) else (made, None)
+    _check_widths(rt, widths)
     rt.capture()
     return rt, inputs
 
 
+def _factory(args: argparse.Namespace, choice: options.ModelChoice) -> Callable:
+    """The runtime factory ``--model`` / ``--target`` name (UsageError when both are given)."""
+    if choice.kind != "toy" and args.target != DEFAULT_TARGET:
+        raise options.UsageError(expected("--model", "toy when --target is given", repr(args.model)))
+    if choice.kind == "toy" and choice.size != "tiny":
+        raise options.UsageError(expected("--size", "tiny for the toy target", repr(choice.size)))
+    if choice.kind == "toy" and args.compile:
+        raise options.UsageError(expected("--compile", "an hf model (--model hf:... or a checkpoint folder)",
+                                          repr(args.model)))
+    if choice.kind == "toy":
+        try:
+            return _load(args.target)
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise options.UsageError(f"--target {args.target}: {exc}") from None
+    size = "tiny" if choice.kind == "path" else choice.size
+    try:
+        with options.building("cgrt inspect", choice.label):
+            _hf_model(choice.family, size, choice.path)
+    except ImportError as exc:  # the hf extra is not installed
+        raise options.UsageError(str(exc)) from None
+    return functools.partial(hf_target, family=choice.family, size=size, compile_mode=args.compile, path=choice.path)
+
+
+def _check_widths(rt, asked: tuple[int, ...] | None) -> None:
+    """``--widths`` must name widths the target captures (before anything is captured)."""
+    have = tuple(getattr(rt, "widths", ()) or ())
+    missing = [w for w in asked or () if have and w not in have]
+    if missing:
+        raise options.UsageError(expected("--widths", f"widths the target captures ({','.join(map(str, have))})",
+                                          ",".join(map(str, asked))))
+
+
 def run(args: argparse.Namespace) -> int:
     try:
-        family = parse_model(args.model)
-        if family is not None and args.target != DEFAULT_TARGET:
-            raise ValueError("--model: expected toy when --target is given, got " + repr(args.model))
-        if family is None and args.size != "tiny":
-            raise ValueError(f"--size: expected tiny for the toy, got {args.size!r}")
-        if family is None and args.compile:
-            raise ValueError(f"--compile: expected an hf model (--model hf:...), got {args.model!r}")
-        if family is not None and args.size not in SIZES:
-            raise ValueError(f"--size: expected {' | '.join(SIZES)}, got {args.size!r}")
-    except ValueError as exc:
+        factory = _factory(args, options.model_choice(args))
+    except options.UsageError as exc:
         print(f"cgrt inspect: {exc}", file=sys.stderr)
         return 2
-    try:
-        factory = (functools.partial(hf_target, family=family, size=args.size, compile_mode=args.compile)
-                   if family is not None
-                   else _load(args.target))
-    except (ImportError, AttributeError, ValueError) as exc:
-        print(f"cgrt inspect: --target {args.target}: {exc}", file=sys.stderr)
-        return 2
     cuda = torch.cuda.is_available()
-    if family is not None:
-        try:
-            _hf_model(family, args.size)
-        except ImportError as exc:  # the hf extra is not installed
-            print(f"cgrt inspect: {exc}", file=sys.stderr)
-            return 2
     try:
-        rt, inputs = _build(factory, graphs=cuda)
-        ref = _build(factory, graphs=False)[0] if cuda and inputs and not args.no_compare else None
-        report = _inspect(rt, ref, inputs, args)
+        with options.threads(options.thread_count(args, torch.device("cuda" if cuda else "cpu"), True)):
+            rt, inputs = _build(factory, graphs=cuda, widths=args.widths)
+            ref = _build(factory, graphs=False)[0] if cuda and inputs and not args.no_compare else None
+            report = _inspect(rt, ref, inputs, args)
+    except options.UsageError as exc:
+        print(f"cgrt inspect: {exc}", file=sys.stderr)
+        return 2
     except CgrtError as exc:   # a capture that failed names the width and the source line
         print(f"cgrt inspect: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     if args.dot and report.available:
-        os.makedirs(args.dot, exist_ok=True)
         for w in report.widths:
             if w.nodes:
                 with open(os.path.join(args.dot, f"width_{w.width}.dot"), "w") as f:
                     f.write(to_dot(w.nodes, f"width {w.width}"))
     if args.json:
-        print(json.dumps(report.to_json(), indent=2))
-    else:
+        options.write_json(args.json, report.to_json())
+    if args.json != options.STDOUT:
         _print(report)
     return report.exit_code
 
@@ -214,7 +230,7 @@ def _on_off(diffs) -> str:
 
 
 def _print(report: InspectReport) -> None:
-    from cudagraph_rt.tools.console import make_console
+    from cudagraph_rt.tools.console import fit, make_console
     from rich.markup import escape
     from rich.table import Table
 
@@ -222,23 +238,22 @@ def _print(report: InspectReport) -> None:
     if not report.available:
         con.print(f"[yellow]graph introspection skipped:[/] {report.reason}")
     else:
-        t = Table(title=f"cgrt inspect ({report.device})")
-        for col in ("width", "capture ms", "replay us", "pool MiB", "kernels", "memcpy", "memset",
-                    "other", "hazards", "graphs on vs off"):
+        t = Table(title=f"cgrt inspect ({report.device})", caption="nodes: kernels / memcpy / memset / other",
+                  caption_justify="left")
+        for col in ("width", "capture ms", "replay us", "pool MiB", "nodes", "hazards", "graphs on vs off"):
             t.add_column(col, justify="right" if col not in ("graphs on vs off",) else "left")
         fmt = lambda v, k: "-" if v is None else f"{v * k:.1f}"  # noqa: E731
         for w in report.widths:
             c = dict(w.counts)
             kern, cp, ms = c.pop("kernel", 0), c.pop("memcpy", 0), c.pop("memset", 0)
             if w.error:
-                t.add_row(str(w.width), fmt(w.capture_s, 1e3), "", "", "", "", "", "", "",
-                          f"[red]{escape(w.error)}[/]")
+                t.add_row(str(w.width), fmt(w.capture_s, 1e3), "", "", "", "", f"[red]{escape(w.error)}[/]")
                 continue
             flagged = len(w.hazards) + len(w.node_hazards)
             t.add_row(str(w.width), fmt(w.capture_s, 1e3), fmt(w.replay_s, 1e6),
-                      fmt(w.pool_bytes, 1 / 2**20), str(kern), str(cp), str(ms), str(sum(c.values())),
+                      fmt(w.pool_bytes, 1 / 2**20), f"{kern}/{cp}/{ms}/{sum(c.values())}",
                       f"[red]{flagged}[/]" if flagged else "0", _on_off(w.diffs))
-        con.print(t)
+        con.print(fit(t))
         for a, b, d in report.width_diffs:
             parts = [f"+{short_kernel_name(k)} x{n}" for k, n in d.added]
             parts += [f"-{short_kernel_name(k)} x{n}" for k, n in d.removed]
@@ -249,6 +264,9 @@ def _print(report: InspectReport) -> None:
             for n in w.node_hazards:
                 con.print(f"[red]width {w.width} node #{n.index} {n.type}[/] "
                           f"{escape(n.direction or '')} {n.bytes or ''} B: {escape(n.hazard)}")
+    for w in report.widths:
+        if w.layout:
+            con.print(f"width {w.width} in pieces: " + escape(" -> ".join(w.layout)))
     seen: dict[tuple, list[int]] = {}
     for w in report.widths:
         for h in w.hazards:

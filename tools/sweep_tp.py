@@ -58,7 +58,7 @@ def run_tp(args, run: Callable) -> int:
         args.device = device.type
         args.tp_inner = True
         if args.seed is None:
-            args.seed = str(tp_launch.broadcast(fresh_seed()))
+            args.seed = int(tp_launch.broadcast(fresh_seed()))
         return run(args)
 
     return tp_launch.run_ranks(args.tp, args.device, "sweep", body)

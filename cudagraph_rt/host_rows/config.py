@@ -61,26 +61,7 @@ def check_host_rows(rows: Any, T: int, capacity: int, allow_duplicates: bool) ->
     Raises InputError (type, range, duplicates) or CapacityError (too many) before any
     buffer is written.
     """
-    if isinstance(rows, torch.Tensor):
-        t = rows.detach()
-        if t.device.type != "cpu":
-            raise InputError(expected("rows", "host row indices (list, numpy or CPU tensor)", f"a tensor on {t.device}"))
-    elif isinstance(rows, np.ndarray):
-        if rows.dtype.kind not in "biuf":
-            raise InputError(expected("rows", "integer row indices", f"numpy dtype {rows.dtype}"))
-        if rows.dtype.kind == "u" and rows.size and int(rows.max()) >= T:
-            raise InputError(expected("rows", f"indices in [0, {T})", f"index {int(rows.max())}"))
-        rows = rows.astype(np.int64) if rows.dtype.kind == "u" else rows
-        t = torch.from_numpy(np.ascontiguousarray(rows) if rows.ndim else rows.copy())
-    elif isinstance(rows, (list, tuple, range)):
-        if not all(isinstance(r, (int, np.integer)) and not isinstance(r, bool) for r in rows):
-            raise InputError(expected("rows", "integer row indices", f"{list(rows)[:8]}"))
-        try:
-            t = torch.tensor(list(rows), dtype=torch.int64)
-        except (OverflowError, RuntimeError, ValueError):
-            raise InputError(expected("rows", f"indices in [0, {T})", "an index beyond int64")) from None
-    else:
-        raise InputError(expected("rows", "a list, numpy array or CPU tensor of row indices", type(rows).__name__))
+    t = _rows_tensor(rows, T, capacity)
     if t.dim() != 1:
         raise InputError(expected("rows", "a 1-D list of row indices", f"shape {tuple(t.shape)}"))
     if t.dtype.is_floating_point or t.dtype == torch.bool or t.dtype.is_complex:
@@ -100,3 +81,41 @@ def check_host_rows(rows: Any, T: int, capacity: int, allow_duplicates: bool) ->
         if not allow_duplicates and torch.unique(t).numel() != t.numel():
             raise InputError(expected("rows", "distinct indices (HostRows.allow_duplicates=False)", "duplicates"))
     return t.to(torch.int32)
+
+
+def _rows_tensor(rows: Any, T: int, capacity: int) -> torch.Tensor:
+    """``rows`` as a dense CPU tensor, not checked beyond what reading it needs."""
+    if isinstance(rows, torch.Tensor):
+        t = rows.detach()
+        if t.device.type != "cpu":
+            raise InputError(expected("rows", "host row indices (list, numpy or CPU tensor)", f"a tensor on {t.device}"))
+        if t.layout is not torch.strided or t.is_quantized:
+            raise InputError(expected("rows", "a dense tensor of integer row indices",
+                                      f"layout {t.layout}, dtype {t.dtype}"))
+        return t
+    if isinstance(rows, np.ndarray):
+        return _numpy_rows(rows, T)
+    if isinstance(rows, (list, tuple, range)):
+        if len(rows) > capacity:  # before any element is looked at: range(10**7) is cheap to refuse
+            raise CapacityError(expected("rows", f"at most {capacity} rows (HostRows.capacity)", f"{len(rows)} rows"))
+        if not all(isinstance(r, (int, np.integer)) and not isinstance(r, bool) for r in rows):
+            raise InputError(expected("rows", "integer row indices", f"{list(rows)[:8]}"))
+        try:
+            return torch.tensor(list(rows), dtype=torch.int64)
+        except (OverflowError, RuntimeError, ValueError, TypeError):
+            raise InputError(expected("rows", f"indices in [0, {T})", "an index beyond int64")) from None
+    raise InputError(expected("rows", "a list, numpy array or CPU tensor of row indices", type(rows).__name__))
+
+
+def _numpy_rows(rows: np.ndarray, T: int) -> torch.Tensor:
+    if rows.dtype.kind not in "biuf":
+        raise InputError(expected("rows", "integer row indices", f"numpy dtype {rows.dtype}"))
+    if not rows.dtype.isnative:  # big-endian: read by value, as step inputs are
+        rows = rows.astype(rows.dtype.newbyteorder("="))
+    if rows.dtype.kind == "u" and rows.size and int(rows.max()) >= T:
+        raise InputError(expected("rows", f"indices in [0, {T})", f"index {int(rows.max())}"))
+    rows = rows.astype(np.int64) if rows.dtype.kind == "u" else rows
+    try:
+        return torch.from_numpy(np.ascontiguousarray(rows) if rows.ndim else rows.copy())
+    except TypeError:  # longdouble: no torch dtype (and no integer anyway)
+        raise InputError(expected("rows", "integer row indices", f"numpy dtype {rows.dtype}")) from None

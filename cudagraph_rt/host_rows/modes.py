@@ -121,8 +121,9 @@ class RowsMode:
         """Index of the output leaf that is a count (not cut to T rows), or -1."""
         return -1
 
-    def capture_extra(self, pool, stream, inputs) -> None:
-        """Graphs of this mode's own, captured after the widths (none here)."""
+    def capture_extra(self, capture: Callable[[Callable[[], None]], Any], inputs) -> None:
+        """Graphs of this mode's own, captured after the widths with ``capture(fn)`` (the
+        capturer's: a CUDA graph in the widths' pool, or an emulated one); none here."""
 
     def drop_graphs(self) -> None:
         """Forget the graphs of ``capture_extra`` (their pool is being dropped)."""
@@ -170,8 +171,15 @@ class RowsMode:
         c = Control.views(control(CTRL))
         self.gather(src, control(ROWS)[:n], c.count, self.ring.dst, self.ring.meta, dst_slot=c.slot)
 
+    def step_outputs(self, outputs: Any, T: int) -> Any:
+        """A one-slice step's outputs as the step hands them out (as the step function
+        returned them, cut to T rows, here)."""
+        return outputs
+
     def slice_record(self, out: Any, start: int, width: int, length: int) -> Any:
-        """What a sliced step keeps of each slice for its merge (nothing here)."""
+        """What a sliced step keeps of each slice for its merge (nothing here). ``out`` is
+        the slice's static outputs: the next slice may replay the same graph over them, so
+        a record keeps copies, never views."""
         return None
 
     def gather_sliced(self, outputs: Any, idx, slot: int, T: int, records: list) -> Any:
@@ -206,7 +214,16 @@ class RowsMode:
 class DeviceChosen(RowsMode):
     """``HostRows(mode="device")``: the step function's ``rows_output`` / ``count_output``
     choose the rows, on the device, inside the same replay. Padding rows are never
-    shipped; a count above the rows the step ran is flagged (DeviceRowIndexError)."""
+    shipped; a count above the rows the step ran is flagged (DeviceRowIndexError).
+
+    A step's ``rows_output`` / ``count_output`` outputs are what was shipped, in the step
+    function's dtypes, one slice or sliced alike: the count without padding rows, and the
+    shipped rows' indices first (one slice: in the chooser's order; sliced: row order)."""
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        self._dtypes = (torch.int32, torch.int32)  # of rows_output and count_output (the probe's)
+        self._shipped: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def check_probe(self, out: Any, width: int) -> torch.Tensor:
         src = super().check_probe(out, width)
@@ -216,7 +233,23 @@ class DeviceChosen(RowsMode):
             raise StepFunctionError(expected("HostRows.rows_output/count_output",
                                              "integer [N] indices and a [1] count",
                                              f"{r.dtype}{tuple(r.shape)} and {c.dtype}{tuple(c.shape)}"))
+        self._dtypes = (r.dtype, c.dtype)
         return src
+
+    @torch.inference_mode(False)
+    def make_buffers(self, H, dtype) -> None:
+        super().make_buffers(H, dtype)
+        rows_dt, count_dt = self._dtypes  # what the gather was given, written inside each replay
+        self._shipped = (torch.zeros(self.rows, dtype=rows_dt, device=self.device),
+                         torch.zeros(1, dtype=count_dt, device=self.device))
+
+    def close(self) -> None:
+        super().close()
+        self._shipped = None
+
+    def step_outputs(self, outputs, T):
+        rows, count = self._shipped
+        return _replace(outputs, {self.config.rows_output: rows[:T], self.config.count_output: count})
 
     def count_leaf(self, out: Any, leaves: list) -> int:
         c = output(out, self.config.count_output, "HostRows.count_output")
@@ -248,14 +281,19 @@ class DeviceChosen(RowsMode):
         # A count above the n rows is kept as it is, so the gather flags it (count > R).
         rows = rows[order]
         count = torch.where(count > n, count, count - pad.sum().to(torch.int32))
+        shipped_rows, shipped_count = self._shipped
+        shipped_rows[:rows.numel()].copy_(rows)
+        shipped_count.copy_(count)
         self.gather(src, rows, count, self.ring.dst, self.ring.meta, dst_slot=c.slot)
 
     def slice_record(self, out, start, width, length):
         r = output(out, self.config.rows_output, "rows_output")
         c = output(out, self.config.count_output, "count_output")
         # All `width` entries: a chooser may list padding rows first (dropped in the merge),
-        # so cutting to the slice's length could lose real rows.
-        return (start, width, length, r.reshape(-1)[:width].long(), c.reshape(-1)[:1].long())
+        # so cutting to the slice's length could lose real rows. Copies: .long() of an int64
+        # output is the output itself, which the next slice's replay of this graph rewrites.
+        return (start, width, length, r.reshape(-1)[:width].to(torch.int64, copy=True),
+                c.reshape(-1)[:1].to(torch.int64, copy=True))
 
     def gather_sliced(self, outputs, idx, slot, T, records):
         """Each slice's chosen rows merged on the device (no host sync), in row order."""
@@ -278,9 +316,17 @@ class DeviceChosen(RowsMode):
         rows = torch.where((torch.arange(T + 1, device=dev) == n_ok) & bad, T, rows)
         count = (n_ok + bad.to(torch.int32)).reshape(1)
         count = torch.where(bad_count, -1, count)  # flagged as a bad count, nothing shipped
-        outputs = _replace(outputs, {self.config.rows_output: order, self.config.count_output: n_ok.reshape(1)})
+        rows_dt, count_dt = self._dtypes
+        outputs = _replace(outputs, {self.config.rows_output: order.to(rows_dt),
+                                     self.config.count_output: n_ok.reshape(1).to(count_dt)})
         self._gather_to_slot(output(outputs, self.config.source, "source"), rows, count, slot)
         return outputs
+
+
+def _commit_gather(gather: Callable, snap: torch.Tensor, ring: HostRowRing, control: Callable) -> None:
+    """A commit's gather: the rows ``__rows__`` of snapshot ``snap`` into ring slot ``slot``."""
+    c = Control.views(control(CTRL))
+    gather(snap, control(ROWS), c.count, ring.dst, ring.meta, src_slot=c.snap, dst_slot=c.slot)
 
 
 def _replace(outputs: Any, new: dict) -> Any:
@@ -357,19 +403,13 @@ class Committed(RowsMode):
                     dst_slot=Control.views(control(CTRL)).snap)
 
     def _commit_body(self, control) -> None:
-        c = Control.views(control(CTRL))
-        self.gather(self.snap, control(ROWS), c.count, self.ring.dst, self.ring.meta,
-                    src_slot=c.snap, dst_slot=c.slot)
+        _commit_gather(self.gather, self.snap, self.ring, control)
 
-    def capture_extra(self, pool, stream, inputs) -> None:
-        g = torch.cuda.CUDAGraph()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._commit_body(inputs.control)
-        torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.graph(g, pool=pool, stream=stream):
-            self._commit_body(inputs.control)
-        self._graph = g
+    def capture_extra(self, capture, inputs) -> None:
+        # the body holds the buffers, not this mode: an emulated graph keeps its body, and
+        # a cycle through the mode would leave the ring to the garbage collector
+        gather, snap, ring, control = self.gather, self.snap, self.ring, inputs.control
+        self._graph = capture(lambda: _commit_gather(gather, snap, ring, control))
 
     def commit(self, result, rows, T: int, inputs) -> HostRowsHandle:
         """Validate, then ship. The runtime checked that ``result`` is its own."""
@@ -404,6 +444,12 @@ class Committed(RowsMode):
 _MODES = {"host": RowsMode, "device": DeviceChosen, "commit": Committed}
 
 
-def make_rows_mode(config: HostRows, rows: int, device: torch.device, gather: Callable) -> RowsMode:
-    """The mode object for ``config`` (its ``mode`` string is read here and nowhere else)."""
+def make_rows_mode(config: HostRows, rows: int, device: torch.device, gather: Callable | None = None) -> RowsMode:
+    """The mode object for ``config`` (its ``mode`` string is read here and nowhere else);
+    ``gather`` defaults to the row-gather kernel on CUDA, its torch reference elsewhere."""
+    if gather is None:
+        if device.type == "cuda":
+            from ..kernels.row_gather import gather_rows as gather
+        else:
+            from ..kernels.row_gather import gather_rows_reference as gather
     return _MODES[config.mode](config, rows, device, gather)

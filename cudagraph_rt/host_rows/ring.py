@@ -29,7 +29,7 @@ class HostRowRing:
     def __init__(self, depth: int, capacity: int, H: int, dtype: torch.dtype, device: torch.device):
         self.depth, self.capacity, self.H = depth, capacity, H
         self.device = device
-        pin = device.type == "cuda"
+        pin = self.pinned = device.type == "cuda"
         self.dst = torch.empty((depth + 1, capacity, H), dtype=dtype, pin_memory=pin)
         self.meta = torch.zeros((depth + 1, 2 + capacity), dtype=torch.int32, pin_memory=pin)
         self.spare = depth

@@ -13,10 +13,9 @@ from typing import Any, Mapping
 
 import torch
 
-from .._cuda import external_event
 from ..errors import BusyError, InputError, expected
 from ..specs import InputSpec
-from .arena import ONE_COPY_BYTES, SRC, ArenaLayout
+from .arena import ONE_COPY_BYTES, ArenaLayout
 from .feed import Feed
 from .staging import CpuStaging, PinnedStaging
 from .validate import Prepared, Validator
@@ -38,20 +37,21 @@ class StaticInputs:
     are captured over these views and read them at replay, so the arena is never
     reallocated. It starts filled with the pad values, so warm-up and capture run on
     padding rows only. A stager brings host rows in (two alternating pinned arenas on
-    CUDA, straight writes on a CPU); fed graphs (``feed=True`` on CUDA, small arenas, a
-    torch with external events) copy their host rows in themselves, from the feed.
+    CUDA, straight writes on a CPU); fed graphs (a ``feed_event``, which the graph mode
+    gives, and a small arena) copy their host rows in themselves, from the feed.
 
     Handed views (``host_views``/``device_views``) are recognised by identity in
-    ``prepare`` and good for the next step only, from the thread that asked.
+    ``prepare`` and good for the next step only, from the thread that asked: every step
+    uses up the host views handed out before it, whatever it wrote, and while views
+    handed to one thread are not stepped, another thread's step is refused (BusyError).
     """
 
     def __init__(self, specs: Mapping[str, InputSpec], rows: int, device: torch.device,
-                 control: Mapping[str, tuple[int, torch.dtype]] | None = None, feed: bool = False):
+                 control: Mapping[str, tuple[int, torch.dtype]] | None = None, feed_event=None):
         self.specs, self.rows, self.device = dict(specs), rows, device
         control = dict(control or {})
-        event = external_event() if feed and device.type == "cuda" else None
-        if event is not None:
-            control[SRC] = (len(self.specs) + 1, torch.bool)  # per input: the feed holds it
+        if feed_event is not None:
+            control.update(Feed.control_blocks(len(self.specs)))
         self.layout = layout = ArenaLayout(self.specs, rows, control)
         self.nbytes, self.control_specs = layout.nbytes, layout.control
         self.arena = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
@@ -59,26 +59,36 @@ class StaticInputs:
         layout.fill_pads(self._full)
         cuda = device.type == "cuda"
         self.stager = PinnedStaging(layout, self.arena, self._full, device) if cuda else CpuStaging(layout, self._full)
-        self.fed = event is not None and layout.nbytes <= ONE_COPY_BYTES
-        self.feed = Feed(layout, self.arena, self._full, event) if self.fed else None
-        self._arenas = [*self.stager.arenas, *([self.feed.host] if self.fed else [])]  # ids 0, 1 (, FEED)
-        host = [b for b in [self.arena, *(a.buf for a in self._arenas)] if not b.is_cuda]
-        dev = [self.arena, self.feed.mirror] if self.fed else [self.arena] if cuda else []
-        self.validator = Validator(self.specs, device, _ranges(host), _ranges(dev))
+        self.fed = feed_event is not None and layout.nbytes <= ONE_COPY_BYTES
+        self.feed = Feed(layout, self.arena, self._full, feed_event, pinned=cuda) if self.fed else None
+        self._arenas = dict(enumerate(self.stager.arenas))  # ids 0 (, 1 on CUDA) (, FEED)
+        if self.fed:
+            self._arenas[FEED] = self.feed.host
+        bufs = [self.arena, *(a.buf for a in self._arenas.values()), *([self.feed.mirror] if self.fed else [])]
+        self.validator = Validator(self.specs, device, _ranges([b for b in bufs if not b.is_cuda]),
+                                   _ranges([b for b in bufs if b.is_cuda]))
         self._hands: dict[tuple, _Handed] = {}  # per (arena id, T): the same objects every time
         self._handed_host: _Handed | None = None  # host views handed out for the next step ...
-        self._handed_thread: int | None = None  # ... to this thread
+        self._handed_thread: int | None = None  # ... to this thread (its ident, fast to compare)
+        self._handed_owner: threading.Thread | None = None  # (and the thread: is it still alive?)
         self._handed_device: _Handed | None = None
 
     @property
     def staging(self) -> list[torch.Tensor]:
-        """The pinned host buffers (staging arenas and feed); empty on a CPU."""
-        return [a.buf for a in self._arenas] if self.device.type == "cuda" else []
+        """The pinned host buffers (staging arenas and feed); empty on a CPU, whose host
+        arenas are plain memory."""
+        return [a.buf for a in self._arenas.values() if a.pinned]
 
     # -- views -----------------------------------------------------------------------
     def views(self, n: int) -> dict[str, torch.Tensor]:
         """The first ``n`` rows of every input in the device arena (what a graph reads)."""
         return {name: self._full[name][:n] for name in self.specs}
+
+    def pad_rows(self, n: int) -> dict[str, torch.Tensor]:
+        """``n`` rows of every input holding its pad, in fresh tensors shaped and placed
+        like ``views(n)``: for running the step function off the record (the hazard
+        finder), where it writes only what padding rows write (a scratch cell)."""
+        return {name: torch.full_like(self._full[name][:n], spec.pad) for name, spec in self.specs.items()}
 
     def control(self, name: str) -> torch.Tensor:
         """A fixed-size control block in the device arena (host-row indices, counts)."""
@@ -90,10 +100,10 @@ class StaticInputs:
         to ``step`` to skip the packing. The same tensor objects (numpy arrays with
         ``numpy``: views of the same rows) come back for the same arena and ``T``; should
         the step take another path after all, its rows are copied from them. They belong to
-        the calling thread until a step consumes them: another thread's ``host_views``
-        meanwhile raises BusyError, its step with them InputError."""
+        the calling thread until a step consumes them: another thread's ``host_views`` or
+        step meanwhile raises BusyError, its step with them InputError (see ``prepare``)."""
         h, me = self._handed_host, threading.get_ident()
-        if h is not None and self._handed_thread != me and self._live(h):
+        if h is not None and self._handed_thread != me and self._held_elsewhere(h):
             raise BusyError("host_inputs: the rows handed out by host_inputs() to another thread are "
                             "not stepped yet (one thread at a time fills and steps them)")
         if fed and self.fed:
@@ -106,7 +116,7 @@ class StaticInputs:
         if hand is None:
             hand = self._hand(k, T)
         self._arenas[k].mark(T)  # the caller may fill rows [:T] and then step with fewer
-        self._handed_host, self._handed_thread = hand, me
+        self._handed_host, self._handed_thread, self._handed_owner = hand, me, threading.current_thread()
         return dict(hand.arrays if numpy else hand.views)  # the caller may change its dict, never ours
 
     def _hand(self, k: int | None, T: int) -> "_Handed":
@@ -135,28 +145,47 @@ class StaticInputs:
         """Handed views not consumed yet: device views, the feed, or the next arena."""
         return hand.arena in (None, FEED, self.stager.next)
 
+    def _held_elsewhere(self, hand: "_Handed") -> bool:
+        """Live host views handed to another thread that still runs (a thread that ended
+        writes its views no more: they are free again)."""
+        return self._live(hand) and self._handed_owner is not None and self._handed_owner.is_alive()
+
     def handed_rows(self, inputs: Mapping[str, Any]) -> int | None:
         """T when ``inputs`` are exactly the feed views ``host_views`` handed to this thread
-        for the next step, else None. Changes nothing (``consume_fed`` uses them up)."""
+        for the next step; -1 when live views are held by another thread (the step must be
+        refused: ``prepare`` says how); else None. Changes nothing (``consume`` uses them up)."""
         h = self._handed_host
-        if h is None or h.arena != FEED or self._handed_thread != threading.get_ident() or not h.matches(inputs):
+        if h is None:
+            return None
+        if self._handed_thread != threading.get_ident():
+            return -1 if self._held_elsewhere(h) else None
+        if h.arena != FEED or not h.matches(inputs):
             return None
         return h.prepared.T
 
-    def consume_fed(self) -> None:
-        """A fed graph's replay is written: feed views handed out are used up."""
-        self._consume(FEED)
+    def consume(self) -> None:
+        """A step writes its rows: the host views handed out before it are used up, whatever
+        arena it writes (a dynamic step writes no feed, yet feed views kept past it are as
+        stale as any)."""
+        self._handed_host = None
 
     # -- validation (writes nothing) -----------------------------------------------------
     def prepare(self, inputs: Mapping[str, Any]) -> Prepared:
         """Check names, rows, per-row shapes, dtypes and devices of one step's inputs
-        (handed views, unchanged, skip the checks). Raises InputError; writes nothing."""
+        (handed views, unchanged, skip the checks). Raises InputError (BusyError while
+        another thread holds views ``host_views`` handed out: a step would use them up
+        while their owner may still write them); writes nothing."""
         self.validator.names(inputs)
-        for hand, thread in ((self._handed_host, self._handed_thread), (self._handed_device, None)):
+        h = self._handed_host
+        if h is not None and self._handed_thread != threading.get_ident() and self._live(h):
+            if h.matches(inputs):
+                raise InputError(expected("step inputs", "views host_inputs() handed to this thread",
+                                          "the views handed to another thread"))
+            if self._held_elsewhere(h):
+                raise BusyError("step: host_inputs() handed the next step's rows to another thread, which has "
+                                "not stepped them yet (one thread at a time fills and steps them)")
+        for hand in (h, self._handed_device):
             if hand is not None and self._live(hand) and hand.matches(inputs):
-                if thread is not None and thread != threading.get_ident():
-                    raise InputError(expected("step inputs", "views host_inputs() handed to this thread",
-                                              "the views handed to another thread"))
                 return hand.prepared
         return self.validator.check(inputs, self._owned)
 
@@ -178,12 +207,12 @@ class StaticInputs:
         """Rows ``[start, start+length)`` of ``prep`` into arena rows ``[0, length)``, pad
         values into rows ``[length, width)``, control blocks set; stream-ordered."""
         k = self.stager.take()
-        self._consume(k)
+        self._handed_host = None  # used up (see consume)
         self.stager.write(k, prep, start, length, width, control)
 
     def write_fed(self, prep: Prepared, start: int, length: int, width: int, control: Mapping[str, Any] | None = None) -> None:
         """``write`` for a fed graph's replay: host rows into the feed (see Feed.write)."""
-        self._consume(FEED)
+        self._handed_host = None  # used up (see consume)
         self.feed.write(prep, start, length, width, control)
 
     def write_control(self, control: Mapping[str, Any]) -> None:
@@ -231,8 +260,10 @@ class StaticInputs:
 
     def digest_parts(self) -> tuple[list, list]:
         """(the arena, the host arenas and their bookkeeping) for ``StateDigest``."""
-        return [self.arena], [*(a.buf for a in self._arenas), self.stager.next, [a.dirty for a in self._arenas],
-                              getattr(self.feed, "_flags", None), getattr(self.feed, "all_host", None)]
+        arenas = self._arenas.values()
+        return [self.arena], [*(a.buf for a in arenas), self.stager.next, [a.dirty for a in arenas],
+                              getattr(self.feed, "_flags", None), getattr(self.feed, "all_host", None),
+                              getattr(self.feed, "_t_now", None)]
 
 
 class _Handed:

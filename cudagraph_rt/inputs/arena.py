@@ -12,6 +12,7 @@ from ..specs import NUMPY_DTYPES, InputSpec, itemsize
 ALIGN = 256  # bytes: keeps every view aligned for vectorised loads (and no word in two blocks)
 ONE_COPY_BYTES = 64 * 1024  # below this a host-to-device copy costs its latency, not its size
 SRC = "__src__"  # fed graphs' control block: per input, whether the feed holds its rows
+ROWS_T = "__t__"  # fed graphs' control block: the step's real rows (rows from T on are padding)
 
 
 class ArenaLayout:
@@ -50,6 +51,21 @@ class ArenaLayout:
             views[name].zero_()
         for name, v in (control or {}).items():
             views[name][:len(v)].copy_(torch.as_tensor(v, dtype=views[name].dtype))
+
+    def row_of_byte(self) -> torch.Tensor:
+        """For each byte: the row of the input block that holds it, or -1 (control blocks
+        and gaps). Bytes, not words: a word of a narrow dtype holds several rows."""
+        rows = torch.full((self.nbytes,), -1, dtype=torch.int32)
+        for name, nb in self.row_bytes.items():
+            o = self.offsets[name]
+            rows[o:o + nb * self.rows] = torch.arange(self.rows, dtype=torch.int32).repeat_interleave(nb)
+        return rows
+
+    def pad_bytes(self) -> torch.Tensor:
+        """A buffer of this layout holding every input's pad value in every row."""
+        buf = torch.zeros(self.nbytes, dtype=torch.uint8)
+        self.fill_pads(self.carve(buf))
+        return buf
 
     def input_of_word(self) -> torch.Tensor:
         """For each 4-byte word: the index of the input whose block holds it, or

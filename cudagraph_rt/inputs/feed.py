@@ -1,10 +1,13 @@
 """The feed of fed graphs: a pinned arena that each captured graph copies in itself.
 
 Every captured width starts with :meth:`Feed.prologue`: copy the feed to a device mirror,
-record the feed event, and move into the arena the words of every input the feed holds
-this step (its ``__src__`` flags; device inputs keep the rows copied into the arena before
-the replay). A graph step then costs the host no copy call and no event record, only a
-wait on the feed event (the last replay's copy has left the feed) before writing it.
+record the feed event, move into the arena the words of every input the feed holds this
+step (its ``__src__`` flags; device inputs keep the rows copied into the arena before the
+replay), then write the pad values into every row from the step's T on (the ``__t__``
+word): padding rows are the pads whatever the feed or the arena held, even rows a caller
+wrote into views after their step (which no host bookkeeping sees). A graph step then
+costs the host no copy call and no event record, only a wait on the feed event (the last
+replay's copy has left the feed) before writing it.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .arena import SRC, ArenaLayout
+from .arena import ROWS_T, SRC, ArenaLayout
 from .staging import HostArena
 from .validate import Prepared
 
@@ -22,13 +25,22 @@ class Feed:
     """The feed arena, its device mirror and its external event. Lifetime: the runtime's;
     the graphs bake in the addresses of the feed, the mirror and the arena."""
 
+    @staticmethod
+    def control_blocks(n_inputs: int) -> dict[str, tuple[int, torch.dtype]]:
+        """The control blocks a layout needs for a feed of ``n_inputs`` inputs."""
+        return {SRC: (n_inputs + 1, torch.bool), ROWS_T: (1, torch.int32)}
+
     def __init__(self, layout: ArenaLayout, arena: torch.Tensor, full: Mapping[str, torch.Tensor], event,
                  pinned: bool = True):
         self.layout, self.arena, self._full, self.event = layout, arena, full, event
-        self.host = HostArena(layout, pinned=pinned)  # plain memory only in CPU tests
+        self.host = HostArena(layout, pinned=pinned)  # plain memory on a CPU (emulated graphs, tests)
         self.host.views[SRC].fill_(True)
         self.mirror = torch.empty_like(arena)
-        self._mirror_src = layout.carve(self.mirror)[SRC]
+        mirror = layout.carve(self.mirror)
+        self._mirror_src, self._mirror_t = mirror[SRC], mirror[ROWS_T]
+        self._t, self._t_now = self.host.np[ROWS_T], 0  # the feed's T word, and what it holds
+        self._row_of_byte = layout.row_of_byte().to(arena.device)
+        self._pad_bytes = layout.pad_bytes().to(arena.device)
         self._word_src = layout.input_of_word().to(arena.device)
         self._arena_words, self._mirror_words = arena.view(torch.int32), self.mirror.view(torch.int32)
         self._flags = [True] * len(layout.specs)  # host copy of the feed's per-input flags
@@ -41,12 +53,13 @@ class Feed:
         graph keeps them."""
         self.event.synchronize()  # the last replay's copy has left the feed
         self.all_host = False  # first: an interrupted write leaves the short path off (it keeps no flags)
+        self._set_t(length)
         h, flags_np, flags, dev = self.host, self.host.np[SRC], self._flags, []
         ptrs = prep.host_ptrs
         for i, (name, t) in enumerate(prep.tensors.items()):
             p = ptrs.get(name)
             if p is not None or not t.is_cuda:
-                h.stage(name, t, p, start, length)
+                h.stage(name, t, p, start, length, width)
                 if not flags[i]:  # the feed's byte first: it is what the graph reads
                     flags_np[i] = flags[i] = True
             else:
@@ -71,6 +84,8 @@ class Feed:
         dirty = h.dirty
         if ptrs is not None:
             self.event.synchronize()  # the last replay's copy has left the feed
+            if self._t_now != T:
+                self._set_t(T)
             for (name, dst, nb), p in zip(self._rows, ptrs):
                 d = dirty[name]
                 if d < T:  # raised first: an interrupted copy leaves no untracked rows
@@ -80,7 +95,10 @@ class Feed:
                     h.fill_pad(name, T, d)
                     dirty[name] = T
             return
-        synced = False
+        synced = self._t_now != T
+        if synced:  # (a graph replayed by hand since may still read the feed)
+            self.event.synchronize()
+            self._set_t(T)
         for name, _, _ in self._rows:
             d = dirty[name]
             if d > T:  # handed rows [:d], T of them stepped: the rest become padding
@@ -90,15 +108,22 @@ class Feed:
                 h.fill_pad(name, T, d)
                 dirty[name] = T
 
+    def _set_t(self, T: int) -> None:
+        """The step's real rows into the feed's T word (after the feed event: the last
+        replay's copy has left the feed)."""
+        self._t[0] = self._t_now = T
+
     def unfeed(self) -> None:
-        """Graphs keep every input's arena rows until the next step (which feeds again):
-        for a caller that writes the arena itself and replays a graph directly."""
-        if not any(self._flags):
+        """Graphs keep every input's arena rows, all of them (none padded), until the next
+        step (which feeds again): for a caller that writes the arena itself and replays a
+        graph directly."""
+        if not any(self._flags) and self._t_now == self.layout.rows:
             return
         self.event.synchronize()
         self.all_host = False  # first, as in write
         self.host.np[SRC][:len(self._flags)] = False
         self._flags = [False] * len(self._flags)
+        self._set_t(self.layout.rows)
 
     def prologue(self) -> None:
         """The first work of every fed graph (captured with it)."""
@@ -106,6 +131,8 @@ class Feed:
         self.event.record()  # external: a node of the graph, waited on by write()
         keep = self._mirror_src[self._word_src]
         torch.where(keep, self._mirror_words, self._arena_words, out=self._arena_words)
+        pad = self._row_of_byte >= self._mirror_t  # rows [T, ...) of every input
+        torch.where(pad, self._pad_bytes, self.arena, out=self.arena)
 
     def reset(self, control: Mapping[str, Any] | None) -> None:
         """Padding only: the prologue copies the feed at warm-up and capture too."""
@@ -115,3 +142,4 @@ class Feed:
         self._flags = [True] * len(self._flags)
         self.all_host = True
         self.host.dirty = {n: 0 for n in self.layout.specs}
+        self._set_t(0)  # every row is a padding row

@@ -36,7 +36,7 @@ class HostArena:
     write pads the rest. Lifetime: as long as its owner."""
 
     def __init__(self, layout: ArenaLayout, pinned: bool):
-        self.layout = layout
+        self.layout, self.pinned = layout, pinned
         self.buf = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=pinned)
         self.views = layout.carve(self.buf)
         layout.fill_pads(self.views)
@@ -45,9 +45,11 @@ class HostArena:
         self.dirty = {n: 0 for n in layout.specs}
         self._pads = {n: s.pad for n, s in layout.specs.items()}
 
-    def stage(self, name: str, t: torch.Tensor, p: int | None, start: int, length: int) -> None:
+    def stage(self, name: str, t: torch.Tensor, p: int | None, start: int, length: int, width: int = 0) -> None:
         """Rows ``[start, start+length)`` of ``t`` (data pointer ``p`` when a memmove can
-        take them) into rows ``[0, length)``, and pad values into rows a wider step left."""
+        take them) into rows ``[0, length)``, and pad values into rows a wider step left
+        and into the step's padding rows ``[length, width)`` whatever the bookkeeping says
+        (views written after their step leave rows it cannot see)."""
         dirty = self.dirty
         if dirty[name] < length:  # raised first: an interrupted copy leaves no untracked rows
             dirty[name] = length
@@ -57,8 +59,9 @@ class HostArena:
                 ctypes.memmove(self.ptr[name], p + start * nb, length * nb)
         else:
             put_rows(self.views[name], self.np[name], t, start, length)
-        if dirty[name] > length:
-            self.fill_pad(name, length, dirty[name])
+        hi = max(dirty[name], width)
+        if hi > length:
+            self.fill_pad(name, length, hi)
         dirty[name] = length
 
     def fill_pad(self, name: str, lo: int, hi: int) -> None:
@@ -157,7 +160,7 @@ class PinnedStaging:
             p = ptrs.get(name)
             if p is not None or not t.is_cuda:
                 host.append(name)
-                a.stage(name, t, p, start, length)
+                a.stage(name, t, p, start, length, width)
             else:
                 dev.append(name)
         if control:

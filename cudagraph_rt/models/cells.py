@@ -12,11 +12,57 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError, expected
+from ..pieces import eager
 from ..specs import InputSpec
 from .accept import greedy_accept
 from .pool import KVPool
 
 ROW_INPUTS = ("tokens", "positions", "seq_ids", "cells", "want")
+# How a model's attention runs: "cells" the pool's attention inside the step (captured with
+# it); "eager-piece" the same attention marked cudagraph_rt.eager (a width captured in
+# pieces runs it between graphs); "varlen" (transformers models only) torch's varlen_attn,
+# which needs per-step host ints (models/varlen.py): it runs only in pieces or eagerly.
+ATTENTIONS = ("cells", "eager-piece", "varlen")
+
+
+def check_attention(attention, allowed: tuple[str, ...] = ATTENTIONS) -> str:
+    if attention not in allowed:
+        raise InputError(expected("attention", " | ".join(allowed), repr(attention)))
+    return attention
+
+
+@eager
+def eager_pool_attend(pool, layer: int, q: Tensor, k: Tensor, v: Tensor, seq_ids: Tensor, positions: Tensor,
+                      cells: Tensor, out: Tensor, scale: float, window, slopes, bias_shift: int) -> Tensor:
+    """:meth:`KVPool.attend` as a call marked eager (``attention="eager-piece"``), written
+    into ``out`` in place: a piecewise replay copies nothing after it."""
+    return pool.attend(layer, q, k, v, seq_ids, positions, cells, scale=scale, window=window, slopes=slopes,
+                       bias_shift=bias_shift, out=out)
+
+
+def chunk_count(vocab: int) -> int:
+    """Chunks of :func:`greedy_tokens`'s first stage: the largest divisor of ``vocab`` up to
+    256 that leaves chunks of at least 256 logits (1: no split)."""
+    best = 1
+    for c in range(2, 257):  # a plain loop: torch.compile traces it (not max() of a generator)
+        if vocab % c == 0 and vocab // c >= 256:
+            best = c
+    return best
+
+
+def greedy_tokens(logits: Tensor) -> Tensor:
+    """``logits.argmax(-1)`` for ``[N, vocab]`` logits, in two stages: the maximum of each of
+    ``chunk_count(vocab)`` chunks, then of the chunks. The same token (the first maximal
+    logit: both stages take the first on ties), but a reduction with N x chunks rows in
+    parallel instead of N: a decode step (N = 1) over a 128k vocabulary otherwise runs one
+    long reduction on one multiprocessor (30 us of a 1.2 ms step on the H200)."""
+    n, vocab = logits.shape
+    c = chunk_count(vocab)
+    if c == 1:
+        return logits.argmax(-1)
+    best, where = logits.view(n, c, vocab // c).max(-1)
+    chunk = best.argmax(-1, keepdim=True)
+    return (chunk * (vocab // c) + where.gather(-1, chunk)).squeeze(-1)
 
 
 def resolve_device(device) -> torch.device:
@@ -52,6 +98,19 @@ class CellPoolModel:
     which takes blocks on demand; :meth:`free_seq` gives a retired sequence's blocks back."""
 
     pool: KVPool
+    attention: str = "cells"  # see ATTENTIONS
+    step_values = None  # a runtime's step_values function this model needs (varlen attention), or None
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, seq_ids: Tensor, positions: Tensor, cells: Tensor,
+               *, scale: float, window=None, slopes=None, bias_shift: int = 0) -> Tensor:
+        """The pool's attention of one layer: inside the step (``"cells"``), or marked eager
+        (``"eager-piece"``: same kernels, same result)."""
+        if self.attention == "cells":
+            return self.pool.attend(layer, q, k, v, seq_ids, positions, cells, scale=scale, window=window,
+                                    slopes=slopes, bias_shift=bias_shift)
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+        return eager_pool_attend(self.pool, layer, q, k, v, seq_ids, positions, cells, out, scale, window, slopes,
+                                 bias_shift)
 
     @property
     def scratch_cell(self) -> int:

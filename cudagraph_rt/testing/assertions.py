@@ -13,7 +13,7 @@ from typing import Any
 
 from ..errors import InputError, expected
 from .harness import run_sweep
-from .report import SweepReport
+from .report import SweepReport, mode_flag
 
 
 def _env_int(name: str) -> int | None:
@@ -26,10 +26,10 @@ def _env_int(name: str) -> int | None:
         raise InputError(expected(name, "an int", repr(v))) from None
 
 
-def _pytest_repro(seed: int, step: int | None, graphs: bool | None) -> str:
+def _pytest_repro(seed: int, step: int | None, graphs: bool | str | None) -> str:
     env = [f"CGRT_SWEEP_SEED={seed}"]
     env += [f"CGRT_SWEEP_ONLY_STEP={step}"] if step is not None else []
-    env += [f"CGRT_SWEEP_GRAPHS={'on' if graphs else 'off'}"] if graphs is not None else []
+    env += [f"CGRT_SWEEP_GRAPHS={mode_flag(graphs)}"] if graphs is not None else []
     test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
     return " ".join(env) + " python -m pytest " + (shlex.quote(test) if test else "<this test>")
 

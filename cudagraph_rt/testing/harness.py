@@ -33,10 +33,10 @@ from .checks import (
 )
 from .checks import check_pad_rows as pad_rows_problem
 from .plans import StepPlan, SweepOptions, SweepPlan, make_plan
-from .report import Failure, ModeReport, SweepReport, WidthSummary, mode_name
+from .report import Failure, ModeReport, SweepReport, WidthSummary, mode_flag, mode_name
 
-GRAPHS = ("auto", "both", "on", "off")
-Repro = Callable[[int, "int | None", "bool | None"], str]  # (seed, step, graphs) -> command
+GRAPHS = ("auto", "both", "on", "off", "emulate")
+Repro = Callable[[int, "int | None", "bool | str | None"], str]  # (seed, step, graphs) -> command
 Progress = Callable[[str, int, int], None]  # (mode name, steps done, steps in this mode)
 
 
@@ -45,16 +45,19 @@ def fresh_seed() -> int:
     return random.SystemRandom().randrange(2**31)
 
 
-def resolve_graphs(graphs: str | bool, device: torch.device) -> tuple[tuple[bool, ...], tuple[str, ...]]:
+def resolve_graphs(graphs: str | bool, device: torch.device) -> tuple[tuple[bool | str, ...], tuple[str, ...]]:
     """The graph modes to run and a note when graphs on was skipped. ``auto``: both where
     the adapter's device is CUDA, else off (and says so). ``on``/``both`` on a CPU device
-    raise InputError: CUDA graphs need a GPU."""
+    raise InputError: CUDA graphs need a GPU. ``emulate``: emulated graphs alone (any
+    device; ``GraphRuntime(graphs="emulate")``: the graph path's code run eagerly)."""
     if isinstance(graphs, bool):
         graphs = "on" if graphs else "off"
     if graphs not in GRAPHS:
         raise InputError(expected("graphs", "one of " + ", ".join(map(repr, GRAPHS)), repr(graphs)))
     cuda = device.type == "cuda"
     why = "no CUDA on this machine" if not torch.cuda.is_available() else f"the device is {device}"
+    if graphs == "emulate":
+        return ("emulate",), ()
     if graphs == "auto":
         if cuda:
             return (True, False), ()
@@ -70,8 +73,8 @@ def default_repro(adapter: Any, options: SweepOptions) -> Repro:
     cli = hook(adapter, "cli_args")()
     base = SweepOptions()
 
-    def make(seed: int, step: int | None, graphs: bool | None) -> str:
-        g = None if graphs is None else ("on" if graphs else "off")
+    def make(seed: int, step: int | None, graphs: bool | str | None) -> str:
+        g = None if graphs is None else mode_flag(graphs)
         if cli is not None:
             parts = ["cgrt sweep", f"--seed {seed}"]
             parts += [f"--only-step {step}"] if step is not None else []
@@ -232,7 +235,7 @@ class _Runner:
         return (torch.cat(toks), (None if any(h is None for h in hids) else torch.cat(hids)), torch.cat(counts))
 
     # -- one mode ----------------------------------------------------------------------
-    def run_mode(self, graphs: bool, progress: Progress | None) -> ModeReport:
+    def run_mode(self, graphs: bool | str, progress: Progress | None) -> ModeReport:
         rt = self.adapter.build(graphs)
         if not isinstance(rt, GraphRuntime):
             raise InputError(expected("adapter.build(graphs)", "a GraphRuntime", type(rt).__name__))

@@ -13,8 +13,16 @@ from typing import Any
 from .plans import SweepOptions
 
 
-def mode_name(graphs: bool) -> str:
+def mode_name(graphs: bool | str) -> str:
+    """How a sweep mode reads: graphs on (True), off (False) or emulated ("emulate")."""
+    if graphs == "emulate":
+        return "graphs emulated"
     return "graphs on" if graphs else "graphs off"
+
+
+def mode_flag(graphs: bool | str) -> str:
+    """The ``--graphs`` value that runs that mode alone: on, off or emulate."""
+    return "emulate" if graphs == "emulate" else ("on" if graphs else "off")
 
 
 @dataclass(frozen=True)
@@ -22,7 +30,7 @@ class Failure:
     """One failed step: every check it failed (``kinds`` / ``messages``, in check order)
     and the one-line command that reproduces it."""
 
-    graphs: bool
+    graphs: bool | str
     step: int
     T: int
     ran: str
@@ -72,7 +80,7 @@ class ModeReport:
     differed from the reference where the adapter's ``clear`` said the reference's top-1/top-2
     margin was not clear (not failures; always 0 for adapters without ``clear``)."""
 
-    graphs: bool
+    graphs: bool | str
     device: str
     steps_run: int
     steps_checked: int
@@ -165,7 +173,7 @@ def rich_tables(report: SweepReport) -> list:
     for m in report.modes:
         t = Table(title=f"{mode_name(m.graphs)} on {m.device} - {report.adapter}, seed {report.seed}")
         for col in ("T", "plan", "steps", "slices", "padding rows", "mismatches", "ms/step"):
-            t.add_column(col, justify="left" if col == "plan" else "right")
+            t.add_column(col, justify="left" if col == "plan" else "right", overflow="fold")  # fold, never cut
         for w in m.widths:
             style = "bold red" if w.mismatches else None
             t.add_row(str(w.T), w.plan, str(w.steps), str(w.slices), str(w.padding_rows),
@@ -175,7 +183,11 @@ def rich_tables(report: SweepReport) -> list:
 
 
 def plot(report: SweepReport, path: str) -> None:
-    """Per step width: mean step time per mode (top) and padding waste (bottom), as a PNG."""
+    """Per step width: mean step time per mode (top) and padding waste (bottom), as a PNG.
+    MissingExtraError (an ImportError) without matplotlib, the [plot] extra."""
+    from ..extras import require
+
+    require("plot", "the sweep's plot")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter

@@ -1,9 +1,10 @@
 """Test hooks into a GraphRuntime's host-row ring, for suites that poison a slot before a
 step (to see that the gather wrote every row it should) or compare the slots a step must
-not touch. Not for serving code: the ring's layout is not part of the API."""
+not touch. Test support only (not shipped in the package): it reads the ring's private
+state, whose layout is not part of the API."""
 from __future__ import annotations
 
-from ..host_rows import HostRowRing
+from cudagraph_rt.host_rows import HostRowRing
 
 
 def host_ring(rt) -> HostRowRing | None:

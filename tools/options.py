@@ -1,0 +1,336 @@
+"""The arguments every ``cgrt`` command takes, with one meaning each, and the checks every
+command makes before it runs anything.
+
+One language:
+
+- ``--model M``: ``toy`` (the embedded toy decoder), ``hf:<family>`` (a transformers model
+  with random weights) or the path of a local transformers checkpoint folder (what
+  ``save_pretrained`` wrote; loaded with ``local_files_only``, never downloaded).
+- ``--size S``: the model's size: ``tiny`` | ``bench`` for the toy, ``tiny`` | ``1b`` for
+  ``hf:`` models (not for a checkpoint folder, whose size is its own).
+- ``--device``: ``cuda`` | ``cpu`` (default: cuda where torch sees one).
+- ``--widths W,W,..``: positive step widths.
+- ``--graphs``: ``auto`` (both where CUDA exists, else off) | ``on`` | ``off`` | ``both``.
+- ``--seed N``: the seed of every random draw the command makes (an int >= 0).
+- ``--tp N``: tensor-parallel ranks, under ``torchrun --nproc-per-node N``.
+- ``--threads N``: torch's intra-op CPU threads while the command runs (default: 1 for a
+  tiny model on a CPU, whose tiny ops only lose time to thread hand-offs; torch's own
+  default otherwise).
+- ``--json [FILE]``: the whole report as JSON, into FILE, or on stdout without one (then
+  everything meant for people goes to stderr, so stdout is the JSON alone). A file is for
+  long runs that also print tables (bench); stdout is for pipes (``cgrt sweep --json | jq``).
+- ``--plot DIR``: an existing folder; the command writes its named PNGs into it (sweep one,
+  bench two) and prints their paths. A folder because one command writes several plots,
+  and the same everywhere.
+
+Every output path (``--json FILE``, ``--plot DIR``, ``--dot DIR``, ``--profile FILE``) is
+checked while the arguments are parsed, so a missing folder is a usage error before the
+run, never a traceback after it; no folder is ever created. A bad value is one line,
+``cgrt <command>: --flag: expected ..., got ...``, and exit code 2; exit code 1 is kept for
+a failed check.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+from cudagraph_rt.errors import InputError, expected
+from cudagraph_rt.extras import available, message
+
+TOY_SIZES = ("tiny", "bench")
+HF_SIZES = ("tiny", "1b")
+GRAPHS = ("auto", "on", "off", "both")
+STDOUT = "-"  # --json without a file
+
+
+class UsageError(InputError):
+    """A command-line value the command cannot use: printed as one line, exit code 2."""
+
+
+def _bad(want: str, got: str) -> argparse.ArgumentTypeError:
+    """The parser prefixes the flag: ``--flag: expected <want>, got '<got>'``."""
+    return argparse.ArgumentTypeError(f"expected {want}, got {got!r}")
+
+
+# --------------------------------------------------------------------------- value types
+def int_at_least(lo: int) -> Callable[[str], int]:
+    """``type=`` for an int >= ``lo``."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            v = None
+        if v is None or v < lo:
+            raise _bad(f"an int >= {lo}", text)
+        return v
+    parse.__name__ = f"int >= {lo}"
+    return parse
+
+
+def probability(text: str) -> float:
+    """``type=`` for a number in [0, 1]."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = None
+    if v is None or not 0.0 <= v <= 1.0:
+        raise _bad("a number in [0, 1]", text)
+    return v
+
+
+def one_of(*choices: str) -> Callable[[str], str]:
+    """``type=`` for one of ``choices`` (argparse's ``choices=`` has a message of its own)."""
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise _bad(" | ".join(choices), text)
+        return text
+    parse.__name__ = "one of " + ", ".join(choices)
+    return parse
+
+
+def positive_ints(text: str) -> tuple[int, ...]:
+    """``type=`` for comma-separated positive ints (``1,2,4``)."""
+    try:
+        out = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        out = ()
+    if not out or any(x < 1 for x in out):
+        raise _bad("comma-separated positive ints such as 1,2,4", text)
+    return out
+
+
+def output_file(text: str) -> str:
+    """``type=`` for a file the command writes: its folder exists and is writable, and the
+    path is not a folder. Nothing is created here."""
+    folder = os.path.dirname(os.path.abspath(text)) or "."
+    if os.path.isdir(text):
+        raise _bad("a file path, not a folder", text)
+    if not os.path.isdir(folder):
+        raise _bad(f"a file in an existing folder ({folder} does not exist)", text)
+    if not os.access(folder, os.W_OK):
+        raise _bad(f"a file in a writable folder ({folder} is not writable)", text)
+    return text
+
+
+def output_folder(text: str) -> str:
+    """``type=`` for an existing, writable folder the command writes files into."""
+    if not os.path.isdir(text):
+        raise _bad("an existing folder (it is not created)", text)
+    if not os.access(text, os.W_OK):
+        raise _bad("a writable folder", text)
+    return text
+
+
+def json_target(text: str) -> str:
+    return text if text == STDOUT else output_file(text)
+
+
+def plot_folder(text: str) -> str:
+    """``--plot DIR``: an existing folder, and matplotlib (the plot extra) importable."""
+    folder = output_folder(text)
+    if not available("plot"):
+        raise argparse.ArgumentTypeError(message("plot", "--plot"))
+    return folder
+
+
+# --------------------------------------------------------------------------- the arguments
+def add_model(p: argparse.ArgumentParser, *, size_default: str = "tiny", size_note: str = "",
+              model_note: str = "") -> None:
+    p.add_argument("--model", default="toy", metavar="M",
+                   help="toy (default) | hf:llama | hf:qwen2 | hf:qwen3 | hf:mistral (transformers, random "
+                        f"weights) | PATH of a local transformers checkpoint folder{model_note}")
+    p.add_argument("--size", default=None, metavar="S",
+                   help=f"the model's size: tiny | bench for the toy, tiny | 1b (Llama-3.2-1B shape, bf16) for "
+                        f"hf: models (default {size_default}{size_note})")
+
+
+def add_device(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", type=one_of("cuda", "cpu"), metavar="DEV",
+                   help="cuda | cpu (default: cuda where torch sees one)")
+
+
+def add_widths(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--widths", type=positive_ints, metavar="W,W,..", help=help)
+
+
+def add_graphs(p: argparse.ArgumentParser, emulate: bool = False) -> None:
+    """``--graphs``; ``emulate`` adds the emulated graph path (GraphRuntime(graphs='emulate'))."""
+    modes = GRAPHS + (("emulate",) if emulate else ())
+    more = (" | emulate (the graph path's code run eagerly over the same buffers, any device)"
+            if emulate else "")
+    p.add_argument("--graphs", type=one_of(*modes), default="auto", metavar="MODE",
+                   help="auto | on | off | both (default auto: both where CUDA exists, else off)" + more)
+
+
+def add_seed(p: argparse.ArgumentParser, default: int | None, what: str) -> None:
+    p.add_argument("--seed", type=int_at_least(0), default=default, metavar="N",
+                   help=f"seed of {what} (default: {'a fresh one, printed' if default is None else default})")
+
+
+def add_tp(p: argparse.ArgumentParser, note: str = "") -> None:
+    p.add_argument("--tp", type=int_at_least(1), default=1, metavar="N",
+                   help=f"tensor-parallel ranks: launch with torchrun --nproc-per-node N{note} (default 1)")
+
+
+def add_threads(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int_at_least(1), metavar="N",
+                   help="torch's CPU intra-op threads (default: 1 for a tiny model on a CPU, else torch's own)")
+
+
+def add_json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", nargs="?", const=STDOUT, type=json_target, metavar="FILE",
+                   help="the report as JSON into FILE, or on stdout without one (text then goes to stderr)")
+
+
+def add_plot(p: argparse.ArgumentParser, writes: str) -> None:
+    p.add_argument("--plot", type=plot_folder, metavar="DIR",
+                   help=f"write {writes} into DIR, an existing folder (needs the plot extra)")
+
+
+# --------------------------------------------------------------------------- resolution
+@dataclass(frozen=True)
+class ModelChoice:
+    """What ``--model``/``--size`` name: ``kind`` toy | hf | path; ``family`` (hf: the
+    family; path: the checkpoint's model_type); ``size``; ``path`` (a checkpoint folder)."""
+
+    kind: str
+    size: str
+    family: str | None = None
+    path: str | None = None
+
+    @property
+    def label(self) -> str:
+        return {"toy": f"toy {self.size}", "hf": f"hf:{self.family} {self.size}"}.get(self.kind, str(self.path))
+
+    @property
+    def tiny(self) -> bool:
+        return self.size == "tiny"
+
+
+def model_choice(args: argparse.Namespace, default_size: str = "tiny", hf_default_size: str | None = None) -> ModelChoice:
+    """``--model`` and ``--size`` checked together; UsageError naming the flag."""
+    from cudagraph_rt.models.hf import FAMILIES
+
+    text, size = args.model, args.size
+    if text == "toy":
+        size = size or default_size
+        if size not in TOY_SIZES:
+            raise UsageError(expected("--size", " | ".join(TOY_SIZES) + " for the toy", repr(size)))
+        return ModelChoice("toy", size)
+    if text.startswith("hf:") and text[3:] in FAMILIES:
+        size = size or hf_default_size or default_size
+        if size not in HF_SIZES:
+            raise UsageError(expected("--size", " | ".join(HF_SIZES) + " for hf: models", repr(size)))
+        return ModelChoice("hf", size, family=text[3:])
+    if os.path.isdir(text):
+        return _checkpoint(text, size)
+    want = "toy | " + " | ".join(f"hf:{f}" for f in FAMILIES) + " | a local checkpoint folder"
+    raise UsageError(expected("--model", want, repr(text)))
+
+
+def _checkpoint(path: str, size: str | None) -> ModelChoice:
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        raise UsageError(expected("--model", "a transformers checkpoint folder (with config.json)", repr(path)))
+    if size is not None:
+        raise UsageError(expected("--size", "no size with a checkpoint folder (its size is its own)", repr(size)))
+    try:
+        with open(config) as f:
+            family = str(json.load(f).get("model_type") or "custom")
+    except (OSError, ValueError) as e:
+        raise UsageError(expected("--model", "a readable config.json", f"{path}: {e}")) from None
+    return ModelChoice("path", "local", family=family, path=path)
+
+
+def device(args: argparse.Namespace) -> torch.device:
+    """``--device`` as a torch.device; UsageError for cuda where torch sees none."""
+    name = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UsageError(expected("--device", "a device this machine has", "cuda (torch sees no CUDA device)"))
+    return torch.device(name)
+
+
+def graph_modes(mode: str, dev: torch.device) -> tuple[list[bool], list[str]]:
+    """``--graphs`` on ``dev`` -> the graph settings to run, in order, and notes. A CPU runs
+    graphs off (``both``/``auto`` say so); ``on`` there is a UsageError; ``emulate`` runs
+    the emulated graph path on any device."""
+    if mode == "emulate":
+        return ["emulate"], []
+    if dev.type == "cuda":
+        return {"on": [True], "off": [False], "both": [True, False], "auto": [True, False]}[mode], []
+    if mode == "on":
+        raise UsageError(expected("--graphs", "off, both or auto on a CPU (CUDA graphs need a GPU)", "'on'"))
+    notes = [] if mode == "off" else ["graphs on skipped: CUDA graphs need a GPU; graphs off only"]
+    return [False], notes
+
+
+def thread_count(args: argparse.Namespace, dev: torch.device, tiny: bool) -> int | None:
+    """``--threads``, or its default: 1 for a tiny model on a CPU, else None (torch's own)."""
+    n = getattr(args, "threads", None)
+    if n is None and dev.type == "cpu" and tiny:
+        return 1
+    return n
+
+
+@contextlib.contextmanager
+def threads(n: int | None) -> Iterator[None]:
+    """torch's intra-op thread count set to ``n`` (None: unchanged) for the block, then
+    restored (the commands may run in-process, from tests)."""
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def building(command: str, what: str) -> Iterator[None]:
+    """Progress while a model builds: a spinner on a terminal's stderr; in a pipe or a log,
+    one line on stderr when it starts."""
+    from rich.console import Console
+
+    err = Console(stderr=True, highlight=False)
+    if err.is_terminal:
+        with err.status(f"{command}: building {what}"):
+            yield
+        return
+    print(f"{command}: building {what} ...", file=sys.stderr, flush=True)
+    yield
+
+
+def json_to_stdout(args: argparse.Namespace) -> bool:
+    return getattr(args, "json", None) == STDOUT
+
+
+def write_json(target: str | None, obj: Any) -> str | None:
+    """``obj`` as JSON into the file ``target`` or on stdout (``-``); returns the file
+    written (None for stdout or no target)."""
+    if target is None:
+        return None
+    text = json.dumps(obj, indent=1, default=str)
+    if target == STDOUT:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+        return None
+    with open(target, "w") as f:
+        f.write(text + "\n")
+    return target
+
+
+def text_to_stderr(args: argparse.Namespace) -> contextlib.AbstractContextManager:
+    """With ``--json`` on stdout, what the block prints for people goes to stderr (so
+    stdout is the JSON alone); otherwise nothing changes."""
+    return contextlib.redirect_stdout(sys.stderr) if json_to_stdout(args) else contextlib.nullcontext()
+
+
+CPU_NOTE = ("CPU run: these figures are not GPU figures; goals are judged on a GPU only, and none is judged "
+            "here (BENCHMARKS.md has the H200's)")
