@@ -2,12 +2,14 @@
 model's graph at ``--width``, by total device time (torch.profiler, CUDA activity).
 
     python -m cudagraph_rt.tools.bench.profile_replay --model hf:llama --size 1b --width 1 \\
-        [--compile default] [--fuse] [--capture-widths default] [--json OUT.json]
+        [--compile default] [--fuse] [--small-m] [--capture-widths default] [--json OUT.json]
 
 Prints the replay's median time (CUDA events), the top kernels with their share and a
 summary by kind (matmul, attention, copy, other: norms, elementwise, RoPE) with kernels
 per step, the table BENCHMARKS.md shows before/after. ``--fuse`` merges q/k/v and gate/up
-weights first (models/fused.py); ``--capture-widths default`` captures every default
+weights first (models/fused.py), ``--small-m`` runs the layers' projections through the
+small-M kernel (models/small_m.py; the kernel shows as ``_small_gemv_kernel``, a matmul);
+``--capture-widths default`` captures every default
 width (the runtime's warm-up compiles them: the report gives warm-up seconds, compiling
 included, apart from capture seconds) and profiles ``--width`` among them. CUDA only.
 For the toy, ``--model toy`` (the bench size)."""
@@ -69,6 +71,9 @@ def _parse(argv):
                    help="compile each width on its own (compile_decoder(dynamic=False)): what the dynamic row "
                         "dimension costs, at --width 2 or more")
     p.add_argument("--fuse", action="store_true", help="hf models: merge q/k/v and gate/up weights (models/fused.py)")
+    p.add_argument("--small-m", action="store_true",
+                   help="hf models: the layers' projections through the small-M kernel (models/small_m.py; with "
+                        "--fuse, the merged products)")
     p.add_argument("--capture-widths", choices=("one", "default"), default="one",
                    help="capture --width only (default) or every default width, timing warm-up and capture")
     p.add_argument("--json", default=None, help="write the step time, capture times and kernel table here")
@@ -85,6 +90,9 @@ def _runtime(a):
     if a.fuse:
         from cudagraph_rt.models.fused import fuse_projections
         fuse_projections(model.model)
+    if a.small_m:  # after fusing: the merged groups' products too
+        from cudagraph_rt.models.small_m import use_small_m_kernel
+        use_small_m_kernel(model.model)
     kw = {"dynamic": False} if a.static_widths else {}
     compiled = model.compile_decoder(a.compile, **kw) if a.compile else None
     widths = None if a.capture_widths == "default" else (a.width,)
@@ -140,7 +148,8 @@ def _print(a, step_us: float, cap: dict, rows: list[dict]) -> None:
     total = sum(r["us"] for r in rows) or 1.0
     print(f"{a.model} {a.size} width {a.width} at position {a.context}{' compiled ' + a.compile if a.compile else ''}"
           f"{' (static widths)' if a.static_widths else ''}"
-          f"{' fused' if a.fuse else ''}{' sdpa ' + a.sdpa if a.sdpa else ''}: step median {step_us:.1f} us "
+          f"{' fused' if a.fuse else ''}{' small-M kernel' if a.small_m else ''}"
+          f"{' sdpa ' + a.sdpa if a.sdpa else ''}: step median {step_us:.1f} us "
           f"(events), profiled device time {total:.1f} us per step, {sum(r['calls'] for r in rows):.0f} kernels")
     print(f"capture of widths {cap['widths']}: warm-up {cap['warmup_s_incl_compile']:.1f} s (compiling included"
           f"{'' if cap['graphs_compiled'] is None else ', %d graphs in %.1f s' % (cap['graphs_compiled'], cap['compile_s'])})"
@@ -159,8 +168,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("profile_replay: expected a CUDA device, got none", file=sys.stderr)
         return 2
-    if a.model == "toy" and (a.compile or a.fuse):
-        print("profile_replay: --compile and --fuse: expected an hf: model, got toy", file=sys.stderr)
+    if a.model == "toy" and (a.compile or a.fuse or a.small_m):
+        print("profile_replay: --compile, --fuse and --small-m: expected an hf: model, got toy", file=sys.stderr)
         return 2
     model, rt, cap = _runtime(a)
     if a.context is None:
