@@ -16,8 +16,8 @@ import torch
 
 import cudagraph_rt
 from cudagraph_rt import CaptureError, CgrtError, GraphRuntime, HostRows, InputError, InputSpec
-from cudagraph_rt.hazards import find_capture_hazards
-from cudagraph_rt.inspect import inspect_runtime
+from cudagraph_rt.debug.hazards import find_capture_hazards
+from cudagraph_rt.debug.inspect import inspect_runtime
 from cudagraph_rt.pieces import EmulatedPieces, is_marked
 from cudagraph_rt.testing.checks import check_pad_rows
 from models_for_tests import MarkedSlotModel, SlotModel
