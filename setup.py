@@ -10,12 +10,17 @@ from setuptools import setup
 setup(
     packages=[
         "cudagraph_rt",
+        "cudagraph_rt.debug",
         "cudagraph_rt.host_rows",
         "cudagraph_rt.inputs",
         "cudagraph_rt.models",
+        "cudagraph_rt.spec",
         "cudagraph_rt.testing",
         "cudagraph_rt.kernels",
         "cudagraph_rt.tools",
+        "cudagraph_rt.tools.bench",
+        "cudagraph_rt.tools.demo",
+        "cudagraph_rt.tools.sweep",
     ],
     package_dir={
         "cudagraph_rt": "cudagraph_rt",

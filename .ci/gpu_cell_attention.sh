@@ -6,5 +6,5 @@
 export PYTHONPATH=$PWD PYTHONWARNINGS=ignore; OUT=${OUT:-/tmp/cgrt-out}; mkdir -p "$OUT"
 timeout 180 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_cell_attention.py tests/test_bench_attention.py \
   > "$OUT/pytest_attention.txt" 2>&1; echo "== attention tests rc=$?"; tail -n 15 "$OUT/pytest_attention.txt" | cut -c1-220
-timeout 130 python3 -m cudagraph_rt.tools.bench_attention --json "$OUT/bench_attention.json" --budget 85 \
+timeout 130 python3 -m cudagraph_rt.tools.bench.attention --json "$OUT/bench_attention.json" --budget 85 \
   > "$OUT/bench_attention.txt" 2>&1; echo "== bench rc=$?"; grep -v -i warn "$OUT/bench_attention.txt" | tail -n 30 | cut -c1-240

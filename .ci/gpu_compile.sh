@@ -21,12 +21,12 @@ tests)
   timeout 240 python3 -m pytest -m cuda -q -p no:cacheprovider -rfE tests/test_hf.py > "$OUT/compile_hf_pytest.txt" 2>&1 || rc=1
   tail -n 14 "$OUT/compile_pytest.txt"; tail -n 4 "$OUT/compile_hf_pytest.txt" ;;
 projections)
-  timeout 400 python3 -m cudagraph_rt.tools.bench_projections --json "$OUT/projections.json" \
+  timeout 400 python3 -m cudagraph_rt.tools.bench.projections --json "$OUT/projections.json" \
     > "$OUT/projections.txt" 2>&1 || rc=1
   grep -v -i "warn" "$OUT/projections.txt" | tail -n 40 ;;
 profile|profile-fused)
   # profile: eager and compiled (<= 6 min); profile-fused: compiled with fused projections (<= 4 min)
-  p="python3 -m cudagraph_rt.tools.profile_replay --model hf:llama --size 1b --width 1 --top 12"
+  p="python3 -m cudagraph_rt.tools.bench.profile_replay --model hf:llama --size 1b --width 1 --top 12"
   runs=$([ "$what" = profile ] && echo "eager compiled" || echo "compiled_fused")
   for r in $runs; do
     case $r in
@@ -39,7 +39,7 @@ profile|profile-fused)
     echo "== $r"; grep -v -i "warn\|^[VWI][0-9]" "$OUT/profile_$r.txt" | tail -n 22 | cut -c1-170
   done ;;
 dynamic)
-  p="python3 -m cudagraph_rt.tools.profile_replay --model hf:llama --size 1b --width 8 --top 6 --compile default"
+  p="python3 -m cudagraph_rt.tools.bench.profile_replay --model hf:llama --size 1b --width 8 --top 6 --compile default"
   timeout 200 $p --json "$OUT/profile_w8_dynamic.json" > "$OUT/profile_w8_dynamic.txt" 2>&1 || rc=1
   timeout 200 $p --static-widths --json "$OUT/profile_w8_static.json" > "$OUT/profile_w8_static.txt" 2>&1 || rc=1
   for f in profile_w8_dynamic profile_w8_static; do

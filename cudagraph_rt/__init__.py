@@ -12,6 +12,12 @@ from . import _source_tree
 # finder maps those two names, and only those (see _source_tree).
 _source_tree.install(__path__[0])  # type: ignore[name-defined]
 
+from . import _moved  # noqa: E402
+
+# The modules that moved into the wings (debug/, spec/) stay importable at their old paths
+# for one release, with a DeprecationWarning (see _moved).
+_moved.install()
+
 from .specs import InputSpec  # noqa: E402
 from .capture import CaptureReport, WidthCapture  # noqa: E402
 from .digest import StateDigest  # noqa: E402
@@ -27,6 +33,7 @@ from .errors import (  # noqa: E402
     StepFunctionError,
 )
 from .host_rows import HostRows, HostRowsHandle  # noqa: E402
+from .pieces import eager, step_values  # noqa: E402
 from .runtime import GraphRuntime, RuntimeStats, StepResult  # noqa: E402
 from .widths import Slice, default_widths, plan_step  # noqa: E402
 
@@ -35,6 +42,8 @@ __all__ = [
     "InputSpec",
     "HostRows",
     "HostRowsHandle",
+    "eager",
+    "step_values",
     "StepResult",
     "RuntimeStats",
     "StateDigest",

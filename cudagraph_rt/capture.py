@@ -17,13 +17,20 @@ from .errors import CaptureError, CgrtError, StaleCaptureError
 class WidthCapture:
     """How one width's capture went: seconds of warm-up and capture, pool bytes reserved
     after it (all widths share one pool, so this grows only where a width needs more),
-    and ``error`` (a message) when the width fell back to eager execution."""
+    ``mode`` what the width runs as (``"graph"``: one whole graph, ``"pieces"``: graphs
+    split at the calls marked ``cudagraph_rt.eager``, ``"eager"``: no graph), ``pieces``
+    (graphs of the width: 1 whole, 0 eager) and ``eager_calls`` (the marked calls between
+    the pieces, in order), and ``error`` (a message) when the width fell back from a
+    failed capture (to pieces, or to eager execution)."""
 
     width: int
     warmup_s: float
     capture_s: float
     pool_bytes: int
     error: str | None = None
+    mode: str = "graph"
+    pieces: int = 1
+    eager_calls: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -102,14 +109,13 @@ class WatchedTensors:
 
 @dataclass(frozen=True)
 class CaptureSettings:
-    """How widths are captured: on which device, how many eager warm-up runs first,
-    whether each graph stays readable (``keep_graph``), and what a failed width does
-    (``"raise"`` CaptureError, or ``"eager"``: report it and let it run eagerly)."""
+    """How widths are captured: on which device, how many eager warm-up runs first, and
+    whether each graph stays readable (``keep_graph``). What a failed width does next is
+    the capture policy's (``width_modes.CapturePolicy``)."""
 
     device: torch.device
     warmup: int
     keep_graph: bool
-    on_error: str
 
 
 class WidthCapturer:
@@ -137,19 +143,27 @@ class WidthCapturer:
         return torch.cuda.memory_reserved(self.settings.device) - self._base
 
     def width(self, w: int, run: Callable[[], Any], replay: Callable[[], Any], explain: Callable[[], tuple]):
-        """``(graph, outputs, WidthCapture)``; ``(None, None, WidthCapture with error)`` for a
-        failed width when ``on_error == "eager"``; CaptureError when ``"raise"``. ``run`` is
-        warmed up and captured; ``replay`` (the same work, uncounted) is for emulated
-        graphs, which re-run it (a CUDA graph replays what was captured)."""
+        """``(graph, outputs, WidthCapture)`` of one whole graph, or CaptureError (the stream
+        and pool are fresh afterwards). ``run`` is warmed up and captured; ``replay`` (the
+        same work, uncounted) is for emulated graphs, which re-run it."""
         st = self.settings
+        return self._guarded(w, lambda: capture_width(w, run, pool=self.pool, stream=self.stream, warmup=st.warmup,
+                                                      keep_graph=st.keep_graph, explain=explain))
+
+    def pieces(self, w: int, run: Callable[[], Any], replay: Callable[[], Any], explain: Callable[[], tuple]):
+        """``(PiecewiseGraph, outputs, WidthCapture)``: the width in pieces (see
+        ``piece_capture``), or CaptureError as ``width``."""
+        from .piece_capture import capture_pieces
+        st = self.settings
+        return self._guarded(w, lambda: capture_pieces(w, run, pool=self.pool, stream=self.stream, warmup=st.warmup,
+                                                       keep_graph=st.keep_graph, explain=explain))
+
+    def _guarded(self, w: int, capture: Callable[[], tuple]):
         try:
-            g, out, tw, tc = capture_width(w, run, pool=self.pool, stream=self.stream, warmup=st.warmup,
-                                           keep_graph=st.keep_graph, explain=explain)
-        except CaptureError as e:
-            self.stream, self.pool = torch.cuda.Stream(st.device), torch.cuda.graph_pool_handle()
-            if st.on_error == "raise":
-                raise
-            return None, None, WidthCapture(w, 0.0, 0.0, 0, error=str(e))
+            g, out, tw, tc = capture()
+        except CaptureError:
+            self.stream, self.pool = torch.cuda.Stream(self.settings.device), torch.cuda.graph_pool_handle()
+            raise
         torch.cuda.empty_cache()
         return g, out, WidthCapture(w, tw, tc, self.pool_bytes())
 

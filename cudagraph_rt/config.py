@@ -11,6 +11,7 @@ from .errors import InputError, expected
 from .graph_mode import GraphMode, graph_mode_for
 from .host_rows import HostRows
 from .specs import InputSpec
+from .width_modes import CapturePolicy
 from .widths import check_widths, default_dynamic_limit, default_widths
 
 StepFn = Callable[[Mapping[str, torch.Tensor]], Any]
@@ -57,8 +58,9 @@ class RuntimeConfig:
     :class:`~cudagraph_rt.GraphRuntime` (see its docstring), with ``widths``,
     ``dynamic_limit`` and ``device`` resolved. ``rows`` is the arena's rows per input:
     the widest step one slice runs. ``graphs`` reads back as given (True, False or
-    ``"emulate"``); ``graph_mode`` is the object it chose (see ``graph_mode``). Raises
-    InputError naming the argument."""
+    ``"emulate"``); ``graph_mode`` is the object it chose (see ``graph_mode``);
+    ``capture_policy`` what each width tries at capture, from ``pieces`` and
+    ``on_capture_error`` (see ``width_modes``). Raises InputError naming the argument."""
 
     step_fn: StepFn
     inputs: Mapping[str, InputSpec]
@@ -74,6 +76,9 @@ class RuntimeConfig:
     keep_graphs: bool
     watch: Callable[[], Iterable[torch.Tensor]] | None
     graph_mode: GraphMode
+    pieces: Any = False
+    step_values: Callable | None = None
+    capture_policy: CapturePolicy | None = None
 
     @property
     def rows(self) -> int:
@@ -82,21 +87,21 @@ class RuntimeConfig:
     @classmethod
     def build(cls, step_fn, inputs, *, widths=None, max_width=64, dynamic_limit=None, slicing=True,
               graphs=True, device=None, dynamic_fn=None, host_rows=None, on_capture_error="raise",
-              warmup=2, keep_graphs=False, watch=None) -> "RuntimeConfig":
+              warmup=2, keep_graphs=False, watch=None, pieces=False, step_values=None) -> "RuntimeConfig":
         for name, fn, what in (("step_fn", step_fn, "a callable"), ("dynamic_fn", dynamic_fn, "a callable or None"),
-                               ("watch", watch, "a callable returning tensors, or None")):
+                               ("watch", watch, "a callable returning tensors, or None"),
+                               ("step_values", step_values, "a callable (rows, width) -> values, or None")):
             if not callable(fn) and not (fn is None and name != "step_fn"):
                 raise InputError(expected(name, what, type(fn).__name__))
         specs = _specs(inputs)
         ws = check_widths(widths) if widths is not None else default_widths(max_width)
         limit = default_dynamic_limit(ws) if dynamic_limit is None else dynamic_limit
         _int("dynamic_limit", limit, ws[-1], f"an int >= the widest graph ({ws[-1]})")
-        if on_capture_error not in ("raise", "eager"):
-            raise InputError(expected("on_capture_error", "'raise' or 'eager'", repr(on_capture_error)))
+        policy = CapturePolicy.build(pieces, on_capture_error, ws)
         _int("warmup", warmup, 0, "an int >= 0")
         if host_rows is not None and not isinstance(host_rows, HostRows):
             raise InputError(expected("host_rows", "a HostRows or None", type(host_rows).__name__))
         mode = graph_mode_for(graphs)
         dev = _device(device, mode)
         return cls(step_fn, specs, ws, limit, slicing, mode.value, dev, dynamic_fn, host_rows, on_capture_error,
-                   warmup, keep_graphs, watch, mode)
+                   warmup, keep_graphs, watch, mode, pieces, step_values, policy)

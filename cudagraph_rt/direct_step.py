@@ -98,4 +98,4 @@ class DirectStep:
         if len(slices) != 1 or slices[0].path != "graph":
             return None
         ex = self._executors(slices[0].width)
-        return _PerT(slices, ex, self._layout, T) if isinstance(ex, GraphSlice) else None
+        return _PerT(slices, ex, self._layout, T) if isinstance(ex, GraphSlice) and ex.direct else None

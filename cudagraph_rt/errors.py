@@ -24,16 +24,17 @@ class StepFunctionError(CgrtError, TypeError):
 
 
 class CaptureError(CgrtError, RuntimeError):
-    """Capturing one width failed. ``width`` names it, ``hazards`` lists what the hazard
-    finder saw (operation and source line), ``cause`` is the original exception.
+    """Capturing one width failed. ``width`` names it, ``piece`` the piece of a width
+    captured in pieces (1-based; None otherwise), ``hazards`` lists what the hazard finder
+    saw (operation and source line), ``cause`` is the original exception.
 
     After it is raised the capture stream is no longer capturing, widths captured before
     still replay, and the runtime may retry or run that width eagerly.
     """
 
-    def __init__(self, message: str, *, width: int | None = None, hazards=(), cause=None):
+    def __init__(self, message: str, *, width: int | None = None, hazards=(), cause=None, piece: int | None = None):
         super().__init__(message)
-        self.width = width
+        self.width, self.piece = width, piece
         self.hazards = tuple(hazards)
         self.cause = cause
 

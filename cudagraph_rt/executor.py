@@ -1,9 +1,11 @@
 """How one slice of a step runs, and what is done with its outputs.
 
-One executor per slice kind, chosen at capture: a captured graph (``GraphSlice``), the
-step function run eagerly at a padded width (graphs off, or a width whose capture fell
-back: ``EagerSlice``), and the dynamic path run unpadded (``DynamicSlice``). Each writes
-its rows into the static inputs, runs, and returns the static outputs of its width.
+One executor per slice kind, chosen at capture: a captured graph (``GraphSlice``), a width
+captured in pieces with the marked calls run between them (``PiecewiseSlice``), the step
+function run eagerly at a padded width (graphs off, or a width whose capture fell back:
+``EagerSlice``), and the dynamic path run unpadded (``DynamicSlice``). Each writes its rows
+into the static inputs, runs, and returns the static outputs of its width. Each says what
+it runs as (``mode_name``: what ``stats().width_modes`` reports).
 `OutputLayout` checks the output structure and cuts and joins outputs.
 """
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import StepFunctionError, expected
+from .pieces import StepValues
 from .widths import Slice
 
 
@@ -96,8 +99,9 @@ class StepBody:
     each width captures, and the eager path. It holds no reference to the runtime, so
     dropping the runtime frees its buffers at once (no cycle for the garbage collector)."""
 
-    def __init__(self, step_fn: Callable, layout: OutputLayout, rows_mode, control: Callable):
+    def __init__(self, step_fn: Callable, layout: OutputLayout, rows_mode, control: Callable, values: StepValues):
         self.step_fn, self.layout, self.rows_mode, self.control = step_fn, layout, rows_mode, control
+        self.values = values  # the runtime's step_values function, per slice
 
     def __call__(self, n: int, views: dict, fn: Callable | None = None) -> Any:
         out = (fn or self.step_fn)(views)
@@ -109,9 +113,11 @@ class StepBody:
     def at_width(self, w: int, inputs, calls: list[int]) -> tuple[Callable[[], Any], Callable[[], Any]]:
         """(run, replay): what width ``w`` captures (a fed graph starts with the feed's
         prologue), counted in ``calls[0]``, and the same work uncounted, for an emulated
-        graph to re-run (it holds the buffers and this body, never the runtime)."""
+        graph to re-run (it holds the buffers and this body, never the runtime). ``run`` sees
+        the step values of padding rows; ``replay`` those of the slice that replays it."""
         views = inputs.views(w)
         prologue = inputs.feed_prologue if inputs.fed else None
+        values = self.values
 
         def replay():
             if prologue is not None:
@@ -120,7 +126,8 @@ class StepBody:
 
         def run():
             calls[0] += 1
-            return replay()
+            with values.scope(None, 0, 0, w):
+                return replay()
         return run, replay
 
 
@@ -128,13 +135,17 @@ class EagerSlice:
     """The step function run eagerly at a padded width, over the same static buffers (the
     graphs-off path, and a width whose capture fell back). Synchronous on a CPU."""
 
-    def __init__(self, width: int, body: Callable, inputs, counters: Counters):
+    mode_name = "eager"
+    graph = None
+
+    def __init__(self, width: int, body: Callable, inputs, counters: Counters, values: StepValues):
         self.width, self._body, self._inputs, self._counters = width, body, inputs, counters
+        self._values = values
 
     def run(self, prep, s: Slice, control) -> Any:
         self._inputs.write(prep, s.start, s.length, self.width, control)
         self._counters.eager[self.width] += 1
-        with torch.inference_mode():
+        with torch.inference_mode(), self._values.scope(prep, s.start, s.length, self.width):
             return self._body(self.width, self._inputs.views(self.width))
 
     def outputs(self, prep, s: Slice, control, layout: OutputLayout) -> Any:
@@ -145,14 +156,14 @@ class EagerSlice:
 class DynamicSlice(EagerSlice):
     """A step wider than the widest graph, run eagerly on exactly its rows (no padding)."""
 
-    def __init__(self, body: Callable, inputs, counters: Counters):
-        super().__init__(0, body, inputs, counters)
+    def __init__(self, body: Callable, inputs, counters: Counters, values: StepValues):
+        super().__init__(0, body, inputs, counters, values)
 
     def run(self, prep, s: Slice, control) -> Any:
         n = s.length
         self._inputs.write(prep, s.start, n, n, control)
         self._counters.dynamic[n] += 1
-        with torch.inference_mode():
+        with torch.inference_mode(), self._values.scope(prep, s.start, n, n):
             return self._body(n, self._inputs.views(n))
 
 
@@ -161,7 +172,11 @@ class GraphSlice:
     the start of the graph), so a replay costs the host no copy call; ``launch`` starts
     the graph (the graph mode's launcher: ``GraphLaunch`` for a CUDA graph, an emulated
     graph's ``replay``). Outputs are the graph's static tensors: the same objects
-    every replay, cut once per T (``cut``)."""
+    every replay, cut once per T (``cut``). ``direct``: the short path (``DirectStep``)
+    may launch it."""
+
+    mode_name = "graph"
+    direct = True
 
     def __init__(self, width: int, graph, static_out: Any, inputs, counters: Counters,
                  replaying: Callable[[], None], launch: Callable[[], None]):
@@ -195,8 +210,33 @@ class GraphSlice:
         return cut.copy() if type(cut) is dict else cut
 
 
-def eager_executors(widths, body: Callable, dynamic_fn, inputs, counters: Counters) -> tuple[dict, DynamicSlice]:
+class PiecewiseSlice(GraphSlice):
+    """A width captured in pieces (``pieces``): a replay writes the rows as a graph step
+    does, then launches each piece with the marked calls between them (``launch``: the
+    graph's launcher, the host-row bookkeeping before the last piece), under this slice's
+    step values. The short path takes it only where the runtime has no ``step_values``
+    function (it computes none)."""
+
+    mode_name = "pieces"
+
+    def __init__(self, width: int, graph, static_out: Any, inputs, counters: Counters, launch: Callable[[], None],
+                 values: StepValues):
+        super().__init__(width, graph, static_out, inputs, counters, _nothing, launch)
+        self._values = values
+        self.direct = values.none
+
+    def run(self, prep, s: Slice, control) -> Any:
+        with self._values.scope(prep, s.start, s.length, self.width):
+            return super().run(prep, s, control)
+
+
+def _nothing() -> None:
+    pass
+
+
+def eager_executors(widths, body: StepBody, dynamic_fn, inputs, counters: Counters) -> tuple[dict, DynamicSlice]:
     """Every width run eagerly (graphs off, or before capture), and the dynamic path
     (``dynamic_fn`` or the step function)."""
-    by_width = {w: EagerSlice(w, body, inputs, counters) for w in widths}
-    return by_width, DynamicSlice(lambda n, v: body(n, v, dynamic_fn), inputs, counters)
+    values = body.values if body is not None else None  # (None: the runtime was closed)
+    by_width = {w: EagerSlice(w, body, inputs, counters, values) for w in widths}
+    return by_width, DynamicSlice(lambda n, v: body(n, v, dynamic_fn), inputs, counters, values)

@@ -28,6 +28,7 @@ from ._cuda import external_event
 from .capture import CaptureSettings, WidthCapture, WidthCapturer
 from .errors import CaptureError, CgrtError, InputError, expected
 from .launch import GraphLaunch
+from .pieces import frozen
 
 
 class NoEvent:
@@ -58,7 +59,7 @@ class EmulatedGraph:
         self._static = tree_flatten(static_out)[0]
 
     def replay(self) -> None:
-        with torch.inference_mode():
+        with torch.inference_mode(), frozen():
             new = tree_flatten(self._body())[0]
             for dst, src in zip(self._static, new):
                 if dst is not src:
@@ -88,10 +89,11 @@ class NoPool:
 
 
 class EmulatedCapturer(NoPool):
-    """Captures widths as :class:`EmulatedGraph`: ``warmup`` runs, then one run whose
-    outputs become the width's static outputs. A step function that raises becomes a
-    CaptureError naming the width (or, with ``on_error="eager"``, a width reported failed
-    that runs eagerly), as a failed CUDA warm-up does; no hazard finder runs."""
+    """Captures widths as :class:`EmulatedGraph` (``warmup`` runs, then one run whose
+    outputs become the width's static outputs) or in pieces as ``pieces.EmulatedPieces``.
+    A step function that raises (or reads ``step_values()`` outside a marked call, which a
+    real capture would freeze) becomes a CaptureError naming the width, as a failed CUDA
+    warm-up does; no hazard finder runs. What a failed width does next is the policy's."""
 
     def width(self, w: int, run: Callable[[], Any], replay: Callable[[], Any], explain: Callable[[], tuple]):
         st = self.settings
@@ -100,16 +102,21 @@ class EmulatedCapturer(NoPool):
             for _ in range(st.warmup):
                 run()
             t1 = time.perf_counter()
-            out = run()
+            with frozen():  # what a capture records: step_values() may not be read here
+                out = run()
+        except CaptureError as e:
+            raise CaptureError(f"width {w}: {e}", width=w, cause=e) from e
         except CgrtError:
             raise
         except Exception as e:  # noqa: BLE001 - as capture_width: every failure a CaptureError
-            err = CaptureError(f"width {w}: the step function raised during emulated capture: "
-                               f"{type(e).__name__}: {e}", width=w, cause=e)
-            if st.on_error == "raise":
-                raise err from e
-            return None, None, WidthCapture(w, 0.0, 0.0, 0, error=str(err))
+            raise CaptureError(f"width {w}: the step function raised during emulated capture: "
+                               f"{type(e).__name__}: {e}", width=w, cause=e) from e
         return EmulatedGraph(w, replay, out), out, WidthCapture(w, t1 - t0, time.perf_counter() - t1, 0)
+
+    def pieces(self, w: int, run: Callable[[], Any], replay: Callable[[], Any], explain: Callable[[], tuple]):
+        from .piece_capture import emulate_pieces
+        graph, out, tw, tc = emulate_pieces(w, run, replay, self.settings.warmup)
+        return graph, out, WidthCapture(w, tw, tc, 0)
 
     def body(self, fn: Callable[[], None]) -> EmulatedGraph:
         """A graph of ``fn`` (a host-row mode's own, e.g. commit's gather)."""

@@ -7,8 +7,9 @@ from typing import Any
 
 import torch
 
-from .errors import BusyError, InputError, expected
+from .errors import BusyError, CapacityError, InputError, expected
 from .executor import GraphSlice
+from .widths import Slice
 
 
 class HandedBuffers:
@@ -97,3 +98,9 @@ class HandedBuffers:
         with self._exclusive("device_inputs"):
             self._single_slice(T, "device_inputs")
             return self._inputs.device_views(T)
+
+    def _single_slice(self, T: int, what: str) -> Slice:
+        plan = self.plan(T)
+        if len(plan) > 1:
+            raise CapacityError(expected(f"{what}(T)", f"T <= {self.config.rows} (one slice)", T))
+        return plan[0]

@@ -36,7 +36,10 @@ class RuntimeStats:
     """Counters since construction (or ``reset_stats``): graph replays and eager calls per
     width (eager: graphs off, or a width that fell back), dynamic calls per row count.
     ``graph_mode`` says what a replay is: ``"cuda"``, ``"emulated"`` (``graphs="emulate"``:
-    an eager re-run into the width's static outputs) or ``"off"`` (no replays)."""
+    an eager re-run into the width's static outputs) or ``"off"`` (no replays). A width
+    captured in pieces counts a replay per step (its pieces and marked calls).
+    ``width_modes``: what each width runs as now: ``"graph"``, ``"pieces"`` or ``"eager"``
+    (graphs off, before capture, or a width whose capture fell back)."""
 
     steps: int
     slices: int
@@ -46,6 +49,7 @@ class RuntimeStats:
     dynamic_calls: Mapping[int, int]
     commits: int
     graph_mode: str = "cuda"
+    width_modes: Mapping[int, str] = field(default_factory=dict)
 
 
 class PlannedStep(NamedTuple):

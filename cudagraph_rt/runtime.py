@@ -16,11 +16,13 @@ import torch
 
 from .inputs import StaticInputs
 from .capture import CaptureReport, CaptureSettings, WatchedTensors, WidthCapture
+from .pieces import StepValues
 from .config import RuntimeConfig, StepFn
 from .digest import StateDigest, runtime_digest
 from .errors import BusyError, CapacityError, CgrtError, InputError, expected
 from .direct_step import DirectStep
-from .executor import Counters, GraphSlice, OutputLayout, StepBody, eager_executors
+from .executor import Counters, OutputLayout, StepBody, eager_executors
+from .width_modes import WidthParts, capture_widths, modes_of
 from .handed import HandedBuffers
 from .host_rows import HostRows, HostRowsHandle, make_rows_mode
 from .results import PlannedStep, RuntimeStats, StepResult
@@ -51,17 +53,22 @@ class GraphRuntime(HandedBuffers):
     ``on_capture_error="eager"``, runs eagerly over the same buffers); a tensor listed by
     ``watch`` that moved since capture raises StaleCaptureError until ``recapture()``.
     Arguments are checked by :class:`~cudagraph_rt.config.RuntimeConfig` (InputError).
+
+    ``pieces=True`` (or widths) captures widths as graphs split at calls marked
+    ``cudagraph_rt.eager`` (``on_capture_error="pieces"``: where a whole graph fails);
+    ``step_values(rows, width)`` gives marked calls per-step host values (``pieces.py``).
     """
 
     def __init__(self, step_fn: StepFn, inputs: Mapping[str, Any], *, widths: Iterable[int] | None = None,
                  max_width: int = 64, dynamic_limit: int | None = None, slicing: bool = True, graphs: bool | str = True,
                  device: str | torch.device | None = None, dynamic_fn: StepFn | None = None,
                  host_rows: HostRows | None = None, on_capture_error: str = "raise", warmup: int = 2,
-                 keep_graphs: bool = False, watch: Callable[[], Iterable[torch.Tensor]] | None = None):
+                 keep_graphs: bool = False, watch: Callable[[], Iterable[torch.Tensor]] | None = None,
+                 pieces: bool | Iterable[int] = False, step_values: Callable | None = None):
         cfg = self.config = RuntimeConfig.build(
             step_fn, inputs, widths=widths, max_width=max_width, dynamic_limit=dynamic_limit, slicing=slicing,
-            graphs=graphs, device=device, dynamic_fn=dynamic_fn, host_rows=host_rows,
-            on_capture_error=on_capture_error, warmup=warmup, keep_graphs=keep_graphs, watch=watch)
+            graphs=graphs, device=device, dynamic_fn=dynamic_fn, host_rows=host_rows, on_capture_error=on_capture_error,
+            warmup=warmup, keep_graphs=keep_graphs, watch=watch, pieces=pieces, step_values=step_values)
         self.step_fn, self.dynamic_fn, self.input_specs, self.device = cfg.step_fn, cfg.dynamic_fn, cfg.inputs, cfg.device
         self.widths, self.dynamic_limit, self.slicing, self.graphs = cfg.widths, cfg.dynamic_limit, cfg.slicing, cfg.graphs
         self.host_rows_config, self.on_capture_error = cfg.host_rows, cfg.on_capture_error
@@ -71,12 +78,12 @@ class GraphRuntime(HandedBuffers):
         self._inputs = StaticInputs(cfg.inputs, cfg.rows, self.device, hr.control_blocks() if hr else {},
                                     feed_event=mode.feed_event(self.device))
         self._layout = OutputLayout(hr.count_leaf if hr else lambda out, leaves: -1)
-        self._body = StepBody(cfg.step_fn, self._layout, hr, self._inputs.control)
+        self._body = StepBody(cfg.step_fn, self._layout, hr, self._inputs.control, StepValues(cfg.step_values, cfg.inputs))
         self._replaying = hr.replaying if hr else lambda: None
         self._watch = WatchedTensors(cfg.watch)
         self._lock, self._token = threading.Lock(), object()  # the token marks this runtime's StepResults
         self._planner = Planner(self.widths, self.dynamic_limit, self.slicing)
-        self._capturer = mode.capturer(CaptureSettings(self.device, cfg.warmup, cfg.keep_graphs, cfg.on_capture_error))
+        self._capturer = mode.capturer(CaptureSettings(self.device, cfg.warmup, cfg.keep_graphs))
         self._ready, self.capture_report = False, None
         self._counters = Counters()
         self._direct: DirectStep | None = None  # the common step's short path, once captured
@@ -89,12 +96,13 @@ class GraphRuntime(HandedBuffers):
 
     @property
     def graphs_captured(self) -> Mapping[int, torch.cuda.CUDAGraph]:
-        """Captured graph per width (empty with graphs off). The runtime's own: replay them by
-        hand if you like (see ``static_inputs``), but never ``reset()`` one — steps launch
-        its executable directly and would launch a destroyed one; ``recapture()`` instead.
-        With ``graphs="emulate"`` each is an ``EmulatedGraph``: ``replay()`` re-runs the
-        width into its static outputs, ``reset()`` raises CgrtError."""
-        return MappingProxyType({w: e.graph for w, e in self._by_width.items() if isinstance(e, GraphSlice)})
+        """Captured graph per width (empty with graphs off; a ``PiecewiseGraph`` for a width in
+        pieces). The runtime's own: replay them by hand if you like (see ``static_inputs``),
+        but never ``reset()`` one — steps launch its executable directly and would launch a
+        destroyed one; ``recapture()`` instead. With ``graphs="emulate"`` each is an
+        ``EmulatedGraph`` (or ``EmulatedPieces``): ``replay()`` re-runs the width into its
+        static outputs, ``reset()`` raises CgrtError."""
+        return MappingProxyType({w: e.graph for w, e in self._by_width.items() if e.graph is not None})
 
     @property
     def graph_pool(self):
@@ -119,7 +127,8 @@ class GraphRuntime(HandedBuffers):
             return self.capture_report
         with self._inputs.rows_kept():
             hr = self._rows_mode
-            probed = hr is not None and hr.probe(self.step_fn, self._inputs, self._layout, self.widths[-1])
+            probed = hr is not None and hr.probe(self._body.values.on_pads(self.step_fn), self._inputs, self._layout,
+                                                 self.widths[-1])
             t0, calls = time.perf_counter(), [int(probed)]
             reports, pool = self._capture_graphs(calls) if self._graph_mode.captures else ([], 0)
         self.capture_report = CaptureReport(tuple(reports), time.perf_counter() - t0, pool, calls[0],
@@ -192,11 +201,11 @@ class GraphRuntime(HandedBuffers):
             return handle
 
     def stats(self) -> RuntimeStats:
-        """A snapshot of the counters."""
+        """A snapshot of the counters, and what each width runs as now."""
         c = self._counters
         return RuntimeStats(c.steps, c.slices, c.padding, MappingProxyType(dict(c.replays)),
                             MappingProxyType(dict(c.eager)), MappingProxyType(dict(c.dynamic)), c.commits,
-                            self._graph_mode.name)
+                            self._graph_mode.name, MappingProxyType(modes_of(self._by_width)))
 
     def reset_stats(self) -> None:
         self._counters.reset()
@@ -285,19 +294,14 @@ class GraphRuntime(HandedBuffers):
     def _capture_graphs(self, calls: list[int]) -> tuple[list[WidthCapture], int]:
         """Warm-up and capture run the step function for real: on padding rows only, with
         every gather aimed at a spare slot (recapture() comes after real steps; their rows,
-        KV slots and held host rows must not be touched again)."""
+        KV slots and held host rows must not be touched again). Each width as the capture
+        policy says (``width_modes``)."""
         self._inputs.reset(self._rows_mode.spare_control() if self._rows_mode is not None else None)
-        cap, reports = self._capturer, []
+        cap = self._capturer
         cap.begin()
-        for w in sorted(self.widths, reverse=True):
-            if isinstance(self._by_width[w], GraphSlice):
-                continue  # captured before a width failed
-            g, out, report = cap.width(w, *self._body.at_width(w, self._inputs, calls), lambda w=w: self.explain_capture(w))
-            if g is not None:
-                mode = self._graph_mode
-                self._by_width[w] = GraphSlice(w, g, out, self._inputs, self._counters,
-                                               mode.before_launch(self._replaying), mode.launcher(g, self.device))
-            reports.append(report)
+        parts = WidthParts(self._body, self._inputs, self._counters, self._graph_mode, self._replaying, self.device,
+                           self.explain_capture)
+        reports = capture_widths(self.config.capture_policy, cap, self._by_width, parts, calls)
         if self._rows_mode is not None:
             self._rows_mode.capture_extra(cap.body, self._inputs)
         self._watch.remember()
@@ -309,8 +313,8 @@ class GraphRuntime(HandedBuffers):
         the inputs, each row its ``pad``: the arena and live KV cells are not touched); a
         subclass whose step holds collectives overrides it (DistributedRuntime stubs them)."""
         try:
-            from .hazards import find_capture_hazards
-            return find_capture_hazards(self.step_fn, self._inputs.pad_rows(width))
+            from .debug.hazards import find_capture_hazards
+            return find_capture_hazards(self._body.values.on_pads(self.step_fn), self._inputs.pad_rows(width))
         except Exception:  # noqa: BLE001 - the explanation must never hide the capture error
             return ()
 
@@ -340,9 +344,3 @@ class GraphRuntime(HandedBuffers):
     def _check_open(self, what: str) -> None:
         if self._inputs is None:
             raise CgrtError(f"GraphRuntime.{what}: the runtime was closed")
-
-    def _single_slice(self, T: int, what: str) -> Slice:
-        plan = self.plan(T)
-        if len(plan) > 1:
-            raise CapacityError(expected(f"{what}(T)", f"T <= {self.config.rows} (one slice)", T))
-        return plan[0]

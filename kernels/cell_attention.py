@@ -4,8 +4,8 @@ Contract (shared by :func:`cell_attention`, :func:`cell_attention_triton` and
 :func:`cell_attention_reference`):
 
 * ``q``: ``[N, Hq, D]``, the step's rows by query heads. ``k_cache`` / ``v_cache``: one
-  layer of the pool, ``[cells, Hkv, D]``, last dimension contiguous. ``Hq = G * Hkv``:
-  query head ``h`` reads KV head ``h // G``.
+  layer of the pool, ``[cells, Hkv, D]``, last dimension contiguous, fewer than 2**31
+  cells. ``Hq = G * Hkv``: query head ``h`` reads KV head ``h // G``.
 * ``block_table``: int32 ``[S, MB]``; ``seq_ids``: ``[N]`` integer, -1 for a padding row
   (its output is 0 and it reads nothing); ``positions``: ``[N]`` int64.
 * Row r of sequence s at position p attends to the positions j in ``[lo, p]``, where
@@ -17,10 +17,11 @@ Contract (shared by :func:`cell_attention`, :func:`cell_attention_triton` and
   flash kernel does; the output is in ``q``'s dtype (written into ``out`` when given).
 
 ``write_cells`` puts a step's K/V rows into their cells: ``k``/``v`` ``[N, Hkv, D]`` into
-rows ``cells`` ``[N]`` of the caches. Only padding rows share a cell (the scratch cell),
-so which of them wins does not matter.
+rows ``cells`` ``[N]`` of the caches. Only padding rows share a cell (the scratch cell,
+which no row reads): its contents afterwards are unspecified element by element (padding
+rows write it concurrently, so each element comes from one of them, not all from one).
 
-How the kernel does it (one launch, plus a merge launch when ``splits > 1``):
+How the kernel does it (ONE launch: the splits of a context merge inside it):
 
 * Grid ``(tiles * P, Hkv, splits)``, fixed by N and the host's plan
   (:func:`plan_attention`); everything that varies per step (sequences, positions, block
@@ -30,18 +31,31 @@ How the kernel does it (one launch, plus a merge launch when ``splits > 1``):
   the tile, program p taking groups p, p + P, ... (P = 1: one program loops over them).
   A group's rows and the G query heads of the program's KV head are the ``R * G`` lanes
   of one tile, so a verify step (k+1 rows of one sequence) reads each K/V cell once per
-  KV head. Padding rows (seq -1) join no group and read nothing; a program with no group
-  exits after one look at the tile's sequence ids.
-* A group reads the positions ``[min lo, max p]`` of its rows through the block table
-  (gathered per position, so the tile of cells is independent of the block size). Split
-  ``k`` takes the k-th share of that range, computed on the device from the group's own
-  length (at least ``min_chunk`` positions, so short contexts leave splits empty rather
-  than spread thin). A window raises the loop's lower bound: blocks wholly outside it
-  are never loaded. Causality and each row's window are masks inside the tile.
-* Online softmax in base 2 (fp32 running max and sum, guarded for all-masked lanes);
-  ``splits == 1`` writes the normalised output directly, otherwise each split writes its
-  running max, sum and unnormalised accumulator and the merge combines them by
-  log-sum-exp (the largest running max of the splits, every split rescaled to it).
+  KV head. Padding rows (seq -1) join no group and read nothing.
+* A group reads the positions ``[min lo, max p]`` of its rows. Split ``k`` takes the k-th
+  share of that range, computed on the device from the group's own length (at least
+  ``min_chunk`` positions, whole tiles of ``tile_n``), so a short context leaves the
+  later splits without work: those programs exit after one look at the tile's rows. A
+  window raises the range's lower bound: blocks wholly outside it are never loaded.
+  Causality and each row's window are masks inside the tile.
+* A split's positions go through the block table in chunks of up to ``CHUNK_TILES``
+  tiles: the chunk's cells are gathered into registers once, so the K/V loads of the
+  tile loop depend on no load inside the loop and Triton's pipeliner keeps
+  ``num_stages - 1`` tiles of K and V in flight (a table load inside the loop would cost
+  the pipeline a stage: one tile in flight, the loop latency-bound). V is loaded beside
+  K, before the softmax math.
+* Online softmax in base 2 (fp32 running max and sum, guarded for all-masked lanes).
+* The splits merge in the kernel. Each (tile, program, KV head) triple counts the splits
+  with work for any of its groups (``arrivals``, the same number in every program of the
+  triple, computed from the rows). With one, that split writes the output directly (no
+  scratch, no counter). Otherwise each such split stores its lanes' log-sum-exp (fp32)
+  and normalised output (in the output's dtype, fp32 for fp32) and increments the
+  triple's counter (acq_rel, after a barrier); the one that sees ``arrivals - 1`` resets
+  the counter to 0 and merges every split of its lanes: the largest log-sum-exp, every
+  split weighted by ``exp2(lse - max)``, in split order (the result does not depend on
+  which split came last). The counters are zero again when the launch ends, so a
+  captured graph replays them as they are. Program 0, split 0 of a tile writes the
+  padding rows' zeros.
 * Offsets into the caches are 64-bit (cells * Hkv * D passes 2**31 in big pools); D is
   padded to a power of two >= 16 with masks.
 
@@ -57,7 +71,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from cudagraph_rt.errors import InputError, expected
+from cudagraph_rt.errors import CaptureError, InputError, expected
 
 try:  # Triton is optional: without it every path runs the torch reference.
     import triton
@@ -67,14 +81,15 @@ except ImportError:  # pragma: no cover - exercised only on installs without tri
     tl = None
 
 __all__ = [
-    "AttentionConfig", "AttentionPlan", "TUNED_CONFIGS", "cell_attention", "cell_attention_reference",
-    "cell_attention_triton", "kernel_mode", "plan_attention", "write_cells", "write_cells_reference",
-    "write_cells_triton",
+    "AttentionConfig", "AttentionPlan", "COUNTERS", "TUNED_CONFIGS", "attention_counters", "cell_attention",
+    "cell_attention_reference", "cell_attention_triton", "kernel_mode", "new_attention_counters", "plan_attention",
+    "write_cells", "write_cells_reference", "write_cells_triton",
 ]
 
 LOG2E = 1.4426950408889634
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
+MAX_CELLS = 2**31 - 1  # a chunk's cells are gathered as int32
 
 
 # --------------------------------------------------------------------------------------
@@ -83,12 +98,13 @@ MAX_HEAD_DIM = 256
 @dataclass(frozen=True)
 class AttentionConfig:
     """Tile shape of the attention kernel: ``tile_n`` cells per loop step, Triton's
-    ``num_warps`` / ``num_stages``, and ``min_chunk``, the fewest positions a split takes."""
+    ``num_warps`` / ``num_stages`` (``num_stages - 1`` tiles of K and V in flight), and
+    ``min_chunk``, the fewest positions a split takes."""
 
     tile_n: int = 64
     num_warps: int = 4
-    num_stages: int = 3  # the block-table load, then the K/V tiles it addresses, then the math
-    min_chunk: int = 256
+    num_stages: int = 3
+    min_chunk: int = 128
 
 
 @dataclass(frozen=True)
@@ -105,46 +121,90 @@ class AttentionPlan:
     config: AttentionConfig
 
 
-# Measured defaults, keyed on (rows per tile, padded D, padded G). Empty until the H200
-# run of tools/bench_attention.py fixes them (it prints the entries to paste here); until
-# then the rule in _default_config serves.
-TUNED_CONFIGS: dict[tuple[int, int, int], AttentionConfig] = {}
+# Measured defaults, keyed on (rows per tile, padded D, padded G, splits > 1: the kernel
+# with the merge, which needs more registers): the first H200 run of
+# tools/bench/attention.py (Llama-3.2-1B shapes, bf16, 16 layers; the bench prints the
+# entries), on the kernel before the in-kernel merge and the chunked table reads. Width
+# 1: tiles of 128 cells (393 us against 437 at 32k), splits of at least 128 positions
+# (190 us against 232 at 8k). Width 8 (a verify step, 32 lanes): 2 warps (540 us against
+# 724 at 32k; also the register budget: 4 warps spill here). The bench's goal cases
+# re-measure them around these. Other shapes take the rule in _default_config.
+TUNED_CONFIGS: dict[tuple[int, int, int, bool], AttentionConfig] = {
+    (1, 64, 4, True): AttentionConfig(tile_n=128, num_warps=4, num_stages=3, min_chunk=128),
+    (8, 64, 4, True): AttentionConfig(tile_n=64, num_warps=2, num_stages=3, min_chunk=256),
+}
 
 MAX_ROWS_PER_TILE = 8  # a verify step of up to 8 rows of one sequence reads its context once
 MAX_TILE_LANES = 128  # rows per tile * padded G: the accumulator tile's height
+SHARED_TILES_UP_TO = 8  # N in 2..8: the rows share one tile (a verify step); else one row per tile
 MAX_SPLITS = 64
-TARGET_PROGRAMS = 512  # programs wanted per launch (about 4 per SM of an H200)
-ONE_PROGRAM_UP_TO = 8  # N up to this: a tile's sequences share one program (verify steps)
+TARGET_PROGRAMS = 256  # programs per launch: one wave at the 3 per SM that fit (142 registers, 70 KB)
+MERGE_LANE_SPLITS = 512  # lanes x splits the last split reads at most (its merge is one program's)
+MERGE_ELEMENTS_PER_THREAD = 128  # of one merge step (lanes x splits x D over the threads), at most 16 splits
+COUNTERS = 1 << 16  # arrival counters per buffer: grids of up to 65,536 (tile, program, KV head)
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def _default_config(rows: int, block_d: int, block_g: int) -> AttentionConfig:
-    """The rule behind the table: about 16 KB of K and V per step of the loop (64 cells of
-    D 64 in bf16, 32 of D 128), which keeps three stages in flight within the shared
-    memory of any GPU Triton targets, fp32 included."""
-    return AttentionConfig(tile_n=64 if block_d <= 64 else 32 if block_d <= 128 else 16)
+def _prev_pow2(n: int) -> int:
+    return 1 << (max(1, int(n)).bit_length() - 1)
+
+
+def _default_config(rows: int, block_d: int, block_g: int, split: bool) -> AttentionConfig:
+    """The rule behind the table: about 32 KB of K and V per tile (128 cells of D 64 in
+    bf16, 64 of D 128), two tiles in flight; a split takes at least one tile. Without
+    splits (many sequences) half that: the kernel without the merge then needs about 80
+    registers instead of 140 and twice the programs fit on an SM (one wave)."""
+    tile_n = 128 if block_d <= 64 else 64 if block_d <= 128 else 32
+    tile_n = tile_n if split else max(16, tile_n // 2)
+    return AttentionConfig(tile_n=tile_n, min_chunk=tile_n)
 
 
 def plan_attention(N: int, Hq: int, Hkv: int, D: int, *, splits: int | None = None) -> AttentionPlan:
-    """The default plan. Rows per tile: N's next power of two, at most
-    :data:`MAX_ROWS_PER_TILE` (and :data:`MAX_TILE_LANES` lanes with the G heads).
-    Programs per tile: 1 up to :data:`ONE_PROGRAM_UP_TO` rows (a small step is most likely
-    one sequence's verify rows, read once), else one per row (many sequences in parallel).
-    Splits (unless given): enough for :data:`TARGET_PROGRAMS` programs if every program
-    had a sequence to serve, at most :data:`MAX_SPLITS`; the device leaves the splits a
-    short context does not need empty."""
+    """The default plan. Rows per tile: N's next power of two for 2 <= N <=
+    :data:`SHARED_TILES_UP_TO` (a small step is most likely one sequence's verify rows,
+    read once for all of them; at most :data:`MAX_TILE_LANES` lanes with the G heads),
+    one row per tile otherwise (decode rows of many sequences: G lanes each, no lane
+    idle). One program per tile. Splits (unless given): enough for
+    :data:`TARGET_PROGRAMS` programs if every row had a long context, at most
+    :data:`MAX_SPLITS` and at most :data:`MERGE_LANE_SPLITS` over the tile's lanes (the
+    last split merges them all); the device leaves the splits a short context does not
+    need without work."""
     block_g = _next_pow2(Hq // Hkv)
-    rows = max(1, min(_next_pow2(N), MAX_ROWS_PER_TILE, max(1, MAX_TILE_LANES // block_g)))
-    programs = 1 if N <= ONE_PROGRAM_UP_TO else rows
+    rows = 1
+    if 2 <= N <= SHARED_TILES_UP_TO:
+        rows = max(1, min(_next_pow2(N), MAX_ROWS_PER_TILE, max(1, MAX_TILE_LANES // block_g)))
     if splits is None:
-        busy = -(-N // rows) * programs * Hkv
-        splits = max(1, min(MAX_SPLITS, _next_pow2(-(-TARGET_PROGRAMS // busy))))
+        busy = max(1, -(-N // rows) * Hkv)
+        cap = max(1, min(MAX_SPLITS, MERGE_LANE_SPLITS // (rows * block_g)))
+        splits = max(1, min(cap, _next_pow2(-(-TARGET_PROGRAMS // busy))))
     block_d = max(16, _next_pow2(D))
-    config = TUNED_CONFIGS.get((rows, block_d, block_g)) or _default_config(rows, block_d, block_g)
-    return AttentionPlan(rows, programs, int(splits), config)
+    key = (rows, block_d, block_g, splits > 1)
+    config = TUNED_CONFIGS.get(key) or _default_config(*key)
+    return AttentionPlan(rows, 1, int(splits), config)
+
+
+def kernel_constants(plan: AttentionPlan, Hq: int, Hkv: int, D: int, block_size: int, cache_dtype: torch.dtype,
+                     has_window: bool, has_bias: bool) -> dict:
+    """The attention kernel's compile-time constants for a launch (one compiled kernel per
+    distinct dict): the lane tile (rows x padded G, at least 16 for the tensor cores;
+    the merge's lanes unpadded), the padded D, the plan's tile shape, the chunk of tiles
+    whose cells are gathered at once, the splits a merge step reads, the block size and
+    the optional features."""
+    block_g, block_r = _next_pow2(Hq // Hkv), _next_pow2(plan.rows_per_tile)
+    block_d, tile_n = max(16, _next_pow2(D)), plan.config.tile_n
+    block_l = block_r * block_g
+    threads = 32 * plan.config.num_warps
+    # not capped by the splits: one compiled kernel serves every split count (the unrolled
+    # steps past the arrivals load nothing)
+    merge_chunk = _prev_pow2(max(1, min(16, MERGE_ELEMENTS_PER_THREAD * threads // (block_l * block_d))))
+    return dict(G=Hq // Hkv, D=D, BLOCK_D=block_d, BLOCK_G=block_g, BLOCK_M=max(16, block_l), BLOCK_L=block_l,
+                R=plan.rows_per_tile, BLOCK_R=block_r, P=plan.programs_per_tile, TILE_N=tile_n,
+                CHUNK_TILES=max(1, min(16, 2048 // tile_n)), BLOCK_SIZE=block_size, HAS_WINDOW=has_window,
+                HAS_BIAS=has_bias, SPLIT=plan.splits > 1, MERGE_CHUNK=merge_chunk,
+                DOT_PREC="ieee" if cache_dtype == torch.float32 else "tf32")
 
 
 # --------------------------------------------------------------------------------------
@@ -153,123 +213,141 @@ def plan_attention(N: int, Hq: int, Hkv: int, D: int, *, splits: int | None = No
 if triton is not None:
 
     @triton.jit
-    def _tile_groups(seq_ptr, s_seq, tile, N, num_seqs, R: tl.constexpr, BLOCK_R: tl.constexpr):
-        """The tile's rows grouped by sequence, per row slot: its sequence (-1 outside N or
-        padding), whether it is the first row of its sequence in the tile (a group's
-        leader), and the running count of leaders (group k's leader has rank k + 1). A
-        sequence id past the block table counts as padding."""
-        ri = tl.arange(0, BLOCK_R)
-        rows = tile * R + ri
-        s = tl.load(seq_ptr + rows.to(tl.int64) * s_seq, mask=(ri < R) & (rows < N), other=-1)
-        s = tl.where(s < num_seqs, s, -1)
-        earlier = (s[:, None] == s[None, :]) & (ri[None, :] < ri[:, None])
-        leader = (s >= 0) & (tl.max(earlier.to(tl.int32), 1) == 0)
-        rank = tl.cumsum(leader.to(tl.int32), 0)
-        return s, leader, rank
-
-    @triton.jit
-    def _tile_lanes(seq_ptr, pos_ptr, s_seq, s_pos, tile, N, num_seqs, window,
-                    R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, HAS_WINDOW: tl.constexpr):
-        """The tile as lanes (row slot lane // BLOCK_G, head lane % BLOCK_G): each lane's
-        row, sequence (-1 outside N), position and window start."""
-        i = tl.arange(0, BLOCK_M) // BLOCK_G
-        rows = tile * R + i
-        inside = (i < R) & (rows < N)
-        seq = tl.load(seq_ptr + rows.to(tl.int64) * s_seq, mask=inside, other=-1)
-        seq = tl.where(seq < num_seqs, seq, -1)
-        pos = tl.load(pos_ptr + rows.to(tl.int64) * s_pos, mask=inside, other=0).to(tl.int32)
+    def _window_start(pos, window, HAS_WINDOW: tl.constexpr):
         if HAS_WINDOW:
             lo = tl.maximum(pos - window + 1, 0)
         else:
             lo = tl.zeros_like(pos)
-        return rows, inside, seq, pos, lo
+        return lo
 
     @triton.jit
-    def _split_range(lo_min, hi_max, split, splits, min_chunk, TILE_N: tl.constexpr):
-        """Split ``split``'s share [start, end) of the positions [lo_min, hi_max]: tiles
-        aligned to TILE_N from below lo_min, ``max(span / splits, min_chunk)`` positions
-        rounded up to whole tiles each; the splits past the end are empty (start >= end)."""
-        first = (lo_min // TILE_N) * TILE_N
-        per = tl.maximum(tl.cdiv(hi_max + 1 - first, splits), min_chunk)
-        chunk = tl.cdiv(per, TILE_N) * TILE_N
+    def _split_range(lo, hi, split, splits, min_chunk, TILE_N: tl.constexpr):
+        """Split ``split``'s share [start, end) of the positions [lo, hi] and how many
+        splits have work there: tiles aligned to TILE_N from below lo, ``max(span /
+        splits, min_chunk)`` positions rounded up to whole tiles each (the splits past the
+        end get start >= end). Scalars or vectors (one range per element); an empty range
+        is lo = 0, hi = -1 (no work for any split)."""
+        first = (lo // TILE_N) * TILE_N
+        span = hi + 1 - first
+        chunk = tl.cdiv(tl.maximum(tl.cdiv(span, splits), min_chunk), TILE_N) * TILE_N
         start = first + split * chunk
-        end = tl.minimum(start + chunk, hi_max + 1)
-        return start, end
+        end = tl.minimum(start + chunk, hi + 1)
+        return start, end, tl.maximum(tl.cdiv(span, chunk), 0)
 
     @triton.jit
-    def _attend_tile(q, m, l, acc, k_head, v_head, bt_row, t, lo_min, hi_max, pos, lo, lane, slope2,
-                     bias_shift, scale2, num_blocks, table_width, s_kc, s_vc,
-                     D: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr):
-        """One step of the online softmax over the TILE_N positions from t: gather their
-        cells through the block table, score the lanes given, fold into (m, l, acc)."""
-        j = t + tl.arange(0, TILE_N)
+    def _owned(seq, s_row, leader, rank, p, P: tl.constexpr):
+        """Per element of ``seq`` (the sequences of rows or lanes of the tile): whether
+        program p serves it (its group's rank - 1 is p modulo P; never for padding)."""
+        own = seq >= 0
+        if P > 1:
+            grp = tl.max(tl.where((s_row[None, :] == seq[:, None]) & leader[None, :], rank[None, :], 0), 1)
+            own = own & ((grp - 1) % P == p)
+        return own
+
+    @triton.jit
+    def _tile_rows(seq_ptr, pos_ptr, s_seq, s_pos, tile, p, N, num_seqs, window, split, splits, min_chunk,
+                   R: tl.constexpr, BLOCK_R: tl.constexpr, P: tl.constexpr, TILE_N: tl.constexpr,
+                   HAS_WINDOW: tl.constexpr):
+        """The tile's rows grouped by sequence, per row slot: its sequence (-1 outside N,
+        for padding and for ids past the block table), whether it leads its group (the
+        group's first row in the tile), the leaders' running count (group k's leader has
+        rank k + 1), its group's positions [lo, hi] (0, -1 for padding). And the
+        arrivals: how many splits have work for the groups program p serves (0: none)."""
+        ri = tl.arange(0, BLOCK_R)
+        rows = tile * R + ri
+        ok = (ri < R) & (rows < N)
+        s = tl.load(seq_ptr + rows.to(tl.int64) * s_seq, mask=ok, other=-1)
+        s = tl.where(s < num_seqs, s, -1)
+        pos = tl.load(pos_ptr + rows.to(tl.int64) * s_pos, mask=ok, other=0).to(tl.int32)
+        lo = _window_start(pos, window, HAS_WINDOW)
+        same = (s[:, None] == s[None, :]) & (s[:, None] >= 0)
+        leader = (s >= 0) & (tl.max((same & (ri[None, :] < ri[:, None])).to(tl.int32), 1) == 0)
+        rank = tl.cumsum(leader.to(tl.int32), 0)
+        hi = tl.where(s >= 0, tl.max(tl.where(same, pos[None, :], -1), 1), -1)
+        lo = tl.where(s >= 0, tl.min(tl.where(same, lo[None, :], 2147483647), 1), 0)
+        _, _, count = _split_range(lo, hi, split, splits, min_chunk, TILE_N)
+        arrivals = tl.max(tl.where(_owned(s, s, leader, rank, p, P), count, 0), 0)
+        return s, leader, rank, lo, hi, arrivals
+
+    @triton.jit
+    def _tile_lanes(seq_ptr, pos_ptr, s_seq, s_pos, tile, kvh, N, num_seqs, window, G: tl.constexpr,
+                    R: tl.constexpr, BLOCK: tl.constexpr, BLOCK_G: tl.constexpr, HAS_WINDOW: tl.constexpr):
+        """The tile as BLOCK lanes (row slot lane // BLOCK_G, head lane % BLOCK_G): each
+        lane's row, whether it is a real (row, head), its sequence (-1 outside N or past
+        the block table), query head, position and window start."""
+        li = tl.arange(0, BLOCK)
+        i = li // BLOCK_G
+        rows = tile * R + i
+        lanes = (i < R) & (rows < N) & (li % BLOCK_G < G)
+        seq = tl.load(seq_ptr + rows.to(tl.int64) * s_seq, mask=lanes, other=-1)
+        seq = tl.where(seq < num_seqs, seq, -1)
+        pos = tl.load(pos_ptr + rows.to(tl.int64) * s_pos, mask=lanes, other=0).to(tl.int32)
+        return rows, lanes, seq, kvh * G + li % BLOCK_G, pos, _window_start(pos, window, HAS_WINDOW)
+
+    @triton.jit
+    def _chunk_cells(bt_row, c0, lo, hi, num_blocks, table_width, TILE_N: tl.constexpr,
+                     CHUNK_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+        """The cells of the CHUNK_TILES tiles from position c0, [tile, position], through
+        the block table: -1 outside [lo, hi] and where the entry is outside the table or
+        the caches (those read nothing)."""
+        j = c0 + tl.arange(0, CHUNK_TILES)[:, None] * TILE_N + tl.arange(0, TILE_N)[None, :]
+        ok = (j >= lo) & (j <= hi) & (j // BLOCK_SIZE < table_width)
+        blk = tl.load(bt_row + j // BLOCK_SIZE, mask=ok, other=-1)
+        ok = ok & (blk >= 0) & (blk < num_blocks)
+        return tl.where(ok, blk * BLOCK_SIZE + j % BLOCK_SIZE, -1)
+
+    @triton.jit
+    def _attend_tile(q, m, l, acc, k_head, v_head, cells, t, i, pos_g, lo_g, slope2, bias_shift, scale2, s_kc, s_vc,
+                     D: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr, CHUNK_TILES: tl.constexpr,
+                     HAS_WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr):
+        """One step of the online softmax over the TILE_N positions from t (tile i of the
+        chunk's cells): K and V loaded together, scored for the lanes whose position
+        ``pos_g`` (-1: not this group) sees them, folded into (m, l, acc)."""
+        cell = tl.sum(tl.where(tl.arange(0, CHUNK_TILES)[:, None] == i, cells, 0), 0).to(tl.int64)
         d = tl.arange(0, BLOCK_D)
-        wanted = (j >= lo_min) & (j <= hi_max) & (j // BLOCK_SIZE < table_width)
-        blk = tl.load(bt_row + j // BLOCK_SIZE, mask=wanted, other=0).to(tl.int64)
-        wanted = wanted & (blk >= 0) & (blk < num_blocks)  # a bad table entry reads nothing either
-        cell = blk * BLOCK_SIZE + j % BLOCK_SIZE  # int64: cell * stride passes 2**31
-        kv_mask = wanted[:, None] & (d < D)[None, :]
+        kv_mask = (cell >= 0)[:, None] & (d < D)[None, :]
         k = tl.load(k_head + cell[:, None] * s_kc + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_head + cell[:, None] * s_vc + d[None, :], mask=kv_mask, other=0.0)
+        j = t + tl.arange(0, TILE_N)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale2
         if HAS_BIAS:
-            s = s - slope2[:, None] * tl.abs(pos[:, None] - bias_shift - j[None, :]).to(tl.float32)
-        seen = lane[:, None] & (j[None, :] <= pos[:, None]) & (j[None, :] >= lo[:, None])
+            s = s - slope2[:, None] * tl.abs(pos_g[:, None] - bias_shift - j[None, :]).to(tl.float32)
+        seen = j[None, :] <= pos_g[:, None]
+        if HAS_WINDOW:
+            seen = seen & (j[None, :] >= lo_g[:, None])
         s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a lane that saw nothing yet
         p = tl.math.exp2(s - m_use[:, None])
         alpha = tl.math.exp2(m - m_use)
-        v = tl.load(v_head + cell[:, None] * s_vc + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         return m_new, l * alpha + tl.sum(p, 1), acc
 
     @triton.jit
-    def _attend_group(q, m, l, acc, grp, pos, lo, slope2, seq_k, split, splits, min_chunk, bt_ptr, s_bt, k_head,
-                      v_head, bias_shift, scale2, num_blocks, table_width, s_kc, s_vc,
-                      D: tl.constexpr, BLOCK_D: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr):
-        """This split's share of one group's context (the union of its rows' ranges), read
-        once for all the group's lanes."""
-        hi_max = tl.max(tl.where(grp, pos, -1), 0)
-        lo_min = tl.min(tl.where(grp, lo, 2147483647), 0)
-        start, end = _split_range(lo_min, hi_max, split, splits, min_chunk, TILE_N)
-        bt_row = bt_ptr + seq_k.to(tl.int64) * s_bt
-        for t in range(start, end, TILE_N):
-            m, l, acc = _attend_tile(q, m, l, acc, k_head, v_head, bt_row, t, lo_min, hi_max, pos, lo, grp,
-                                     slope2, bias_shift, scale2, num_blocks, table_width, s_kc, s_vc,
-                                     D, BLOCK_D, TILE_N, BLOCK_SIZE, HAS_BIAS, DOT_PREC)
+    def _attend_share(q, m, l, acc, k_head, v_head, bt_row, start, end, lo, hi, pos_g, lo_g, slope2, bias_shift,
+                      scale2, num_blocks, table_width, s_kc, s_vc, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                      TILE_N: tl.constexpr, CHUNK_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                      HAS_WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr):
+        """A split's positions [start, end) of one group (range [lo, hi]), a chunk of
+        cells at a time; the tile loop inside a chunk is the pipelined one."""
+        for c0 in range(start, end, CHUNK_TILES * TILE_N):
+            cells = _chunk_cells(bt_row, c0, lo, tl.minimum(hi, end - 1), num_blocks, table_width, TILE_N,
+                                 CHUNK_TILES, BLOCK_SIZE)
+            for i in range(0, tl.cdiv(tl.minimum(end - c0, CHUNK_TILES * TILE_N), TILE_N)):
+                m, l, acc = _attend_tile(q, m, l, acc, k_head, v_head, cells, c0 + i * TILE_N, i, pos_g, lo_g, slope2,
+                                         bias_shift, scale2, s_kc, s_vc, D, BLOCK_D, TILE_N, CHUNK_TILES, HAS_WINDOW,
+                                         HAS_BIAS, DOT_PREC)
         return m, l, acc
 
     @triton.jit
-    def _store_rows(out_ptr, acc, l, rows, heads, lane, s_on, s_oh, D: tl.constexpr, BLOCK_D: tl.constexpr):
-        """out[row, head] = acc / l for the lanes given (0 where l == 0: padding rows)."""
-        d = tl.arange(0, BLOCK_D)
-        o = acc / tl.where(l > 0, l, 1.0)[:, None]
-        ptr = out_ptr + rows.to(tl.int64)[:, None] * s_on + heads[:, None] * s_oh + d[None, :]
-        tl.store(ptr, o.to(out_ptr.dtype.element_ty), mask=lane[:, None] & (d < D)[None, :])
-
-    @triton.jit
-    def _store_split(pm_ptr, pl_ptr, pacc_ptr, m, l, acc, rows, heads, lane, split, splits, Hq,
-                     D: tl.constexpr, BLOCK_D: tl.constexpr):
-        """Split ``split``'s running max (log2 units), sum and unnormalised accumulator of
-        each lane into the scratch ``[N, Hq, splits, (D)]``; a lane that saw nothing here
-        writes only m = -inf and l = 0, and the merge reads no accumulator where m is -inf."""
-        d = tl.arange(0, BLOCK_D)
-        at = (rows.to(tl.int64) * Hq + heads) * splits + split
-        tl.store(pm_ptr + at, m, mask=lane)
-        tl.store(pl_ptr + at, l, mask=lane)
-        seen = lane & (m > float("-inf"))
-        tl.store(pacc_ptr + at[:, None] * D + d[None, :], acc, mask=seen[:, None] & (d < D)[None, :])
-
-    @triton.jit
     def _serve_groups(q_ptr, k_ptr, v_ptr, bt_ptr, slope_ptr, rows, heads, lanes, seq, pos, lo, s_row, leader, rank,
-                      p, kvh, split, splits, min_chunk, num_blocks, table_width, scale2, bias_shift,
+                      g_lo, g_hi, p, kvh, split, splits, min_chunk, num_blocks, table_width, scale2, bias_shift,
                       s_qn, s_qh, s_kc, s_kh, s_vc, s_vh, s_bt,
                       D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, P: tl.constexpr,
-                      TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr):
-        """Groups p, p + P, ... of the tile, one after the other, into one set of lanes.
-        Returns (m, l, acc) and the lanes served."""
+                      TILE_N: tl.constexpr, CHUNK_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                      HAS_WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr):
+        """Groups p, p + P, ... of the tile, one after the other, into one set of lanes:
+        this split's share of each group's range, read once for all its lanes."""
         d = tl.arange(0, BLOCK_D)
         q = tl.load(q_ptr + rows.to(tl.int64)[:, None] * s_qn + heads[:, None] * s_qh + d[None, :],
                     mask=(lanes & (seq >= 0))[:, None] & (d < D)[None, :], other=0.0).to(k_ptr.dtype.element_ty)
@@ -279,71 +357,133 @@ if triton is not None:
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        mine = lanes & (seq < -1)  # no lane yet
         k_head, v_head = k_ptr + kvh.to(tl.int64) * s_kh, v_ptr + kvh.to(tl.int64) * s_vh
         for k in range(p, tl.max(rank, 0), P):
-            seq_k = tl.max(tl.where(leader & (rank == k + 1), s_row, -1), 0)  # group k's sequence
-            grp = lanes & (seq == seq_k)
-            m, l, acc = _attend_group(q, m, l, acc, grp, pos, lo, slope2, seq_k, split, splits, min_chunk, bt_ptr,
-                                      s_bt, k_head, v_head, bias_shift, scale2, num_blocks, table_width, s_kc, s_vc,
-                                      D, BLOCK_D, TILE_N, BLOCK_SIZE, HAS_BIAS, DOT_PREC)
-            mine = mine | grp
-        return m, l, acc, mine
+            first = leader & (rank == k + 1)
+            seq_k = tl.max(tl.where(first, s_row, -1), 0)  # group k's sequence and range
+            lo_k, hi_k = tl.max(tl.where(first, g_lo, 0), 0), tl.max(tl.where(first, g_hi, -1), 0)
+            start, end, _ = _split_range(lo_k, hi_k, split, splits, min_chunk, TILE_N)
+            pos_g = tl.where(lanes & (seq == seq_k), pos, -1)
+            m, l, acc = _attend_share(q, m, l, acc, k_head, v_head, bt_ptr + seq_k.to(tl.int64) * s_bt, start, end,
+                                      lo_k, hi_k, pos_g, lo, slope2, bias_shift, scale2, num_blocks, table_width,
+                                      s_kc, s_vc, D, BLOCK_D, TILE_N, CHUNK_TILES, BLOCK_SIZE, HAS_WINDOW, HAS_BIAS,
+                                      DOT_PREC)
+        return m, l, acc
+
+    @triton.jit
+    def _store_rows(out_ptr, o, rows, heads, mask, s_on, s_oh, D: tl.constexpr, BLOCK_D: tl.constexpr):
+        """out[row, head] = o for the lanes in ``mask``."""
+        d = tl.arange(0, BLOCK_D)
+        ptr = out_ptr + rows.to(tl.int64)[:, None] * s_on + heads[:, None] * s_oh + d[None, :]
+        tl.store(ptr, o.to(out_ptr.dtype.element_ty), mask=mask[:, None] & (d < D)[None, :])
+
+    @triton.jit
+    def _store_split(pm_ptr, pacc_ptr, m, l, acc, rows, heads, mine, split, splits, Hq,
+                     D: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Split ``split``'s log-sum-exp (log2 units; -inf where it saw nothing) and
+        normalised output (0 there) of each lane into the scratch ``[N, Hq, splits, (D)]``."""
+        d = tl.arange(0, BLOCK_D)
+        at = (rows.to(tl.int64) * Hq + heads) * splits + split
+        has = l > 0
+        tl.store(pm_ptr + at, tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), float("-inf")), mask=mine)
+        o = acc / tl.where(has, l, 1.0)[:, None]
+        tl.store(pacc_ptr + at[:, None] * D + d[None, :], o.to(pacc_ptr.dtype.element_ty),
+                 mask=mine[:, None] & (d < D)[None, :])
+
+    @triton.jit
+    def _merge_splits(out_ptr, pm_ptr, pacc_ptr, rows, heads, own, arrivals, splits, Hq, s_on, s_oh,
+                      D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, MERGE_CHUNK: tl.constexpr):
+        """out of the lanes ``own`` from their splits 0 .. arrivals - 1 (each stored both):
+        every split's output weighted by exp2(lse - the largest lse), summed in split
+        order, divided by the weights' sum. MERGE_CHUNK splits per step, unrolled with
+        elementwise math only (no reduction, no barrier), so their loads are in flight
+        together. The loads bypass L1 (.cg): other SMs wrote the partials."""
+        d = tl.arange(0, BLOCK_D)
+        at0 = (rows.to(tl.int64) * Hq + heads) * splits
+        top = tl.full([BLOCK_L], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_L], tl.float32)
+        o = tl.zeros([BLOCK_L, BLOCK_D], tl.float32)
+        for c in range(0, arrivals, MERGE_CHUNK):
+            for u in tl.static_range(MERGE_CHUNK):
+                ok = own & (tl.zeros([BLOCK_L], tl.int32) + c + u < arrivals)  # (a vector: see _write_cells_kernel)
+                lse = tl.load(pm_ptr + at0 + c + u, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                part = tl.load(pacc_ptr + (at0 + c + u)[:, None] * D + d[None, :], mask=ok[:, None] & (d < D)[None, :],
+                               other=0.0, cache_modifier=".cg")
+                new = tl.maximum(top, lse)
+                use = tl.where(new == float("-inf"), 0.0, new)
+                w, rescale = tl.math.exp2(lse - use), tl.math.exp2(top - use)
+                o = o * rescale[:, None] + w[:, None] * part.to(tl.float32)
+                total = total * rescale + w
+                top = new
+        _store_rows(out_ptr, o / tl.where(total > 0, total, 1.0)[:, None], rows, heads, own, s_on, s_oh, D, BLOCK_D)
+
+    @triton.jit
+    def _arrive_and_merge(out_ptr, pm_ptr, pacc_ptr, cnt_ptr, seq_ptr, pos_ptr, s_seq, s_pos, s_row, leader, rank,
+                          tile, p, kvh, arrivals, N, Hq, splits, num_seqs, s_on, s_oh,
+                          G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+                          BLOCK_G: tl.constexpr, R: tl.constexpr, P: tl.constexpr, MERGE_CHUNK: tl.constexpr):
+        """After this split's partials are stored: count it in (tile, program, KV head)'s
+        counter; the last of the ``arrivals`` resets the counter to 0 and merges the
+        triple's lanes (the barrier first: every thread's stores precede the release)."""
+        tl.debug_barrier()
+        counter = cnt_ptr + tl.program_id(0) * tl.num_programs(1) + kvh
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == arrivals - 1:
+            tl.atomic_xchg(counter, 0)
+            tl.debug_barrier()
+            rows, lanes, seq, heads, _, _ = _tile_lanes(seq_ptr, pos_ptr, s_seq, s_pos, tile, kvh, N, num_seqs, 0, G,
+                                                        R, BLOCK_L, BLOCK_G, False)
+            own = lanes & _owned(seq, s_row, leader, rank, p, P)
+            _merge_splits(out_ptr, pm_ptr, pacc_ptr, rows, heads, own, arrivals, splits, Hq, s_on, s_oh, D, BLOCK_D,
+                          BLOCK_L, MERGE_CHUNK)
+
+    @triton.jit
+    def _store_padding(out_ptr, seq_ptr, pos_ptr, s_seq, s_pos, tile, kvh, N, num_seqs, s_on, s_oh, G: tl.constexpr,
+                       D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_G: tl.constexpr,
+                       R: tl.constexpr):
+        """Zeros for the tile's padding rows (and rows of sequence ids past the table)."""
+        rows, lanes, seq, heads, _, _ = _tile_lanes(seq_ptr, pos_ptr, s_seq, s_pos, tile, kvh, N, num_seqs, 0, G, R,
+                                                    BLOCK_L, BLOCK_G, False)
+        _store_rows(out_ptr, tl.zeros([BLOCK_L, BLOCK_D], tl.float32), rows, heads, lanes & (seq < 0), s_on, s_oh,
+                    D, BLOCK_D)
 
     @triton.jit
     def _cell_attention_kernel(
-        q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, pos_ptr, slope_ptr, out_ptr, pm_ptr, pl_ptr, pacc_ptr,
+        q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, pos_ptr, slope_ptr, out_ptr, pm_ptr, pacc_ptr, cnt_ptr,
         N, Hq, splits, min_chunk, num_seqs, num_blocks, table_width, scale2, bias_shift, window,
         s_qn, s_qh, s_kc, s_kh, s_vc, s_vh, s_bt, s_seq, s_pos, s_on, s_oh,
         G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr,
-        R: tl.constexpr, BLOCK_R: tl.constexpr, P: tl.constexpr, TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        HAS_WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
+        BLOCK_L: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, P: tl.constexpr, TILE_N: tl.constexpr,
+        CHUNK_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr,
+        SPLIT: tl.constexpr, MERGE_CHUNK: tl.constexpr, DOT_PREC: tl.constexpr,
     ):
         tile, p = tl.program_id(0) // P, tl.program_id(0) % P
         kvh, split = tl.program_id(1), tl.program_id(2)
-        s_row, leader, rank = _tile_groups(seq_ptr, s_seq, tile, N, num_seqs, R, BLOCK_R)
-        rows, inside, seq, pos, lo = _tile_lanes(seq_ptr, pos_ptr, s_seq, s_pos, tile, N, num_seqs, window,
-                                                 R, BLOCK_M, BLOCK_G, HAS_WINDOW)
-        heads = kvh * G + tl.arange(0, BLOCK_M) % BLOCK_G
-        lanes = inside & (heads < kvh * G + G)
-        pad = lanes & (seq < 0) & (rows * 0 + p == 0)  # padding rows: program 0 of the tile writes 0s
-        if p < tl.max(rank, 0):  # a program without a group reads nothing more
-            m, l, acc, mine = _serve_groups(q_ptr, k_ptr, v_ptr, bt_ptr, slope_ptr, rows, heads, lanes, seq, pos, lo,
-                                            s_row, leader, rank, p, kvh, split, splits, min_chunk, num_blocks,
-                                            table_width, scale2, bias_shift, s_qn, s_qh, s_kc, s_kh, s_vc, s_vh, s_bt,
-                                            D, BLOCK_D, BLOCK_M, P, TILE_N, BLOCK_SIZE, HAS_BIAS, DOT_PREC)
-            if DIRECT:
-                _store_rows(out_ptr, acc, l, rows, heads, mine | pad, s_on, s_oh, D, BLOCK_D)
+        s_row, leader, rank, g_lo, g_hi, arrivals = _tile_rows(seq_ptr, pos_ptr, s_seq, s_pos, tile, p, N, num_seqs,
+                                                               window, split, splits, min_chunk, R, BLOCK_R, P,
+                                                               TILE_N, HAS_WINDOW)
+        if (p == 0) & (split == 0):
+            _store_padding(out_ptr, seq_ptr, pos_ptr, s_seq, s_pos, tile, kvh, N, num_seqs, s_on, s_oh, G, D, BLOCK_D,
+                           BLOCK_L, BLOCK_G, R)
+        if split < arrivals:  # a program without work reads nothing more
+            rows, lanes, seq, heads, pos, lo = _tile_lanes(seq_ptr, pos_ptr, s_seq, s_pos, tile, kvh, N, num_seqs,
+                                                           window, G, R, BLOCK_M, BLOCK_G, HAS_WINDOW)
+            m, l, acc = _serve_groups(q_ptr, k_ptr, v_ptr, bt_ptr, slope_ptr, rows, heads, lanes, seq, pos, lo, s_row,
+                                      leader, rank, g_lo, g_hi, p, kvh, split, splits, min_chunk, num_blocks,
+                                      table_width, scale2, bias_shift, s_qn, s_qh, s_kc, s_kh, s_vc, s_vh, s_bt, D,
+                                      BLOCK_D, BLOCK_M, P, TILE_N, CHUNK_TILES, BLOCK_SIZE, HAS_WINDOW, HAS_BIAS,
+                                      DOT_PREC)
+            mine = lanes & _owned(seq, s_row, leader, rank, p, P)
+            o = acc / tl.where(l > 0, l, 1.0)[:, None]
+            if SPLIT:
+                if arrivals == 1:  # the only split with work: no scratch, no counter
+                    _store_rows(out_ptr, o, rows, heads, mine, s_on, s_oh, D, BLOCK_D)
+                else:
+                    _store_split(pm_ptr, pacc_ptr, m, l, acc, rows, heads, mine, split, splits, Hq, D, BLOCK_D)
+                    _arrive_and_merge(out_ptr, pm_ptr, pacc_ptr, cnt_ptr, seq_ptr, pos_ptr, s_seq, s_pos, s_row,
+                                      leader, rank, tile, p, kvh, arrivals, N, Hq, splits, num_seqs, s_on, s_oh, G, D,
+                                      BLOCK_D, BLOCK_L, BLOCK_G, R, P, MERGE_CHUNK)
             else:
-                _store_split(pm_ptr, pl_ptr, pacc_ptr, m, l, acc, rows, heads, mine, split, splits, Hq, D, BLOCK_D)
-        elif DIRECT:
-            _store_rows(out_ptr, tl.zeros([BLOCK_M, BLOCK_D], tl.float32), tl.zeros([BLOCK_M], tl.float32), rows,
-                        heads, pad, s_on, s_oh, D, BLOCK_D)
-
-    @triton.jit
-    def _merge_splits_kernel(out_ptr, pm_ptr, pl_ptr, pacc_ptr, seq_ptr, s_seq, s_on, s_oh, Hq, splits, num_seqs,
-                             D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-        """out[row, head] from its splits: the largest running max M, every split's sum
-        and accumulator rescaled by exp2(m - M), summed, divided. Padding rows get 0."""
-        row = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1)
-        d = tl.arange(0, BLOCK_D)
-        ptr = out_ptr + row * s_on + head * s_oh + d
-        seq = tl.load(seq_ptr + row * s_seq)
-        if (seq < 0) | (seq >= num_seqs):
-            tl.store(ptr, tl.zeros([BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty), mask=d < D)
-            return
-        s = tl.arange(0, BLOCK_S)
-        at = (row * Hq + head) * splits + s
-        m = tl.load(pm_ptr + at, mask=s < splits, other=float("-inf"))
-        l = tl.load(pl_ptr + at, mask=s < splits, other=0.0)
-        seen = m > float("-inf")
-        top = tl.max(m, 0)
-        w = tl.where(seen, tl.math.exp2(m - tl.where(top > float("-inf"), top, 0.0)), 0.0)
-        a = tl.load(pacc_ptr + at[:, None] * D + d[None, :], mask=seen[:, None] & (d < D)[None, :], other=0.0)
-        total = tl.sum(l * w, 0)
-        o = tl.sum(a * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-        tl.store(ptr, o.to(out_ptr.dtype.element_ty), mask=d < D)
+                _store_rows(out_ptr, o, rows, heads, mine, s_on, s_oh, D, BLOCK_D)
 
     @triton.jit
     def _write_cells_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, cells_ptr, num_cells, s_cells,
@@ -363,7 +503,7 @@ if triton is not None:
         tl.store(vc_ptr + cell * s_vcc + h * s_vch + d, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 else:  # pragma: no cover
-    _cell_attention_kernel = _merge_splits_kernel = _write_cells_kernel = None
+    _cell_attention_kernel = _write_cells_kernel = None
 
 
 def kernel_mode() -> str:
@@ -414,10 +554,12 @@ def _check_caches(rows: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
                                       f"{tuple(c.shape)} strides {c.stride()}"))
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
         raise InputError(expected("v_cache", f"k_cache's shape and dtype {_desc(k_cache)}", _desc(v_cache)))
+    if k_cache.shape[0] > MAX_CELLS:
+        raise InputError(expected("k_cache", f"at most {MAX_CELLS} cells", k_cache.shape[0]))
 
 
 def _check_attention_args(q, k_cache, v_cache, block_table, seq_ids, positions, block_size, window, slopes,
-                          out, splits) -> None:
+                          out, splits, counters=None) -> None:
     """Raise InputError naming the first argument that breaks the contract."""
     _check_tensor("q", q, 3, SUPPORTED_DTYPES)
     N, Hq, D = q.shape
@@ -448,6 +590,10 @@ def _check_attention_args(q, k_cache, v_cache, block_table, seq_ids, positions, 
                                   _desc(out)))
     if splits is not None and (not isinstance(splits, int) or splits < 1):
         raise InputError(expected("splits", "None or an int >= 1", splits))
+    if counters is not None:
+        _check_tensor("counters", counters, 1, (torch.int32,), q.device)
+        if not counters.is_contiguous():
+            raise InputError(expected("counters", "a contiguous int32 tensor", f"strides {counters.stride()}"))
 
 
 def _check_plan(plan) -> None:
@@ -483,31 +629,70 @@ def _device_scope(t: Tensor):
     return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
-def kernel_constants(plan: AttentionPlan, Hq: int, Hkv: int, D: int, block_size: int, cache_dtype: torch.dtype,
-                     has_window: bool, has_bias: bool) -> dict:
-    """The attention kernel's compile-time constants for a launch (one compiled kernel per
-    distinct dict): the lane tile (rows x padded G, at least 16 for the tensor cores), the
-    padded D, the plan's tile shape, the block size and the optional features."""
-    block_g = _next_pow2(Hq // Hkv)
-    return dict(G=Hq // Hkv, D=D, BLOCK_D=max(16, _next_pow2(D)), BLOCK_G=block_g,
-                BLOCK_M=max(16, _next_pow2(plan.rows_per_tile) * block_g), R=plan.rows_per_tile,
-                BLOCK_R=_next_pow2(plan.rows_per_tile), P=plan.programs_per_tile, TILE_N=plan.config.tile_n,
-                BLOCK_SIZE=block_size, HAS_WINDOW=has_window, HAS_BIAS=has_bias, DIRECT=plan.splits == 1,
-                DOT_PREC="ieee" if cache_dtype == torch.float32 else "tf32")
-
-
 def _launch_options(config: AttentionConfig, device: torch.device) -> dict:
     if device.type != "cuda":
         return {}
     return {"num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
+def new_attention_counters(device, entries: int = COUNTERS) -> Tensor:
+    """A zeroed arrival-counter buffer for :func:`cell_attention_triton`'s ``counters``:
+    ``entries`` int32 counters, enough for launches of up to that many (tile, program,
+    KV head) triples. The kernel leaves it zero after every launch. Keep it alive (and
+    at its address) as long as any graph that captured a launch with it; launches that
+    may run at the same time (other streams) each need their own."""
+    return torch.zeros(entries, dtype=torch.int32, device=device)
+
+
+_COUNTER_BUFFERS: dict[torch.device, list[Tensor]] = {}
+
+
+def attention_counters(device, need: int = 1) -> Tensor:
+    """This process's shared counter buffer of ``device`` with at least ``need`` entries
+    (the launches that pass no ``counters``): allocated zeroed on first use, replaced by
+    a bigger one when a launch needs more. Old buffers stay alive (graphs captured with
+    them keep replaying them). Raises CaptureError when it would have to allocate while
+    the current stream captures (a buffer allocated in a capture belongs to the graph):
+    make one launch of the widest grid before capturing, or pass ``counters``."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    bufs = _COUNTER_BUFFERS.setdefault(dev, [])
+    if bufs and bufs[-1].numel() >= need:
+        return bufs[-1]
+    if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise CaptureError(f"cell_attention: the split counters of {dev} ({need} entries) are allocated outside "
+                           "graph capture: launch once before capturing, or pass counters=")
+    bufs.append(new_attention_counters(dev, max(COUNTERS, _next_pow2(need))))
+    return bufs[-1]
+
+
+def _scratch(q: Tensor, out: Tensor, plan: AttentionPlan, counters: Tensor | None, triples: int):
+    """The split partials (log-sum-exp fp32, outputs in out's dtype) and the counters; for
+    one split, dummies the kernel never touches."""
+    if plan.splits == 1:
+        return out, out, out
+    if counters is None:
+        counters = attention_counters(q.device, triples)
+    elif counters.numel() < triples:
+        raise InputError(expected("counters", f"at least {triples} entries (tiles x programs x KV heads)",
+                                  counters.numel()))
+    N, Hq, D = q.shape
+    pm = torch.empty((N, Hq, plan.splits), dtype=torch.float32, device=q.device)
+    pacc = torch.empty((N, Hq, plan.splits, D), dtype=out.dtype, device=q.device)
+    return pm, pacc, counters
+
+
 def cell_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_ids: Tensor,
                           positions: Tensor, *, block_size: int, scale: float, window: int | None = None,
                           slopes: Tensor | None = None, bias_shift: int = 0, out: Tensor | None = None,
-                          splits: int | None = None, plan: AttentionPlan | None = None) -> Tensor:
-    """The contract above on the Triton kernels (CUDA tensors; CPU tensors under
-    ``TRITON_INTERPRET=1``). ``plan`` overrides :func:`plan_attention` (tests, tuning).
+                          splits: int | None = None, plan: AttentionPlan | None = None,
+                          counters: Tensor | None = None) -> Tensor:
+    """The contract above on the Triton kernel, one launch (CUDA tensors; CPU tensors
+    under ``TRITON_INTERPRET=1``). ``plan`` overrides :func:`plan_attention` (tests,
+    tuning). ``counters``: the splits' arrival counters (see
+    :func:`new_attention_counters`; None: this process's buffer of the device, see
+    :func:`attention_counters`).
 
     Asynchronous on the current stream and capturable: no host read of a device value;
     the split scratch comes from ``torch.empty`` (the graph's pool during capture). The
@@ -518,45 +703,37 @@ def cell_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tab
     the block table reads nothing (its row comes out 0), and positions past the table's
     width or blocks outside the caches read nothing."""
     _check_attention_args(q, k_cache, v_cache, block_table, seq_ids, positions, block_size, window, slopes,
-                          out, splits)
+                          out, splits, counters)
     if kernel_mode() == "unavailable":
         raise RuntimeError("cell_attention_triton: triton is not installed; use cell_attention_reference")
     N, Hq, D = q.shape
     Hkv = k_cache.shape[1]
-    out = torch.empty_like(q) if out is None else out
-    if N == 0:
-        return out
-    if plan is None:
-        plan = plan_attention(N, Hq, Hkv, D, splits=splits)
+    plan = plan_attention(N, Hq, Hkv, D, splits=splits) if plan is None else plan
     _check_plan(plan)
-    meta = kernel_constants(plan, Hq, Hkv, D, block_size, k_cache.dtype, window is not None, slopes is not None)
-    if meta["DIRECT"]:  # no scratch: the kernel never touches these pointers
-        pm = pl = pacc = out
-    else:
-        pm, pl = (torch.empty((N, Hq, plan.splits), dtype=torch.float32, device=q.device) for _ in range(2))
-        pacc = torch.empty((N, Hq, plan.splits, D), dtype=torch.float32, device=q.device)
     grid = (-(-N // plan.rows_per_tile) * plan.programs_per_tile, Hkv, plan.splits)
     with _device_scope(q):
+        out = torch.empty_like(q) if out is None else out
+        if N == 0:
+            return out
+        pm, pacc, cnt = _scratch(q, out, plan, counters, grid[0] * grid[1])
+        meta = kernel_constants(plan, Hq, Hkv, D, block_size, k_cache.dtype, window is not None, slopes is not None)
         _cell_attention_kernel[grid](
-            q, k_cache, v_cache, block_table, seq_ids, positions, q if slopes is None else slopes, out, pm, pl, pacc,
+            q, k_cache, v_cache, block_table, seq_ids, positions, q if slopes is None else slopes, out, pm, pacc, cnt,
             N, Hq, plan.splits, max(1, plan.config.min_chunk), block_table.shape[0], k_cache.shape[0] // block_size,
-            block_table.shape[1],
-            float(scale) * LOG2E,
-            int(bias_shift), int(window or 0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-            v_cache.stride(0), v_cache.stride(1), block_table.stride(0), seq_ids.stride(0), positions.stride(0),
-            out.stride(0), out.stride(1), **meta, **_launch_options(plan.config, q.device))
-        if not meta["DIRECT"]:
-            _merge_splits_kernel[(N, Hq)](out, pm, pl, pacc, seq_ids, seq_ids.stride(0), out.stride(0), out.stride(1),
-                                          Hq, plan.splits, block_table.shape[0], D=D, BLOCK_D=meta["BLOCK_D"],
-                                          BLOCK_S=_next_pow2(plan.splits))
+            block_table.shape[1], float(scale) * LOG2E, int(bias_shift), int(window or 0), q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), block_table.stride(0),
+            seq_ids.stride(0), positions.stride(0), out.stride(0), out.stride(1),
+            **meta, **_launch_options(plan.config, q.device))
     return out
 
 
 def write_cells_triton(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, cells: Tensor) -> None:
     """``k_cache[cells] = k`` and ``v_cache[cells] = v`` in one launch (CUDA tensors; CPU
     tensors under ``TRITON_INTERPRET=1``). Asynchronous and capturable (cells are read on
-    the device); a cell outside the caches writes nothing. Raises InputError before
-    writing anything when an argument breaks the contract."""
+    the device); a cell outside the caches writes nothing; a cell given by several rows
+    (the scratch cell of padding rows) gets each element from one of them, which one
+    unspecified. Raises InputError before writing anything when an argument breaks the
+    contract."""
     _check_write_args(k, v, k_cache, v_cache, cells)
     if kernel_mode() == "unavailable":
         raise RuntimeError("write_cells_triton: triton is not installed; use write_cells_reference")
@@ -582,11 +759,11 @@ def write_cells_reference(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor
 def cell_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_ids: Tensor,
                              positions: Tensor, *, block_size: int, scale: float, window: int | None = None,
                              slopes: Tensor | None = None, bias_shift: int = 0, out: Tensor | None = None,
-                             splits: int | None = None) -> Tensor:
+                             splits: int | None = None, counters: Tensor | None = None) -> Tensor:
     """The contract above in plain torch, on any device. No host read of a device value
     and no data-dependent shape (it runs inside captured step functions and under the
     hazard finder): every row gathers the static bound of ``MB * block_size`` positions
-    and masks what it may not see. ``splits`` is accepted and ignored."""
+    and masks what it may not see. ``splits`` and ``counters`` are accepted and ignored."""
     N, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     G = Hq // Hkv
@@ -616,13 +793,13 @@ def cell_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_
 def cell_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_ids: Tensor,
                    positions: Tensor, *, block_size: int, scale: float, window: int | None = None,
                    slopes: Tensor | None = None, bias_shift: int = 0, out: Tensor | None = None,
-                   splits: int | None = None) -> Tensor:
-    """The contract above: the Triton kernels on CUDA tensors, the torch reference
-    elsewhere (or the kernels in the interpreter with ``CGRT_CPU_KERNELS=1`` and
+                   splits: int | None = None, counters: Tensor | None = None) -> Tensor:
+    """The contract above: the Triton kernel on CUDA tensors, the torch reference
+    elsewhere (or the kernel in the interpreter with ``CGRT_CPU_KERNELS=1`` and
     ``TRITON_INTERPRET=1``). Same lifetimes and errors as the implementation chosen."""
     impl = cell_attention_triton if _runs_kernel(q) else cell_attention_reference
     return impl(q, k_cache, v_cache, block_table, seq_ids, positions, block_size=block_size, scale=scale,
-                window=window, slopes=slopes, bias_shift=bias_shift, out=out, splits=splits)
+                window=window, slopes=slopes, bias_shift=bias_shift, out=out, splits=splits, counters=counters)
 
 
 def write_cells(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, cells: Tensor) -> None:

@@ -139,7 +139,7 @@ class HFStandIn(_Rows):
     """A tiny transformers model of ``family`` (``hf_config(family, "tiny", **config)``)
     on a :class:`StandInPool` (random weights from ``seed``; fp32, CPU)."""
 
-    def __init__(self, family="llama", *, max_seqs=4, max_len=64, seed=0, fuse=False, **config):
+    def __init__(self, family="llama", *, max_seqs=4, max_len=64, seed=0, fuse=False, small_m=False, **config):
         import transformers
 
         from cudagraph_rt.models import hf
@@ -150,6 +150,10 @@ class HFStandIn(_Rows):
         if fuse:
             from cudagraph_rt.models.fused import fuse_projections
             fuse_projections(self.model)
+        if small_m:  # the projections through the small-M kernel, interpreted on a CPU-only box
+            from cudagraph_rt.kernels.small_linear import kernel_mode
+            from cudagraph_rt.models.small_m import use_small_m_kernel
+            use_small_m_kernel(self.model, interpret_on_cpu=kernel_mode() == "interpreter")
         self.decoder, self.head = self.model.get_decoder(), self.model.get_output_embeddings()
         self.device = torch.device("cpu")
         cfg = self.model.config

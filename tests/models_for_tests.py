@@ -2,7 +2,7 @@
 a model that fails on demand, and the hand capture the GPU tests use outside the runtime."""
 import torch
 
-from cudagraph_rt import InputSpec
+from cudagraph_rt import InputSpec, eager
 
 
 class Boom(RuntimeError):
@@ -108,3 +108,32 @@ def python_acceptance(tokens: list[int], rows: list[tuple]) -> list[bool]:
                 if tokens[i] != rows[i][4]:
                     break
     return committed
+
+
+@eager
+def _scaled_rows(emb, tokens, scale):
+    """SlotModel's first line, as a marked call (it returns a fresh tensor: copied into
+    the capture's output at each piecewise replay)."""
+    return emb[tokens] * (1 + scale).to(emb.dtype)
+
+
+@eager
+def _state_rw(state, h, slot, read, out):
+    """SlotModel's state write and read, as a marked call writing ``out`` in place."""
+    state.index_copy_(0, slot, h)
+    return torch.add(h, state[read], alpha=0.5, out=out)
+
+
+class MarkedSlotModel(SlotModel):
+    """SlotModel with its first line and its state write/read in calls marked
+    ``cudagraph_rt.eager``: captured in pieces it runs three pieces (the feed's prologue;
+    the tanh layers; the argmax and gather) around two eager calls, one returning a fresh
+    tensor (copied into the static one) and one writing its ``out`` in place. The same
+    math, op for op, as SlotModel: the same outputs bit for bit."""
+
+    def __call__(self, x):
+        h = _scaled_rows(self.emb, x["tokens"], x["scale"])
+        for w in self.ws:
+            h = torch.tanh(h @ w)
+        out = _state_rw(self.state, h, x["slot"], x["read"], torch.empty_like(h))
+        return {"hidden": out, "tok": out.argmax(-1)}

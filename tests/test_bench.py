@@ -13,8 +13,8 @@ import torch
 from cudagraph_rt import extras
 from cudagraph_rt.cli import main
 from cudagraph_rt.models.toy import ToyConfig, ToyDecoder
-from cudagraph_rt.tools import bench_compile, bench_report
-from cudagraph_rt.tools.bench_common import N_SETS, ToyRows
+from cudagraph_rt.tools.bench import compile_setups as bench_compile, report as bench_report
+from cudagraph_rt.tools.bench.common import N_SETS, ToyRows
 
 SECTIONS = ("step_time", "mixed_trace", "host_overhead", "memory", "padding", "host_rows")
 
@@ -67,8 +67,8 @@ def test_host_overhead_case_on_a_cpu_runtime_times_host_inputs_in_the_whole_step
     whole zero-copy call asks host_inputs for fresh views inside itself, fills them and
     steps them; the row has the old keys and the new ones."""
     from cudagraph_rt.cli import build_parser
-    from cudagraph_rt.tools import bench_steps
-    from cudagraph_rt.tools.bench_context import Context
+    from cudagraph_rt.tools.bench import steps as bench_steps
+    from cudagraph_rt.tools.bench.context import Context
 
     ctx = Context(build_parser().parse_args(["bench", "--quick", "--device", "cpu"]))
     try:
@@ -164,7 +164,7 @@ def test_child_that_cannot_start(tmp_path):
 
 
 def test_child_protocol_end_to_end_on_cpu(tmp_path):
-    """The real child (python -m cudagraph_rt.tools.bench_compile_child) with the eager control
+    """The real child (python -m cudagraph_rt.tools.bench.compile_child) with the eager control
     setup on the CPU: payload in, every stage's figures out, the bench's timing."""
     cfg = ToyConfig.tiny()
     rows = ToyRows(ToyDecoder(cfg, "cpu"), 0)
@@ -186,7 +186,7 @@ def test_child_protocol_end_to_end_on_cpu(tmp_path):
 def test_child_figures_reach_rows_ratios_and_goal(tmp_path, monkeypatch):
     """Records as the children leave them: (a) crashed, (b) ran without CUDA graphs,
     cgrt+compile ran. Section 1-2 rows carry them; compile/cgrt and goal 3 use (b), saying so."""
-    from cudagraph_rt.tools.bench_context import Context
+    from cudagraph_rt.tools.bench.context import Context
 
     lat = {"median_us": 100.0, "p10_us": 90.0, "p90_us": 110.0, "n": 5}
     widths = (1, 2, 4, 8, 16, 32, 64)
@@ -225,7 +225,7 @@ def test_child_figures_reach_rows_ratios_and_goal(tmp_path, monkeypatch):
 
 
 def test_interleaved_timing_runs_each_variant_after_its_prepare_in_rotating_order():
-    from cudagraph_rt.tools.bench_common import time_interleaved
+    from cudagraph_rt.tools.bench.common import time_interleaved
     log = []
     variants = {name: ((lambda i, n=name: log.append(("call", n, i))),
                        (lambda i, n=name: log.append(("prep", n, i))) if name != "a" else None)

@@ -1,9 +1,9 @@
-"""`python -m cudagraph_rt.tools.bench_attention --quick` runs end to end on the CPU (the
+"""`python -m cudagraph_rt.tools.bench.attention --quick` runs end to end on the CPU (the
 kernels in the interpreter) and writes every section, each kernel result checked against
-SDPA by the bench itself."""
+SDPA by the bench itself; the goal table names each goal case with pass or miss."""
 import json
 
-from cudagraph_rt.tools.bench_attention import main
+from cudagraph_rt.tools.bench.attention import FULL, main
 
 
 def test_quick_writes_every_section(tmp_path, capsys):
@@ -17,9 +17,21 @@ def test_quick_writes_every_section(tmp_path, capsys):
     assert all(k["status"] == "ok" and k["max_err"] < 1e-4 for k in kernels if "max_err" in k), kernels
     assert all("us" in k for k in kernels)
     tried = res["candidates"][0]["tried"]
-    assert {t["knob"] for t in tried} >= {"default", "splits", "rows", "block_size"}
-    assert all(t["status"] == "ok" for t in tried), tried
-    assert "cell attention, 16-layer loop" in capsys.readouterr().out
+    assert {t["knob"] for t in tried} >= {"default", "splits", "min_chunk", "tile_n"}
+    assert all(t["status"] == "ok" and t["max_err"] < 1e-4 for t in tried), tried
+    assert {t["plan"]["splits"] for t in tried} >= {1, 3}  # the one-split kernel and the merging one
+    out = capsys.readouterr().out
+    assert "cell attention, 16-layer loop" in out
+    goals = out[out.index("== goals"):].splitlines()
+    assert any(line.split()[0] == "w4@24" and ("pass" in line or "MISS" in line) for line in goals[2:]), goals
+
+
+def test_full_run_times_the_goal_cases():
+    """The H200 run covers every goal of issue 23 and keeps its candidate list short."""
+    names = {c.name for c in FULL.cases}
+    assert names == {"w1@8k", "w1@32k", "w8@8k", "w8@32k", "w64@1k"}
+    assert sum(len(c.tries) for c in FULL.cases) <= 30
+    assert 128 in FULL.extents and {8192, 32768} <= set(FULL.extents)
 
 
 def test_the_kv_floor_counts_k_and_v_of_every_layer():
@@ -28,7 +40,7 @@ def test_the_kv_floor_counts_k_and_v_of_every_layer():
     far from it as it is."""
     import torch
 
-    from cudagraph_rt.tools.bench_attention import HBM_BYTES_PER_S, Shape, Workload
+    from cudagraph_rt.tools.bench.attention import HBM_BYTES_PER_S, Shape, Workload
     for layers, hkv, d, dtype, seqs, extent in [(1, 2, 16, torch.float32, 1, 24), (3, 1, 8, torch.float16, 2, 40)]:
         wl = Workload(Shape(layers, 2 * hkv, hkv, d, dtype), width=2 * seqs, seqs=seqs, extent=extent,
                       max_seqs=seqs, max_len=64, block_size=8, device="cpu")

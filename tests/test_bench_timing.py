@@ -19,8 +19,8 @@ import time
 import pytest
 
 from cudagraph_rt.cli import build_parser
-from cudagraph_rt.tools import bench_common, bench_steps
-from cudagraph_rt.tools.bench_context import Context
+from cudagraph_rt.tools.bench import common as bench_common, steps as bench_steps
+from cudagraph_rt.tools.bench.context import Context
 from cudagraph_rt.widths import default_widths
 from seeds import seeded_rng
 
@@ -271,7 +271,7 @@ def test_overhead_row_pools_repeats_and_keeps_the_old_keys(clock):
     sp = r["zero_copy_whole_over_bare_host"]
     assert sp["min"] == sp["max"] == sp["median"] == pytest.approx((HOST_INPUTS + STEP) / REPLAY)
     assert r["step_over_bare_latency"]["median"] == pytest.approx((STEP + SYNC) / (REPLAY + SYNC))
-    from cudagraph_rt.tools import bench_report
+    from cudagraph_rt.tools.bench import report as bench_report
     (table,) = bench_report.tables("host_overhead", {"status": "ok", "rows": [r], "repeats": 3})
     assert len(table.columns) == 14 and table.row_count == 1
     import io
@@ -287,7 +287,7 @@ def test_overhead_row_pools_repeats_and_keeps_the_old_keys(clock):
 
 
 def test_goal_status_only_where_the_repeats_agree():
-    from cudagraph_rt.tools import bench_report
+    from cudagraph_rt.tools.bench import report as bench_report
     assert bench_report.spread_status(1.2, 1.4, 1.5) is True
     assert bench_report.spread_status(1.6, 1.9, 1.5) is False
     assert bench_report.spread_status(1.4, 1.6, 1.5) == "unclear"
@@ -320,7 +320,7 @@ def test_goal_status_only_where_the_repeats_agree():
 def test_pool_goals_judge_every_context_of_8k_cells_and_more():
     """bench --model hf's pool section: the attention-over-floor goal holds for every live
     context of 8k cells and more (8,192 included), the pool-size goal for every width."""
-    from cudagraph_rt.tools import bench_pool
+    from cudagraph_rt.tools.bench import pool as bench_pool
     lim = bench_pool.ATTENTION_GOAL
     sec = {"pool_scaling": [{"width": 1, "ratio": bench_pool.POOL_GOAL}, {"width": 8, "ratio": 1.5}],
            "context_scaling": [{"live": 4096, "width": 1, "attention_over_floor": 9.0},

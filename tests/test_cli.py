@@ -117,7 +117,7 @@ def test_inspect_json_ok_agrees_with_the_exit_code(capsys):
 
 
 def test_a_failed_check_is_exit_1_and_json_says_not_ok(capsys, monkeypatch):
-    from cudagraph_rt.tools import demo
+    from cudagraph_rt.tools.demo import serve as demo
 
     real = demo.check
 
@@ -189,7 +189,8 @@ def _assert_readable(text: str, values: list[str]) -> None:
 def test_tables_are_readable_at_80_columns(capsys, tmp_path, monkeypatch):
     from cudagraph_rt.testing import ToyAdapter, run_sweep
     from cudagraph_rt.testing.report import rich_tables
-    from cudagraph_rt.tools import bench_report, demo
+    from cudagraph_rt.tools.bench import report as bench_report
+    from cudagraph_rt.tools.demo import report as demo_report
     from cudagraph_rt.tools import console as console_mod
 
     rep = run_sweep(ToyAdapter(device="cpu", widths=(1, 2, 4)), graphs="off", repeats=1, extras=())
@@ -199,7 +200,7 @@ def test_tables_are_readable_at_80_columns(capsys, tmp_path, monkeypatch):
     doc = json.loads(capsys.readouterr().out)
     con = Console(width=80, file=io.StringIO(), highlight=False, color_system=None)
     monkeypatch.setattr(console_mod, "make_console", lambda stderr=False, markup=True: con)
-    demo._print(doc)
+    demo_report._print(doc)
     run = doc["runs"][0]
     _assert_readable(con.file.getvalue(), [f"{run['tokens_per_s']:.1f}", f"{run['steps_per_s']:.1f}",
                                            *(f"{v:.1f}" for v in run["host_phases_us_per_step"].values())])

@@ -39,11 +39,11 @@ except ImportError:
 
 
 # ------------------------------------------------------------------------------ models
-def _hf_stand_in(family, fuse, **config):
+def _hf_stand_in(family, fuse, small_m=False, **config):
     def make(seed):
         if not HAVE_HF:
             pytest.skip("needs transformers")
-        return HFStandIn(family, seed=seed, fuse=fuse, **config)
+        return HFStandIn(family, seed=seed, fuse=fuse, small_m=small_m, **config)
     return make
 
 
@@ -70,11 +70,15 @@ FACTORIES = {
     # the projections, with Qwen2's q/k/v biases and a sliding second layer
     "hf-qwen3-fused": _hf_stand_in("qwen3", True, attention_bias=True, use_sliding_window=True,
                                    sliding_window=16, max_window_layers=1),
+    # the same with every projection through the small-M kernel (interpreted on the CPU)
+    "hf-qwen3-fused-small": _hf_stand_in("qwen3", True, small_m=True, attention_bias=True, use_sliding_window=True,
+                                         sliding_window=16, max_window_layers=1),
     "hfdecoder-llama": _hf_decoder("llama", False),
     "hfdecoder-qwen2-fused": _hf_decoder("qwen2", True),
 }
 THROUGH_THE_OP = [n for n in FACTORIES if n != "plain-in-graph"]
 FUSED = [n for n in FACTORIES if n.endswith("-fused")]
+SMALL_M = [n for n in FACTORIES if n.endswith("-small")]
 
 
 # ------------------------------------------------------------------------------ one run
@@ -215,6 +219,19 @@ def test_fused_compiled_step_runs_one_matmul_per_group(name):
     for src in run.code:
         mms = len(re.findall(r"extern_kernels\.(?:mm|addmm|bmm)\(", src))
         assert mms == 4 * layers + 1, f"{name}: {mms} matmuls in a graph of {layers} layers"
+
+
+@pytest.mark.parametrize("name", SMALL_M)
+def test_small_m_compiled_step_runs_the_kernel_op_once_per_projection(name):
+    """Merged and routed through the small-M kernel: per layer one op call each for
+    q/k/v, o, gate/up and down, in every compiled graph (one dynamic, one width 1), and
+    no extern mm left but the LM head's."""
+    run = run_of(name)
+    layers = run.compiled.pool.k.shape[0]
+    for src in run.code:
+        ops = src.count("torch.ops.cgrt.small_m_linear.default(")
+        mms = len(re.findall(r"extern_kernels\.(?:mm|addmm|bmm)\(", src))
+        assert (ops, mms) == (4 * layers, 1), f"{name}: {ops} small-M ops and {mms} matmuls in a graph"
 
 
 # ------------------------------------------------------------------------------ the op

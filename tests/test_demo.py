@@ -1,4 +1,4 @@
-"""The speculative-decoding host runner (cudagraph_rt.runner) and `cgrt demo`.
+"""The speculative-decoding host runner (cudagraph_rt.spec.runner) and `cgrt demo`.
 
 CPU tests run the runner with graphs off; the cuda ones replay graphs. Prompts are fresh
 random each run from a seed printed on failure (DEMO_TEST_SEED=<n> replays one).
@@ -15,9 +15,9 @@ import torch
 
 from cudagraph_rt import InputError, cli
 from cudagraph_rt.models import ToyConfig, ToyDecoder
-from cudagraph_rt.device_drafter import DeviceDrafter
-from cudagraph_rt.drafting import CommittedRows, DraftRule, controlled_drafts, controlled_drafts_py
-from cudagraph_rt.runner import PHASES, PhaseClock, Request, SpecRunner, ToyDrafter
+from cudagraph_rt.spec.device_drafter import DeviceDrafter
+from cudagraph_rt.spec.drafting import CommittedRows, DraftRule, controlled_drafts, controlled_drafts_py
+from cudagraph_rt.spec.runner import PHASES, PhaseClock, Request, SpecRunner, ToyDrafter
 from cudagraph_rt.testing.checks import Tolerance
 from seeds import seeded_rng
 

@@ -14,7 +14,10 @@ model run unpadded at exactly T rows, through random sequences of
   sliced commits, a device-mode step wider than the default capacity;
 - host-row choices per mode (host: rows before the step; device: the step function picks
   the rows whose scale > 0.5; commit: rows after the step), handles held and released,
-  commits fresh and stale, ``reset_stats``, ``recapture``; ``close`` at the end.
+  commits fresh and stale, ``reset_stats``, ``recapture``; ``close`` at the end;
+- a piecewise runtime (``pieces=True`` over MarkedSlotModel: its first line and its state
+  write/read run as marked eager calls between three pieces per width), graphs off or
+  emulated, against the same plain reference.
 
 After every rule: valid steps match the reference (outputs, real KV slots, shipped rows),
 every held handle still reads its own step's rows, ``stats()`` equals an independent count,
@@ -40,8 +43,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from cudagraph_rt import (BusyError, CapacityError, CaptureError, CgrtError, GraphRuntime, HostRows, InputError,
                           StaleRowsError)
 from ring_hooks import poison_next_slot
-from models_for_tests import Boom, SlotModel, failing
+from models_for_tests import Boom, MarkedSlotModel, SlotModel, failing
 from reliability_harness import ScaleChooser, bits, chosen_by_scale, commit_turn
+
+
+class MarkedChooser(ScaleChooser, MarkedSlotModel):
+    """ScaleChooser over MarkedSlotModel (the piecewise runtime's device-mode model)."""
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -129,23 +136,24 @@ class RuntimeMachine(RuleBasedStateMachine):
     # -- set-up ----------------------------------------------------------------------------
     @initialize(mode=st.sampled_from([None, "host", "device", "commit"]), depth=st.integers(2, 3),
                 seed=st.integers(0, 2**31 - 1), capacity=st.sampled_from([None, 140]),
-                graphs=st.sampled_from([False, "emulate"]), rows=st.sampled_from([ROWS, 64]),
+                graphs=st.sampled_from([False, "emulate"]), rows=st.sampled_from([ROWS, 64]), pieces=st.booleans(),
                 chooser=st.sampled_from([(torch.int32, torch.int32), (torch.int64, torch.int32),
                                          (torch.int32, torch.int64), (torch.int64, torch.int64)]))
-    def build(self, mode, depth, seed, capacity, graphs, rows, chooser):
+    def build(self, mode, depth, seed, capacity, graphs, rows, chooser, pieces):
         print(f"fuzz: mode={mode} depth={depth} capacity={capacity} graphs={graphs} rows={rows} "
-              f"chooser={chooser} seed={seed}")
+              f"chooser={chooser} pieces={pieces} seed={seed}")
         cls = ScaleChooser if mode == "device" else SlotModel
+        stepped = (MarkedChooser if mode == "device" else MarkedSlotModel) if pieces else cls
         kw = dict(rows_dtype=chooser[0], count_dtype=chooser[1]) if mode == "device" else {}
-        self.m = failing(cls)("cpu", H=16, n_slots=160, seed=seed % 1000, **kw)
+        self.m = failing(stepped)("cpu", H=16, n_slots=160, seed=seed % 1000, **kw)
         self.ref = cls("cpu", H=16, n_slots=160, seed=seed % 1000, **kw)
         self.gen = torch.Generator().manual_seed(seed)
         self.mode, self.depth, self.rows, self.chooser = mode, depth, rows, chooser
         self.capacity = capacity or rows
         hr = HostRows(source="hidden", mode=mode, depth=depth, capacity=capacity) if mode else None
         self.rt = GraphRuntime(self.m, self.m.specs(), graphs=graphs, device="cpu", host_rows=hr,
-                               dynamic_limit=rows)
-        self.graphs = graphs
+                               dynamic_limit=rows, pieces=pieces)
+        self.graphs, self.pieces = graphs, pieces
         # the model of what the runtime should have done
         self.counts = dict(steps=0, slices=0, padding=0, commits=0)
         self.eager, self.dynamic, self.replays = Counter(), Counter(), Counter()
@@ -578,6 +586,8 @@ class RuntimeMachine(RuleBasedStateMachine):
         assert dict(s.eager_calls) == +self.eager and dict(s.dynamic_calls) == +self.dynamic
         assert dict(s.graph_replays) == +self.replays
         assert s.graph_mode == ("emulated" if self.graphs else "off")
+        mode = ("pieces" if self.pieces else "graph") if self.graphs and self.captured else "eager"
+        assert dict(s.width_modes) == {w: mode for w in WIDTHS}
 
     @invariant()
     def held_handles_read_their_own_rows(self):
@@ -622,8 +632,8 @@ class RunnerMachine(RuleBasedStateMachine):
     @initialize(graphs=st.sampled_from([False, "emulate"]), k=st.integers(0, 3), lanes=st.integers(1, 2),
                 drafter=st.sampled_from(["host", "device", "device_short"]), seed=st.integers(0, 2**31 - 1))
     def build(self, graphs, k, lanes, drafter, seed):
-        from cudagraph_rt.device_drafter import DeviceDrafter
-        from cudagraph_rt.runner import SpecRunner, ToyDrafter
+        from cudagraph_rt.spec.device_drafter import DeviceDrafter
+        from cudagraph_rt.spec.runner import SpecRunner, ToyDrafter
         print(f"runner fuzz: graphs={graphs} k={k} lanes={lanes} drafter={drafter} seed={seed}")
         RUNNER_MODEL.reset_cache()
         if drafter == "host":
@@ -642,7 +652,7 @@ class RunnerMachine(RuleBasedStateMachine):
         self.next_uid = 0
 
     def request(self, kind: str):
-        from cudagraph_rt.runner import Request
+        from cudagraph_rt.spec.runner import Request
         L, V = RUNNER_MODEL.config.max_len, RUNNER_MODEL.config.vocab
         n = int(self.gen.integers(1, 8))
         prompt = tuple(int(t) for t in self.gen.integers(0, V, n))

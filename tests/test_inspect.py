@@ -1,9 +1,9 @@
-"""CPU tests of cudagraph_rt.inspect.
+"""CPU tests of cudagraph_rt.debug.inspect.
 
 The hazard finder: every kind, each reported at the right line. Expected lines come from
 ``# HAZARD: kind`` markers in the step functions below (read with inspect.getsourcelines),
 and a line without a marker must report nothing. The inputs are CPU tensors, so the finder
-simulates the device (see the module docstring of cudagraph_rt.inspect).
+simulates the device (see the module docstring of cudagraph_rt.debug.inspect).
 The CUDA half: answers "needs CUDA" here; the pure helpers run on synthetic nodes.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from cudagraph_rt import CgrtError
-from cudagraph_rt.inspect import (
+from cudagraph_rt.debug.inspect import (
     HAZARD_KINDS,
     GraphNode,
     Hazard,
@@ -35,9 +35,9 @@ from cudagraph_rt.inspect import (
     to_dot,
 )
 from cudagraph_rt.capture import CaptureReport, WidthCapture
-from cudagraph_rt.inspect import _capture_facts
-import cudagraph_rt.graph_nodes as graph_nodes_mod
-import cudagraph_rt.hazards as hazards_mod
+from cudagraph_rt.debug.inspect import _capture_facts
+import cudagraph_rt.debug.graph_nodes as graph_nodes_mod
+import cudagraph_rt.debug.hazards as hazards_mod
 
 _MARK = re.compile(r"#\s*HAZARD:\s*([\w, ]+)")
 
@@ -386,7 +386,7 @@ def fake_driver(edges_cuda13: bool):
 
 @pytest.mark.parametrize("edges_cuda13", [False, True], ids=["edges-cuda12", "edges-cuda13"])
 def test_graph_nodes_with_a_fake_driver(monkeypatch, edges_cuda13):
-    import cudagraph_rt.inspect as insp
+    import cudagraph_rt.debug.inspect as insp
 
     monkeypatch.setattr(graph_nodes_mod, "_driver", lambda: fake_driver(edges_cuda13))
     kernel, h2d, memset, d2h = graph_nodes(1234)
@@ -462,11 +462,15 @@ def test_cli_bad_target_exits_2(capsys):
 def test_which_frames_count_as_user_code():
     import cudagraph_rt.models.toy as toy
     import cudagraph_rt.runtime as runtime
-    import cudagraph_rt.inspect as insp
+    import cudagraph_rt.debug.inspect as insp
 
     assert not hazards_mod._is_library(toy.__file__) and not hazards_mod._is_library(__file__)
     assert hazards_mod._is_library(runtime.__file__) and hazards_mod._is_library(torch.nn.functional.__file__)
     assert hazards_mod._is_library(json.__file__) and not hazards_mod._is_library("<stdin>")
+    # the wing's own files and the kernels (beside the package in a source tree) are library too
+    import cudagraph_rt.kernels as kernels
+    assert hazards_mod._is_library(hazards_mod.__file__) and hazards_mod._is_library(insp.__file__)
+    assert hazards_mod._is_library(kernels.__file__)
 
 
 def _mask_like_transformers(x):

@@ -1,4 +1,4 @@
-"""GPU tests of cudagraph_rt.inspect: graph_nodes on small hand-captured graphs (kernel
+"""GPU tests of cudagraph_rt.debug.inspect: graph_nodes on small hand-captured graphs (kernel
 names, memcpy direction and host memory kind, memset size and value, edges), the DOT text,
 the hazard finder on real CUDA tensors, and inspect_runtime on a tiny runtime."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cudagraph_rt.capture import CaptureReport, WidthCapture
-from cudagraph_rt.inspect import (
+from cudagraph_rt.debug.inspect import (
     GraphInspectError,
     diff_nodes,
     find_capture_hazards,

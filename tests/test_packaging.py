@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MAPPED = {"kernels": "row_gather", "tools": "sweep"}  # folder -> a module inside it
+MAPPED = {"kernels": "row_gather", "tools": "options"}  # folder -> a module inside it
 
 # Run in the child: which file each mapped name comes from, and how every other name at
 # the repository root fares as cudagraph_rt.<name>.
@@ -112,9 +112,15 @@ def test_wheel_holds_the_package_only_and_resolves_inside_itself(wheel, tmp_path
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
     assert tops == {"cudagraph_rt", wheel.name.split("-")[0] + "-" + wheel.name.split("-")[1] + ".dist-info"}, tops
-    for must in ("cudagraph_rt/py.typed", "cudagraph_rt/kernels/row_gather.py", "cudagraph_rt/tools/sweep.py",
-                 "cudagraph_rt/models/toy.py"):
+    for must in ("cudagraph_rt/py.typed", "cudagraph_rt/kernels/row_gather.py", "cudagraph_rt/tools/sweep/__init__.py",
+                 "cudagraph_rt/models/toy.py", "cudagraph_rt/debug/inspect.py", "cudagraph_rt/spec/runner.py",
+                 "cudagraph_rt/tools/bench/compile_child.py", "cudagraph_rt/tools/demo/serve.py"):
         assert must in names, must
+    # every module of the tree, at its installed path (a subpackage setup.py misses is caught here)
+    tree = {f"cudagraph_rt/{p.relative_to(ROOT / 'cudagraph_rt').as_posix()}" for p in (ROOT / "cudagraph_rt").rglob("*.py")}
+    tree |= {f"cudagraph_rt/{p.relative_to(ROOT).as_posix()}" for d in MAPPED for p in (ROOT / d).rglob("*.py")}
+    missing = sorted(n for n in tree if "__pycache__" not in n and n not in names)
+    assert not missing, f"the wheel misses {missing}"
     assert not [n for n in names if "/tests/" in n or n.endswith("conftest.py")]
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
@@ -176,3 +182,58 @@ def test_extras_message_names_the_extra_and_a_command_that_works_anywhere(monkey
                                                         r'pip install "cudagraph_rt\[nothing\]"'):
         extras.require("nothing", "x")
     assert extras.available("plot") == (importlib.util.find_spec("matplotlib") is not None)
+
+
+# Run in the child: each old path of a module that moved into a wing, imported as users
+# wrote it, against the module at its new path.
+MOVED_PROBE = r"""
+import importlib, json, sys, warnings
+from cudagraph_rt._moved import MOVED
+out = {}
+for old, new in MOVED.items():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ns = {}
+        exec(f"import {old} as module", ns)  # an import statement, as users write it
+        module = ns["module"]
+    target = importlib.import_module(new)
+    names = [n for n in dir(target) if not n.startswith("__")]
+    parent, leaf = old.rsplit(".", 1)
+    out[old] = {
+        "same_module": module is target and sys.modules[old] is target,
+        "attribute": getattr(importlib.import_module(parent), leaf) is target,
+        "spec": target.__spec__.name,
+        "different": [n for n in names if getattr(module, n) is not getattr(target, n)],
+        "from_import": eval(f"__import__({old!r}, fromlist=['x'])") is target,
+        "warnings": [(w.category.__name__, str(w.message), w.filename) for w in caught],
+        "names": len(names),
+    }
+print(json.dumps(out))
+"""
+
+
+def test_moved_module_paths_are_the_new_modules_and_warn(tmp_path):
+    """The modules that moved into cudagraph_rt.debug and cudagraph_rt.spec still import at
+    their old paths for one release: the same module object (so every name, private ones
+    and monkeypatches included, is the same), one DeprecationWarning naming the new path,
+    attributed to the importing line; and the README lists each as deprecated."""
+    from cudagraph_rt._moved import MOVED
+
+    proc = subprocess.run([sys.executable, "-c", MOVED_PROBE], cwd=tmp_path, env=_clean_env(PYTHONPATH=str(ROOT)),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    found = json.loads(proc.stdout.splitlines()[-1])
+    assert set(found) == set(MOVED) and len(MOVED) == 7
+    for old, new in MOVED.items():
+        got = found[old]
+        assert got["same_module"] and got["attribute"] and got["from_import"], (old, got)
+        assert got["spec"] == new and not got["different"] and got["names"] > 3, (old, got)
+        assert [(c, m) for c, m, _ in got["warnings"]] == [
+            ("DeprecationWarning", f"{old} moved to {new}; the old path goes in cudagraph_rt 0.2")], (old, got)
+        assert got["warnings"][0][2] == "<string>", got["warnings"]  # the importer's line, not importlib's
+        assert not (ROOT / (old.replace(".", "/") + ".py")).exists(), f"{old}: a file at the old path"
+    readme = (ROOT / "README.md").read_text()
+    changes = readme[readme.index("### API changes"):]
+    deprecated = changes[changes.index("- Deprecated"):].split("\n- ")[0]  # that item only
+    for old, new in MOVED.items():
+        assert f"`{old}`" in deprecated and f"`{new}`" in changes, old

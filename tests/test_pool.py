@@ -520,7 +520,7 @@ def test_runner_on_a_small_pool_admits_by_free_blocks_and_frees_on_retire(rng):
     free, until the free blocks cover its worst case; every output is plain greedy
     decoding; every block is back in the pool at the end. A request larger than the whole
     pool (but within max_len) is refused at submit."""
-    from cudagraph_rt.runner import Request, SpecRunner, ToyDrafter
+    from cudagraph_rt.spec.runner import Request, SpecRunner, ToyDrafter
 
     m = ToyDecoder(ToyConfig.tiny(max_seqs=6, max_len=48, cells=32), "cpu")
     V = m.config.vocab

@@ -153,27 +153,28 @@ def test_cgrt_commands_parse(block: Block):
 
 
 def test_architecture_layout_names_every_module():
-    """ARCHITECTURE.md's layout stays true: every module of the package (models/ and
-    testing/ are described as a whole) is named there, and every file it names exists."""
+    """ARCHITECTURE.md's layout stays true: every module of the package and of tools/
+    (models/ and testing/ are described as a whole) is named there, and every file it
+    names exists."""
     text = (ROOT / "ARCHITECTURE.md").read_text()
     layout = next(b.code for b in blocks(text) if b.section == "Layout")
     named = set(re.findall(r"[\w]+\.py|[\w]+/", layout))
-    pkg = ROOT / "cudagraph_rt"
     missing = []
-    for path in sorted(pkg.rglob("*.py")):
-        rel = path.relative_to(pkg)
-        if rel.parts[0] in ("models", "testing") or path.name.startswith("__") or "__pycache__" in rel.parts:
-            continue
-        if path.name not in named or (len(rel.parts) > 1 and f"{rel.parts[0]}/" not in named):
-            missing.append(str(rel))
+    for pkg in (ROOT / "cudagraph_rt", ROOT / "tools"):
+        for path in sorted(pkg.rglob("*.py")):
+            rel = path.relative_to(pkg)
+            if rel.parts[0] in ("models", "testing") or path.name.startswith("__") or "__pycache__" in rel.parts:
+                continue
+            if path.name not in named or (len(rel.parts) > 1 and f"{rel.parts[0]}/" not in named):
+                missing.append(str(path.relative_to(ROOT)))
     assert not missing, f"ARCHITECTURE.md's layout does not name {missing}"
-    files = {"setup.py"} | {p.name for d in ("cudagraph_rt", "kernels", "tools") for p in (ROOT / d).rglob("*.py")}
+    files = {"setup.py"} | {p.name for d in ("cudagraph_rt", "kernels", "tools", "tests") for p in (ROOT / d).rglob("*.py")}
     assert not {n for n in named if n.endswith(".py")} - files, "ARCHITECTURE.md names files that do not exist"
 
 
 @pytest.mark.parametrize("doc", ["README.md", "ARCHITECTURE.md"])
 def test_files_the_docs_point_at_exist(doc):
-    """Every repository file the doc names (``tests/test_x.py``, ``cudagraph_rt/runner.py``)
+    """Every repository file the doc names (``tests/test_x.py``, ``cudagraph_rt/spec/runner.py``)
     exists, and a ``::Name`` after it is a class or function defined there."""
     text = (ROOT / doc).read_text()
     refs = re.findall(r"\b((?:tests|cudagraph_rt|tools|kernels)/[\w/]+\.py)(?:::(\w+))?", text)

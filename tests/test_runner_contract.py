@@ -15,11 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cudagraph_rt import InputError
-from cudagraph_rt.device_drafter import DeviceDrafter
-from cudagraph_rt.drafting import CommittedRows, DraftRule, controlled_drafts, controlled_drafts_py
+from cudagraph_rt.spec.device_drafter import DeviceDrafter
+from cudagraph_rt.spec.drafting import CommittedRows, DraftRule, controlled_drafts, controlled_drafts_py
 from cudagraph_rt.models import ToyConfig, ToyDecoder
-from cudagraph_rt.runner import ReferenceDrafter, Request, SpecRunner, ToyDrafter
-from cudagraph_rt.tools import demo
+from cudagraph_rt.spec.runner import ReferenceDrafter, Request, SpecRunner, ToyDrafter
+from cudagraph_rt.tools.demo import serve as demo
 
 MODEL = ToyDecoder(ToyConfig.tiny(max_len=48, max_seqs=6), "cpu")
 
@@ -176,7 +176,7 @@ class _NotAToy:
 
 def test_demo_serve_reports_replans_of_the_timed_run_only(monkeypatch):
     """serve() reports the timed run (seconds, tokens, ...) and its 'replans' and
-    'replan_seconds'; bench_hf subtracts replan_seconds from the timed seconds ("re-plans
+    'replan_seconds'; bench.hf subtracts replan_seconds from the timed seconds ("re-plans
     timed apart"). The drafter is made before the warm-up run and its counters are never
     reset, so re-plans of the warm-up (here the expensive first one, an eager generate) are
     reported as the timed run's: replans 3 where the timed run re-planned 2 times."""
@@ -328,7 +328,7 @@ def test_the_reference_drafter_refuses_a_row_with_one_non_finite_entry(bad):
     """ReferenceDrafter.observe "checks one finite host row per committed token": a row is
     finite only when every entry is; one NaN (or inf) entry in one row is a RuntimeError
     naming the row's position, and finite rows pass."""
-    from cudagraph_rt.runner import Sequence
+    from cudagraph_rt.spec.runner import Sequence
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     drafter = ReferenceDrafter(MODEL, 0.5, seed=1)
     seq = Sequence(uid=7, slot=0, prompt=(1, 2, 3), max_new=8, tokens=[1, 2, 3, 4, 5, 6])

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 
 from cudagraph_rt.errors import CgrtError, expected
-from cudagraph_rt.inspect import InspectReport, inspect_runtime, short_kernel_name, to_dot
+from cudagraph_rt.debug.inspect import InspectReport, inspect_runtime, short_kernel_name, to_dot
 from cudagraph_rt.models import Decoder
 from cudagraph_rt.tools import options
 
@@ -40,14 +40,16 @@ DEFAULT_TARGET = "cudagraph_rt.tools.inspect_cmd:toy_target"   # the embedded to
 _LAST: dict[bool, weakref.ref] = {}
 
 
-def _target(model: Decoder, graphs: bool):
-    """A runtime over ``model``'s step (graphs kept when on) and ``inputs(T)``: one
+def _target(model: Decoder, graphs: bool, pieces: bool = False):
+    """A runtime over ``model``'s step (graphs kept when on; every width in pieces with
+    ``pieces``) and ``inputs(T)``: one
     sequence, a fresh id each call (its blocks freed and taken again, in this model's pool
     and in that of the last model built for the other graph mode), positions 0..T-1,
     random tokens (seed 0)."""
     from cudagraph_rt import GraphRuntime
 
-    rt = GraphRuntime(model.step, model.inputs(), graphs=graphs, keep_graphs=graphs, device=model.device)
+    rt = GraphRuntime(model.step, model.inputs(), graphs=graphs, keep_graphs=graphs, device=model.device,
+                      pieces=pieces and graphs, step_values=model.step_values)
     gen, calls = torch.Generator().manual_seed(0), iter(range(1 << 30))
     _LAST[graphs] = weakref.ref(model)
 
@@ -73,6 +75,15 @@ def toy_target(graphs: bool):
     from cudagraph_rt.models.toy import ToyDecoder
 
     return _target(ToyDecoder(), graphs)
+
+
+def toy_pieces_target(graphs: bool):
+    """The toy decoder with its attention marked eager, every width captured in pieces
+    (``--target cudagraph_rt.tools.inspect_cmd:toy_pieces_target``): the report lists each
+    width's pieces and the attention calls between them."""
+    from cudagraph_rt.models.toy import ToyDecoder
+
+    return _target(ToyDecoder(attention="eager-piece"), graphs, pieces=True)
 
 
 @functools.lru_cache(maxsize=2)
@@ -253,6 +264,9 @@ def _print(report: InspectReport) -> None:
             for n in w.node_hazards:
                 con.print(f"[red]width {w.width} node #{n.index} {n.type}[/] "
                           f"{escape(n.direction or '')} {n.bytes or ''} B: {escape(n.hazard)}")
+    for w in report.widths:
+        if w.layout:
+            con.print(f"width {w.width} in pieces: " + escape(" -> ".join(w.layout)))
     seen: dict[tuple, list[int]] = {}
     for w in report.widths:
         for h in w.hazards:

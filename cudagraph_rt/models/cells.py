@@ -12,11 +12,32 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError, expected
+from ..pieces import eager
 from ..specs import InputSpec
 from .accept import greedy_accept
 from .pool import KVPool
 
 ROW_INPUTS = ("tokens", "positions", "seq_ids", "cells", "want")
+# How a model's attention runs: "cells" the pool's attention inside the step (captured with
+# it); "eager-piece" the same attention marked cudagraph_rt.eager (a width captured in
+# pieces runs it between graphs); "varlen" (transformers models only) torch's varlen_attn,
+# which needs per-step host ints (models/varlen.py): it runs only in pieces or eagerly.
+ATTENTIONS = ("cells", "eager-piece", "varlen")
+
+
+def check_attention(attention, allowed: tuple[str, ...] = ATTENTIONS) -> str:
+    if attention not in allowed:
+        raise InputError(expected("attention", " | ".join(allowed), repr(attention)))
+    return attention
+
+
+@eager
+def eager_pool_attend(pool, layer: int, q: Tensor, k: Tensor, v: Tensor, seq_ids: Tensor, positions: Tensor,
+                      cells: Tensor, out: Tensor, scale: float, window, slopes, bias_shift: int) -> Tensor:
+    """:meth:`KVPool.attend` as a call marked eager (``attention="eager-piece"``), written
+    into ``out`` in place: a piecewise replay copies nothing after it."""
+    return pool.attend(layer, q, k, v, seq_ids, positions, cells, scale=scale, window=window, slopes=slopes,
+                       bias_shift=bias_shift, out=out)
 
 
 def chunk_count(vocab: int) -> int:
@@ -77,6 +98,19 @@ class CellPoolModel:
     which takes blocks on demand; :meth:`free_seq` gives a retired sequence's blocks back."""
 
     pool: KVPool
+    attention: str = "cells"  # see ATTENTIONS
+    step_values = None  # a runtime's step_values function this model needs (varlen attention), or None
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, seq_ids: Tensor, positions: Tensor, cells: Tensor,
+               *, scale: float, window=None, slopes=None, bias_shift: int = 0) -> Tensor:
+        """The pool's attention of one layer: inside the step (``"cells"``), or marked eager
+        (``"eager-piece"``: same kernels, same result)."""
+        if self.attention == "cells":
+            return self.pool.attend(layer, q, k, v, seq_ids, positions, cells, scale=scale, window=window,
+                                    slopes=slopes, bias_shift=bias_shift)
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+        return eager_pool_attend(self.pool, layer, q, k, v, seq_ids, positions, cells, out, scale, window, slopes,
+                                 bias_shift)
 
     @property
     def scratch_cell(self) -> int:

@@ -19,6 +19,12 @@ parameters are views of that tensor. Nothing of the model's source is patched, a
   bookkeeping; it ends empty, so no tensor outlives the call), so the compiled graph has
   one matmul per group too: inductor does not merge identical matmuls by itself.
 
+``fuse_projections(model, small_m_kernel=True)`` also routes every merged product and
+the layers' other projections (``o_proj``, ``down_proj``) through the small-M kernel at
+decode widths (:func:`~.small_m.use_small_m_kernel`: M <= 16 rows on CUDA; F.linear
+otherwise; the LM head stays on cuBLAS). Each group holds its product as a strategy
+(:attr:`MergedWeights.product`: ``F.linear`` or a :class:`~.small_m.SmallMProduct`).
+
 Works for Llama, Qwen2 (q/k/v biases), Qwen3 (q/k norms run on the q/k slices, as on the
 separate outputs) and Mistral, and any model built with these names. Numerics: a merged
 matmul may round differently from three (another kernel or split), within float tolerance.
@@ -35,15 +41,18 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 class MergedWeights:
-    """One group's merged ``weight`` [sum of outs, in] (and ``bias`` or None) and the
-    pending product of the current input (eager only). Owned by the group's
-    :class:`MergedLinear` modules; not a module itself, so it adds no parameter."""
+    """One group's merged ``weight`` [sum of outs, in] (and ``bias`` or None), how its
+    product is computed (``product(x, weight, bias)``: ``F.linear`` unless
+    :func:`~.small_m.use_small_m_kernel` set another) and the pending product of the
+    current input (eager only). Owned by the group's :class:`MergedLinear` modules; not a
+    module itself, so it adds no parameter."""
 
     def __init__(self, linears: list[nn.Linear]):
         self.sizes = tuple(m.out_features for m in linears)
         with torch.no_grad():
             self.weight = torch.cat([m.weight for m in linears])
             self.bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
+        self.product = F.linear
         self._pending = None  # (input, its version, outputs, how many members may still take theirs)
 
     def rows(self, index: int) -> slice:
@@ -59,7 +68,7 @@ class MergedWeights:
         if p is not None and p[0] is x and p[1] == version:
             self._pending = (x, version, p[2], p[3] - 1) if p[3] > 1 else None
             return p[2][index]
-        outs = F.linear(x, self.weight, self.bias).split(self.sizes, -1)
+        outs = self.product(x, self.weight, self.bias).split(self.sizes, -1)
         self._pending = (x, version, outs, len(self.sizes) - 1)  # the others' turns still to come
         return outs[index]
 
@@ -121,15 +130,20 @@ def _compatible(linears: list[nn.Linear]) -> bool:
                for m in linears)
 
 
-def fuse_projections(model: nn.Module) -> int:
+def fuse_projections(model: nn.Module, *, small_m_kernel: bool = False) -> int:
     """Merge every q/k/v and gate/up group of ``model`` in place (see the module doc);
     returns how many groups were merged (0 for a model without any, or already fused).
+    ``small_m_kernel``: then route the layers' projections, merged or not, through the
+    small-M kernel (:func:`~.small_m.use_small_m_kernel`; also for a model fused before).
     Move the model to its device and dtype before or after: both work."""
     found = _groups(model)
     for module, names in found:  # no reference to a replaced linear survives its group
         merged = MergedWeights([getattr(module, n) for n in names])
         for i, name in enumerate(names):
             setattr(module, name, MergedLinear(merged, i, getattr(module, name)))
+    if small_m_kernel:
+        from .small_m import use_small_m_kernel
+        use_small_m_kernel(model)
     return len(found)
 
 

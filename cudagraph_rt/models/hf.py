@@ -37,7 +37,7 @@ from torch import Tensor
 
 from ..errors import InputError, expected
 from . import attention_op
-from .cells import ROW_INPUTS as _INPUTS, CellPoolModel, greedy_tokens, resolve_device
+from .cells import ROW_INPUTS as _INPUTS, CellPoolModel, check_attention, eager_pool_attend, greedy_tokens, resolve_device
 from .compiled import CompiledRows
 from .pool import DEFAULT_BLOCK_SIZE, KVPool, default_cells
 
@@ -118,12 +118,13 @@ def hf_config(family: str, size: str = "tiny", **overrides):
 
 def build(family: str, size: str = "tiny", *, dtype: torch.dtype | None = None, device=None, seed: int = 0,
           max_seqs: int | None = None, max_len: int | None = None, cells: int | None = None,
-          path: str | None = None, fuse: bool = False) -> HFDecoder:
+          path: str | None = None, fuse: bool = False, attention: str = "cells") -> HFDecoder:
     """An :class:`HFDecoder` for the CLI: random weights from ``hf_config(family, size)``
     (seeded), or ``from_pretrained(path)`` of a local directory (never a download).
     Defaults: tiny fp32 with 8 sequences x 128 positions; 1b bf16 with 16 x 256; the pool
     ``cells`` defaults to ``max_seqs * max_len`` (whole blocks per sequence). ``fuse``:
-    merge q/k/v and gate/up first (:func:`~.fused.fuse_projections`, same weights)."""
+    merge q/k/v and gate/up first (:func:`~.fused.fuse_projections`, same weights).
+    ``attention``: HFDecoder's."""
     dtype = dtype or (torch.float32 if size == "tiny" else torch.bfloat16)
     dev = resolve_device(device)
     if path is not None:
@@ -143,19 +144,44 @@ def build(family: str, size: str = "tiny", *, dtype: torch.dtype | None = None, 
         fuse_projections(model)
     defaults = (8, 128) if size == "tiny" else (16, 256)
     return HFDecoder(model, max_seqs=max_seqs or defaults[0], max_len=max_len or defaults[1], cells=cells,
-                     family=family, size=size if path is None else "local")
+                     family=family, size=size if path is None else "local", attention=attention)
 
 
 # ------------------------------------------------------------------------------ attention
 @dataclass(frozen=True)
 class _CellStep:
     """What one step hands every attention call (through the model's kwargs): the pool's
-    registry id and the rows' sequence ids, positions and cells ([N] int64 each). Lives for one model call."""
+    registry id, the rows' sequence ids, positions and cells ([N] int64 each) and how the
+    model attends (``attend``, one of the functions below). Lives for one model call."""
 
     pool_id: int  # attention_op's registry id of the model's KVPool
     seq_ids: Tensor
     positions: Tensor
     cells: Tensor
+    attend: object = None  # _captured_attend, _eager_piece_attend or _varlen_attend
+
+
+def _captured_attend(pool_id, layer, q, k, v, seq_ids, positions, cells, scale, window) -> Tensor:
+    """``attention="cells"``: one opaque op under torch.compile, captured with the step."""
+    return attention_op.attend(pool_id, layer, q, k, v, seq_ids, positions, cells, scale=scale, window=window)
+
+
+def _eager_piece_attend(pool_id, layer, q, k, v, seq_ids, positions, cells, scale, window) -> Tensor:
+    """``attention="eager-piece"``: the same attention, marked eager, into an ``out`` the
+    piece before it allocates (written in place: nothing copied at a replay)."""
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    return eager_pool_attend(attention_op.pool_by_id(pool_id), layer, q, k, v, seq_ids, positions, cells, out,
+                             scale, window, None, 0)
+
+
+def _varlen_attend(pool_id, layer, q, k, v, seq_ids, positions, cells, scale, window) -> Tensor:
+    """``attention="varlen"``: torch's varlen attention with per-step host ints (varlen.py)."""
+    from .varlen import varlen_attend
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    return varlen_attend(pool_id, layer, q, k, v, seq_ids, positions, cells, out, scale, window)
+
+
+_ATTEND = {"cells": _captured_attend, "eager-piece": _eager_piece_attend, "varlen": _varlen_attend}
 
 
 def cell_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling: float | None = None,
@@ -170,9 +196,9 @@ def cell_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_
     if cgrt_cells is None:
         raise RuntimeError(f"attention {ATTENTION!r} runs only inside HFDecoder.step (no cell state was passed)")
     st, d = cgrt_cells, query.shape[-1]
-    out = attention_op.attend(st.pool_id, module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
-                              value[0].transpose(0, 1), st.seq_ids, st.positions, st.cells,
-                              scale=d ** -0.5 if scaling is None else scaling, window=sliding_window)
+    out = (st.attend or _captured_attend)(st.pool_id, module.layer_idx, query[0].transpose(0, 1),
+                                          key[0].transpose(0, 1), value[0].transpose(0, 1), st.seq_ids, st.positions,
+                                          st.cells, d ** -0.5 if scaling is None else scaling, sliding_window)
     return out[None], None
 
 
@@ -209,11 +235,19 @@ class HFDecoder(CellPoolModel):
     captured graph): out-of-range tokens or cells fail on the device. A model whose
     attention modules lack ``layer_idx``, or that does not forward keyword arguments to
     its attention function, is refused at construction (InputError naming it).
+
+    ``attention``: ``"cells"`` (the pool's attention, captured with the step), ``"eager-piece"``
+    (the same attention marked ``cudagraph_rt.eager``: a runtime with ``pieces=True`` runs it
+    between graphs) or ``"varlen"`` (torch's ``varlen_attn`` with per-step host ints,
+    ``models/varlen.py``: build the runtime with ``step_values=model.step_values`` and
+    ``pieces=True``; a whole graph of it fails to capture, as it would freeze those ints).
     """
 
     def __init__(self, model, *, max_seqs: int = 8, max_len: int = 128, cells: int | None = None,
-                 block_size: int = DEFAULT_BLOCK_SIZE, family: str = "custom", size: str = "custom"):
+                 block_size: int = DEFAULT_BLOCK_SIZE, family: str = "custom", size: str = "custom",
+                 attention: str = "cells"):
         _register()
+        self.attention = check_attention(attention)
         for name, v in (("max_seqs", max_seqs), ("max_len", max_len), ("block_size", block_size)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise InputError(expected(name, "a positive int", repr(v)))
@@ -240,6 +274,10 @@ class HFDecoder(CellPoolModel):
         self.pool_id = attention_op.pool_id(self.pool)  # what the attention op fetches the pool by
         self.config = HFSpec(cfg.vocab_size, cfg.hidden_size, layers, max_seqs, max_len, dtype, family, size,
                              cells, block_size)
+        if attention == "varlen":
+            from .varlen import varlen_plan
+            window = getattr(cfg, "sliding_window", None)
+            self.step_values = varlen_plan((None,) + ((window,) if isinstance(window, int) else ()))
 
     # ----------------------------------------------------------------- public surface
     @property
@@ -264,7 +302,7 @@ class HFDecoder(CellPoolModel):
     def forward_cells(self, tokens: Tensor, positions: Tensor, seq_ids: Tensor, cells: Tensor) -> Tensor:
         """The model's decoder over N packed rows on the pool: [N, hidden]. Runs inside
         :meth:`step`, which selects the cell attention around it (outside the compiled code)."""
-        state = _CellStep(self.pool_id, seq_ids, positions, cells)
+        state = _CellStep(self.pool_id, seq_ids, positions, cells, _ATTEND[self.attention])
         out = self.decoder(input_ids=tokens[None], position_ids=positions[None], use_cache=False,
                            cgrt_cells=state)
         return out.last_hidden_state[0]

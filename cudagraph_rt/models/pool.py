@@ -41,7 +41,14 @@ whose blocks change under it (the host changes a sequence's cells only between i
 steps). :meth:`KVPool.free` fills the row with the scratch block on the device (no host
 memory); block copies (fork, copy-on-write) are device-to-device slices on the same stream.
 
-Lifetime: the pool lives as long as its model. ``k``, ``v`` and ``block_table`` never move.
+Attention counters: on CUDA the pool owns ``counters``, the int32 arrival counters its
+attention launches merge their splits through (zero between launches, see
+:mod:`cudagraph_rt.kernels.cell_attention`), allocated with the pool and never grown, so a
+captured graph's launches keep reading them at their address; a pool of its own per
+model keeps models that step on different streams from sharing counters.
+
+Lifetime: the pool lives as long as its model. ``k``, ``v``, ``block_table`` and
+``counters`` never move.
 Failure modes: bad arguments raise :class:`~cudagraph_rt.errors.InputError`, a request for
 more blocks than are free :class:`~cudagraph_rt.errors.CapacityError` (naming the sequence,
 the blocks asked and free), a table update while the current stream captures a graph
@@ -55,7 +62,8 @@ import torch
 from torch import Tensor
 
 from ..errors import CapacityError, CaptureError, InputError, expected
-from ..kernels.cell_attention import cell_attention, cell_attention_reference, write_cells, write_cells_reference
+from ..kernels.cell_attention import (cell_attention, cell_attention_reference, new_attention_counters, write_cells,
+                                      write_cells_reference)
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -88,7 +96,8 @@ class KVPool:
     ``max_seq_len`` positions each (see the module docstring for the layout, the allocator
     and how the block table is updated).
 
-    Attributes: ``k``, ``v`` (the caches), ``block_table`` (device, int32), ``block_size``,
+    Attributes: ``k``, ``v`` (the caches), ``block_table`` (device, int32), ``counters``
+    (the attention's split counters on CUDA, None elsewhere), ``block_size``,
     ``num_blocks`` (blocks for sequences, the scratch block not counted), ``free_blocks``,
     ``scratch_block``, ``scratch_cell``, ``max_seqs``, ``max_seq_len``, ``max_blocks`` (the
     table's width). The step functions read ``k``, ``v`` and ``block_table`` only through
@@ -116,6 +125,7 @@ class KVPool:
         self.block_table = torch.full((max_seqs, self.max_blocks), self.scratch_block, dtype=torch.int32,
                                       device=self.device)
         self._pin = self.device.type == "cuda"
+        self.counters = new_attention_counters(self.device) if self._pin else None
         self._clear_host()
 
     def _clear_host(self) -> None:
@@ -277,7 +287,8 @@ class KVPool:
                             else (write_cells_reference, cell_attention_reference))
         write(k, v, kc, vc, cells)
         return attention(q, kc, vc, self.block_table, seq_ids, positions, block_size=self.block_size,
-                         scale=scale, window=window, slopes=slopes, bias_shift=bias_shift, out=out)
+                         scale=scale, window=window, slopes=slopes, bias_shift=bias_shift, out=out,
+                         counters=self.counters)
 
     # ------------------------------------------------------------------ internals
     def _seq(self, seq, name: str) -> int:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import InputError, expected
-from .cells import ROW_INPUTS as _INPUTS, CellPoolModel, resolve_device
+from .cells import ROW_INPUTS as _INPUTS, CellPoolModel, check_attention, resolve_device
 from .pool import DEFAULT_BLOCK_SIZE, KVPool, default_cells
 
 _EMB = 4.0  # scale of the one-hot token codes
@@ -178,9 +178,14 @@ class ToyDecoder(CellPoolModel):
     the CPU, a device assert on CUDA), a row whose cell is not the one its (sequence,
     position) maps to silently corrupts attention, and a padding row pointing at a live
     cell overwrites it.
+
+    ``attention="eager-piece"``: the pool's attention marked ``cudagraph_rt.eager`` (a
+    runtime with ``pieces=True`` runs it between graphs; same kernels, same results).
     """
 
-    def __init__(self, config: ToyConfig | None = None, device: str | torch.device | None = None):
+    def __init__(self, config: ToyConfig | None = None, device: str | torch.device | None = None, *,
+                 attention: str = "cells"):
+        self.attention = check_attention(attention, ("cells", "eager-piece"))
         self.config = cfg = config or ToyConfig.tiny()
         self.device = resolve_device(device)
         w, q, self._pi_a, self._pi_b = _design_weights(cfg)
@@ -228,8 +233,8 @@ class ToyDecoder(CellPoolModel):
         x, taps = self._embed(t, pos), []
         for layer in range(self.config.layers):
             q, k, v = self._qkv(x, layer)
-            attn = self.pool.attend(layer, q, k, v, seq, pos, cells, scale=self.head_dim**-0.5,
-                                    slopes=self.slopes, bias_shift=1)
+            attn = self.attend(layer, q, k, v, seq, pos, cells, scale=self.head_dim**-0.5, slopes=self.slopes,
+                               bias_shift=1)
             x = self._block_out(x, attn.reshape(x.shape[0], self.local_heads * self.head_dim), layer)
             taps.append(x)
         greedy = (x @ self.wout).argmax(-1).masked_fill(want != 1, -1)

@@ -1,0 +1,267 @@
+"""``cgrt bench``: cudagraph_rt against eager, a bare CUDA graph and torch.compile, on the
+embedded toy decoder (ToyConfig.bench()), in one run.
+
+Sections (``--sections 1,2,...``):
+  1 step time per width      eager | cgrt step() | bare CUDAGraph replay | torch.compile setups
+  2 mixed trace              2,000 steps of a serving mix of widths, total time per variant
+  3 host overhead            step() vs replay() of the same graph at T = 1 and 64
+  4 memory                   one shared pool vs separate pools vs the widest alone; capture time
+  5 padding waste            default width set vs a denser user set over the trace
+  6 host rows                chosen hidden rows to the host: captured gather vs copy-all vs .item()
+
+Every figure is a median over many timed calls after warm-up, with random inputs rotated
+among several pre-generated sets; what each includes is stated in the tables and in the
+JSON (``--json``). ``--quick`` is a CPU smoke run (tiny model, graphs off, few repeats);
+sections that need CUDA report "skipped". Exit code: 1 if a section failed (or, with
+``--strict``, a goal was missed), else 0.
+
+torch.compile setups (sections 1-2, ``--compile-setups``) run one child process each
+(``compile_setups``: same model, inputs and timing; a crash or timeout is reported as
+"unavailable", never taking the bench down): (a) ``static`` reduce-overhead with weights and
+KV pool marked static, (b) ``default`` reduce-overhead as a user gets it, ``cgrt`` the
+runtime capturing a compiled step. Skipped with --quick / on the CPU / with --no-compile.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import platform
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.text import Text
+
+from cudagraph_rt.errors import expected
+
+from .. import options
+from ..console import make_console
+from . import compile_setups, host_rows, memory, report, steps
+from .context import Context
+
+SECTIONS = {
+    1: ("step_time", steps.step_time),
+    2: ("mixed_trace", steps.mixed_trace),
+    3: ("host_overhead", steps.host_overhead),
+    4: ("memory", memory.memory),
+    5: ("padding", memory.padding),
+    6: ("host_rows", host_rows.host_rows),
+}
+
+
+HF_SECTIONS = ("compiled", "pool", "spec", "capture", "pieces", "greedy")  # tools/bench/hf.py's, by name
+
+
+def _sections(text: str) -> tuple:
+    """Toy section numbers (``1,3``) or hf section names (``pool,compiled``)."""
+    words = [s.strip() for s in text.split(",") if s.strip()]
+    if words and all(w in HF_SECTIONS for w in words):
+        return tuple(dict.fromkeys(words))
+    try:
+        picked = tuple(sorted({int(s) for s in words}))
+    except ValueError:
+        picked = ()
+    if not picked or any(n not in SECTIONS for n in picked):
+        raise argparse.ArgumentTypeError(f"expected section numbers from {sorted(SECTIONS)} like 1,3 (toy) or names "
+                                         f"from {','.join(HF_SECTIONS)} (hf models), got {text!r}")
+    return picked
+
+
+def _count(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            v = minimum - 1
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"expected an int >= {minimum}, got {text!r}")
+        return v
+    return parse
+
+
+def _setups(text: str) -> tuple[str, ...]:
+    picked = tuple(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
+    if not picked or any(n not in compile_setups.SETUPS for n in picked):
+        raise argparse.ArgumentTypeError(f"expected setups from {list(compile_setups.SETUPS)} like static,cgrt, "
+                                         f"got {text!r}")
+    return picked
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``cgrt bench`` (see ``cgrt bench --help``)."""
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    doc = __doc__ or ""
+    p.epilog = doc[doc.find("Sections"):doc.find("Every figure")].rstrip() + "\n\nBENCHMARKS.md: commands and figures."
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: tiny model on the CPU, graphs off, few repeats, short trace (CI); a CPU "
+                        "runs these settings by default")
+    options.add_json(p)
+    options.add_plot(p, "step_time.png and host_rows.png")
+    p.add_argument("--sections", type=_sections, default=tuple(SECTIONS), metavar="1,2,...",
+                   help="which sections to run (default: all): toy 1..6; hf models by name ("
+                        + ",".join(HF_SECTIONS) + ")")
+    p.add_argument("--all-widths", action="store_true", help="section 1 at every T in 1..64, not only 1,2,4..64")
+    p.add_argument("--repeats", type=_count(1), metavar="N",
+                   help="timed calls per figure (default 200; on a CPU or with --quick 5)")
+    p.add_argument("--warmup", type=_count(0), metavar="N",
+                   help="untimed calls before each figure (default 20; on a CPU or with --quick 2)")
+    p.add_argument("--trace-steps", type=_count(1), metavar="N",
+                   help="steps in the mixed trace (default 2000; on a CPU or with --quick 200)")
+    options.add_seed(p, 0, "every random input and of the trace")
+    options.add_device(p)
+    p.add_argument("--no-compile", action="store_true", help="leave torch.compile out (it takes minutes)")
+    p.add_argument("--compile-setups", type=_setups, default=compile_setups.DEFAULT_SETUPS, metavar="static,...",
+                   help="torch.compile setups, one child process each, in this order: static (a: reduce-overhead, "
+                        "weights+KV marked static), default (b: reduce-overhead unmarked), cgrt (cudagraph_rt "
+                        "capturing a compiled step), eager (control: eager timed in a child); "
+                        f"default {','.join(compile_setups.DEFAULT_SETUPS)}")
+    p.add_argument("--compile-timeout", type=_count(1), default=240, metavar="S",
+                   help="seconds each compile child may run before it is killed (default 240)")
+    p.add_argument("--cgrt-compile-mode", type=options.one_of(*compile_setups.CGRT_MODES), default="default",
+                   metavar="MODE", help="torch.compile mode of the step cudagraph_rt captures in the cgrt setup: "
+                   + " | ".join(compile_setups.CGRT_MODES) + " (default: default)")
+    p.add_argument("--strict", action="store_true", help="exit 1 when a goal is missed")
+    options.add_tp(p, "; its own table (tools/bench/tp.py; --sections does not apply)")
+    options.add_model(p, size_default="bench for the toy and 1b for hf: models on CUDA, tiny on a CPU",
+                      size_note="; hf models run their own sections, tools/bench/hf.py, against generate()")
+    p.add_argument("--hf-prompt", type=_count(1), default=32, metavar="N", help="hf models: prompt tokens (default 32)")
+    p.add_argument("--hf-new", type=_count(2), default=128, metavar="N", help="hf models: new tokens (default 128)")
+    options.add_threads(p)
+
+
+def _meta(ctx: Context, args: argparse.Namespace) -> dict:
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    cfg = {f.name: str(getattr(ctx.config, f.name)) if f.name == "dtype" else getattr(ctx.config, f.name)
+           for f in dataclasses.fields(ctx.config)}
+    return {
+        "torch": torch.__version__, "triton": triton_version, "python": platform.python_version(),
+        "cuda": torch.version.cuda, "device": str(ctx.device),
+        "device_name": torch.cuda.get_device_name(ctx.device) if ctx.graphs else platform.processor() or "cpu",
+        "graphs": ctx.graphs, "model": "ToyDecoder", "config": cfg, "widths": list(ctx.widths),
+        "repeats": ctx.repeats, "warmup": ctx.warmup, "trace_steps": ctx.trace_steps, "seed": ctx.seed,
+        "quick": ctx.quick, "argv": sys.argv[1:], "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "compile_setups": list(ctx.compile_setups), "compile_timeout_s": ctx.compile_timeout,
+        "cgrt_compile_mode": ctx.cgrt_compile_mode,
+        "sections": {SECTIONS[n][0]: n for n in SECTIONS},
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the chosen sections, print a table each and the goals last; write --json and
+    --plot. Returns the exit code (1: a section failed, or --strict and a goal missed)."""
+    choice = options.model_choice(args, "tiny" if _light(args) else "bench", "tiny" if _light(args) else "1b")
+    args.size = choice.size
+    if getattr(args, "tp", 1) > 1:  # one process per rank, under torchrun
+        from . import tp
+
+        if choice.kind != "toy":
+            raise options.UsageError(expected("--model", "toy with --tp (the tensor-parallel toy)", repr(args.model)))
+        return tp.run_tp(args)
+    dev = torch.device("cpu") if args.quick and args.device is None else options.device(args)  # as Context does
+    with options.threads(options.thread_count(args, dev, True) if _light(args) else args.threads):
+        if choice.kind != "toy":
+            from . import hf
+
+            args.model_path = choice.path
+            args.family = choice.family
+            if all(isinstance(n, int) for n in args.sections) and args.sections != tuple(SECTIONS):
+                raise options.UsageError(expected("--sections", f"names from {','.join(HF_SECTIONS)} for hf models",
+                                                  ",".join(map(str, args.sections))))
+            args.hf_sections = tuple(n for n in args.sections if isinstance(n, str)) or None
+            return hf.run(args)
+        if any(isinstance(n, str) for n in args.sections):
+            raise options.UsageError(expected("--sections", f"numbers from {sorted(SECTIONS)} for the toy",
+                                              ",".join(map(str, args.sections))))
+        return _run(args)
+
+
+def _light(args: argparse.Namespace) -> bool:
+    """The CPU defaults (a run of about a minute): --quick, --device cpu, or no CUDA."""
+    return bool(args.quick) or args.device == "cpu" or not torch.cuda.is_available()
+
+
+def _run(args: argparse.Namespace) -> int:
+    console = make_console(stderr=options.json_to_stdout(args), markup=False)
+    status = console.status("") if console.is_terminal else None
+
+    def progress(text: str, always: bool) -> None:
+        if status is not None:
+            status.update(text)
+        elif always:
+            console.print(Text(f"... {text}", style="dim"))
+
+    ctx = Context(args, progress=progress)
+    try:
+        results, failed = _sections_run(ctx, args, console, progress, status)
+    finally:
+        ctx.close()
+    gs = report.goals(results) if ctx.graphs else []
+    results["goals"] = gs
+    if args.plot:
+        try:
+            for path in report.write_plots(results, args.plot):
+                console.print(f"plot: {path}")
+        except Exception as e:  # noqa: BLE001
+            failed += 1
+            console.print(Text(f"plots failed: {type(e).__name__}: {e}", style="red"))
+    missed = sum(g["status"] == "missed" for g in gs)
+    rc = 1 if failed or (args.strict and missed) else 0
+    results["ok"] = rc == 0  # what the exit code says
+    if args.json:
+        written = options.write_json(args.json, results)
+        if written:
+            console.print(f"json: {written}")
+    if not ctx.graphs:
+        console.print(Text(options.CPU_NOTE, style="yellow"))
+        console.print(f"{failed} section(s) failed")
+        return rc
+    console.print(report.goals_table(gs))
+    console.print(f"{sum(g['status'] == 'met' for g in gs)} met, {missed} missed, "
+                  f"{sum(g['status'] == 'unclear' for g in gs)} unclear, "
+                  f"{sum(g['status'] == 'n/a' for g in gs)} n/a; {failed} section(s) failed")
+    return rc
+
+
+def _sections_run(ctx: Context, args: argparse.Namespace, console: Console, progress, status) -> tuple[dict, int]:
+    """Each asked-for section in order; a failing one is recorded and the rest still run."""
+    results: dict[str, Any] = {"meta": _meta(ctx, args)}
+    failed = 0
+    c = ctx.config
+    console.print(f"cgrt bench on {results['meta']['device_name']} ({ctx.device}), torch {torch.__version__}, "
+                  f"toy {ctx.size} config ({str(c.dtype).removeprefix('torch.')}, hidden "
+                  f"{c.hidden}, {c.layers} layers, {c.max_seqs} sequences x {c.max_len} positions on a KV pool of "
+                  f"{c.cells:,} cells), {ctx.repeats} repeats")
+    for n, (key, fn) in SECTIONS.items():
+        if n not in args.sections:
+            results[key] = {"status": "not run"}
+            continue
+        t0 = time.perf_counter()
+        progress(f"{n}. {key}", True)
+        if status:
+            status.start()
+        try:
+            res = fn(ctx)
+        except Exception as e:  # noqa: BLE001 - one failed section must not lose the others
+            failed += 1
+            res = {"status": "error", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        finally:
+            if status:
+                status.stop()
+        res["seconds"] = time.perf_counter() - t0
+        results[key] = res
+        if res["status"] == "ok":
+            for t in report.tables(key, res):
+                console.print(t)
+        elif res["status"] == "skipped":
+            console.print(Text(f"{n}. {key}: skipped: {res['reason']}", style="yellow"))
+        else:
+            console.print(Text(f"{n}. {key}: ERROR {res['error']}", style="red"))
+            console.print(Text(res["traceback"]))
+    return results, failed

@@ -1,0 +1,77 @@
+"""`cgrt demo`: speculative decoding on the toy decoder (or ``--model hf:<family>``, a
+transformers model with random weights) through cudagraph_rt.spec.runner.
+
+Serves ``--sequences`` random prompts (at most ``--slots`` at once, so sequences retire
+and join), with graphs on and/or off, and reports tokens/s, steps/s, the acceptance
+histogram and the widths that ran. Every generated token is checked against plain greedy
+decoding of the same prompt (the eager reference, teacher-forced on the output) and
+every committed hidden row the host received against the reference's hidden row at that
+position; any mismatch exits 1.
+
+The command's rooms: ``arguments`` (its options), ``serve`` (one served run and its
+check), ``report`` (tables, JSON, exit code), ``tp`` (``--tp N`` under torchrun; it uses
+``serve`` and ``report``, never this module).
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from cudagraph_rt.errors import CgrtError, expected
+from cudagraph_rt.models import ToyConfig, ToyDecoder
+from cudagraph_rt.models.hf import build
+
+from .. import options
+from . import report, serve
+from .arguments import add_arguments
+
+__all__ = ["add_arguments", "run"]
+
+
+def _model(args, choice: options.ModelChoice, device: torch.device):
+    """The model ``--model``/``--size`` name, built on ``device`` (progress while it builds)."""
+    if choice.kind == "toy":
+        size = ToyConfig.bench if choice.size == "bench" else ToyConfig.tiny
+        return ToyDecoder(size(seed=args.seed), device)
+    with options.building("cgrt demo", f"{choice.label} on {device.type}"):
+        if choice.kind == "path":
+            return build(choice.family, "tiny", device=device, seed=args.seed, path=choice.path)
+        return build(choice.family, choice.size, device=device, seed=args.seed)
+
+
+def run(args) -> int:
+    if getattr(args, "tp", 1) > 1 and getattr(args, "drafter", "host") != "host":
+        raise options.UsageError(expected("--drafter", "host with --tp (the device drafter runs on one GPU)", "gpu"))
+    if getattr(args, "tp", 1) > 1:  # one process per rank, under torchrun
+        from .tp import run_tp
+        return run_tp(args)
+    choice = options.model_choice(args)
+    device = options.device(args)
+    modes, notes = options.graph_modes(args.graphs, device)
+    try:
+        model = _model(args, choice, device)
+    except (ValueError, ImportError) as e:  # ImportError: hf models without the hf extra
+        print(f"cgrt demo: {e}", file=sys.stderr)
+        return 2
+    try:
+        with options.threads(options.thread_count(args, device, choice.tiny)):
+            requests = serve.make_requests(model.config, args.sequences, args.max_new, args.seed)
+            runs = [serve.serve(model, requests, g, args) for g in modes]
+        for r in runs:
+            r.pop("finished_seqs")
+    except ValueError as e:  # a bad argument (InputError is a ValueError)
+        print(f"cgrt demo: {e}", file=sys.stderr)
+        return 2
+    except (RuntimeError, CgrtError) as e:  # the runner's own checks, capture, device rows
+        print(f"cgrt demo: failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    cfg = model.config
+    doc = {"config": {"model": args.model, "size": choice.size, "dtype": str(cfg.dtype).replace("torch.", ""),
+                      "hidden": cfg.hidden, "layers": cfg.layers, "device": str(device),
+                      "sequences": args.sequences, "slots": args.slots or cfg.max_seqs, "lanes": args.lanes,
+                      "k": args.k, "accept_prob": args.accept_prob, "max_new": args.max_new,
+                      "chunk": args.chunk, "rounds": args.rounds, "seed": args.seed,
+                      "drafter": args.drafter},
+              "notes": notes, "runs": runs, "ok": all(r["check"]["ok"] for r in runs)}
+    return report.publish(doc, args.json)
