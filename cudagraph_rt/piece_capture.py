@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-from .capture import _no_collection, _reset_after_failure, release_blas_workspaces
+from .capture_hygiene import no_collection, release_blas_workspaces, reset_after_failure
 from .errors import CaptureError, CgrtError
 from .pieces import EagerCall, EmulatedPieces, PiecewiseGraph, frozen, marked_calls
 
@@ -111,13 +111,13 @@ def capture_pieces(width: int, run: Callable[[], Any], *, pool, stream: torch.cu
     t1 = time.perf_counter()
     rec = _CudaRecorder(pool, keep_graph)
     try:
-        with _no_collection(), torch.cuda.stream(side), marked_calls(rec):
+        with no_collection(), torch.cuda.stream(side), marked_calls(rec):
             rec.begin()
             outputs = run()
             rec.end()
     except Exception as e:  # noqa: BLE001 - every failure becomes a CaptureError
         release_blas_workspaces()
-        _reset_after_failure(side, caller, pool)
+        reset_after_failure(side, caller, pool)
         raise _failure(width, rec, e, explain) from (e.cause if isinstance(e, _MarkedCallFailed) else e)
     torch.cuda.synchronize()
     release_blas_workspaces()

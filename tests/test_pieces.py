@@ -523,7 +523,7 @@ def test_the_cuda_capture_of_pieces_in_order_with_stand_in_graphs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: None)
     monkeypatch.setattr(pc, "release_blas_workspaces", lambda: log.append(("blas",)))
-    monkeypatch.setattr(pc, "_reset_after_failure", lambda *a: log.append(("reset",)))
+    monkeypatch.setattr(pc, "reset_after_failure", lambda *a: log.append(("reset",)))
     monkeypatch.setattr(pc, "_warm_up", lambda w, run, side, n: [run() for _ in range(n)])
     m = MarkedSlotModel("cpu", seed=1)
     x = m.random_inputs(4, gen=gen())

@@ -107,11 +107,12 @@ def test_routing_again_changes_nothing_and_fused_groups_count_once(rng):
 
 
 def test_fuse_projections_with_the_kernel_and_the_cpu_default(rng, launches):
-    """fuse_projections(model, small_m_kernel=True) merges and routes in one call; on a CPU
-    (interpret_on_cpu False, the default) every product runs F.linear."""
+    """fuse_projections then use_small_m_kernel merges and routes; on a CPU (interpret_on_cpu
+    False, the default) every product runs F.linear."""
     base = tiny("qwen3", rng.randrange(2**31), device="cpu")
     model = copy.deepcopy(base)
-    assert fuse_projections(model, small_m_kernel=True) == 2 * base.config.num_hidden_layers
+    assert fuse_projections(model) == 2 * base.config.num_hidden_layers
+    small_m.use_small_m_kernel(model)
     assert sum(isinstance(m, small_m.SmallMLinear) for m in model.modules()) == 2 * base.config.num_hidden_layers
     ids = torch.tensor([[rng.randrange(512) for _ in range(6)]])
     with torch.no_grad():

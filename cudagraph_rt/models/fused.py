@@ -19,7 +19,7 @@ parameters are views of that tensor. Nothing of the model's source is patched, a
   bookkeeping; it ends empty, so no tensor outlives the call), so the compiled graph has
   one matmul per group too: inductor does not merge identical matmuls by itself.
 
-``fuse_projections(model, small_m_kernel=True)`` also routes every merged product and
+After fusing, :func:`~.small_m.use_small_m_kernel` can route every merged product and
 the layers' other projections (``o_proj``, ``down_proj``) through the small-M kernel at
 decode widths (:func:`~.small_m.use_small_m_kernel`: M <= 16 rows on CUDA; F.linear
 otherwise; the LM head stays on cuBLAS). Each group holds its product as a strategy
@@ -130,20 +130,15 @@ def _compatible(linears: list[nn.Linear]) -> bool:
                for m in linears)
 
 
-def fuse_projections(model: nn.Module, *, small_m_kernel: bool = False) -> int:
+def fuse_projections(model: nn.Module) -> int:
     """Merge every q/k/v and gate/up group of ``model`` in place (see the module doc);
     returns how many groups were merged (0 for a model without any, or already fused).
-    ``small_m_kernel``: then route the layers' projections, merged or not, through the
-    small-M kernel (:func:`~.small_m.use_small_m_kernel`; also for a model fused before).
     Move the model to its device and dtype before or after: both work."""
     found = _groups(model)
     for module, names in found:  # no reference to a replaced linear survives its group
         merged = MergedWeights([getattr(module, n) for n in names])
         for i, name in enumerate(names):
             setattr(module, name, MergedLinear(merged, i, getattr(module, name)))
-    if small_m_kernel:
-        from .small_m import use_small_m_kernel
-        use_small_m_kernel(model)
     return len(found)
 
 

@@ -325,3 +325,26 @@ def trace_widths(n: int, seed: int, max_width: int = 64) -> list[int]:
 def padded_width(T: int, widths: tuple[int, ...]) -> int:
     """The narrowest width of ``widths`` that holds T rows (T <= the widest)."""
     return next(w for w in widths if w >= T)
+
+
+def step_time_us(model, rt, T: int, repeats: int) -> float:
+    """Median per-step time of ``repeats`` back-to-back steps of T decode rows (synchronized
+    once per batch of steps), fixed inputs, in microseconds. ``model``: a cell decoder (``config``, ``cell_for``,
+    ``device``), ``rt`` its runtime."""
+    sync = sync_fn(model.device)
+    S = min(T, model.config.max_seqs)
+    seqs = [i % S for i in range(T)]
+    pos = [model.config.max_len // 2 + i // S for i in range(T)]
+    kw = dict(tokens=[1] * T, positions=pos, seq_ids=seqs, cells=[model.cell_for(s, p) for s, p in zip(seqs, pos)],
+              want=[1] * T)  # the rows' blocks are taken here, before the timed steps
+    for _ in range(3):
+        rt.step(**kw)
+    times = []
+    for _ in range(5):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            rt.step(**kw)
+        sync()
+        times.append((time.perf_counter() - t0) / repeats * 1e6)
+    return statistics.median(times)

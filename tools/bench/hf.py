@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,8 @@ import torch
 
 from cudagraph_rt import GraphRuntime
 from cudagraph_rt.models import hf
+
+from .common import step_time_us
 
 HBM_BYTES_PER_S = 4.8e12  # H200 nominal HBM3e bandwidth: the floor's assumption, stated in the report
 SEQS = (1, 4, 16)
@@ -111,27 +112,6 @@ def weight_floor(model: hf.HFDecoder) -> dict:
             "floor_us": w / HBM_BYTES_PER_S * 1e6,
             "method": "unique parameter bytes (tied embeddings once) / nominal bandwidth; the KV reads are left out "
                       "(the cell attention reads only the live cells)"}
-
-
-def step_time_us(model: hf.HFDecoder, rt: GraphRuntime, T: int, repeats: int) -> float:
-    """Median per-step time of ``repeats`` back-to-back steps of T decode rows (synchronized
-    once per batch of steps), fixed inputs, in microseconds."""
-    S = min(T, model.config.max_seqs)
-    seqs = [i % S for i in range(T)]
-    pos = [model.config.max_len // 2 + i // S for i in range(T)]
-    kw = dict(tokens=[1] * T, positions=pos, seq_ids=seqs, cells=[model.cell_for(s, p) for s, p in zip(seqs, pos)],
-              want=[1] * T)  # the rows' blocks are taken here, before the timed steps
-    for _ in range(3):
-        rt.step(**kw)
-    times = []
-    for _ in range(5):
-        _sync(model.device)
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            rt.step(**kw)
-        _sync(model.device)
-        times.append((time.perf_counter() - t0) / repeats * 1e6)
-    return statistics.median(times)
 
 
 # ------------------------------------------------------------------------------ sections

@@ -13,7 +13,7 @@ On the bench's transformers weights (an ``HFDecoder`` is a view of them plus a p
   capture is tried at width 1 and its CaptureError reported). Pieces against eager at the
   same T. Goal: eager >= 2x pieces.
 
-Timing: ``bench.hf.step_time_us`` (median of 5 batches of back-to-back steps, host rows
+Timing: ``bench.common.step_time_us`` (median of 5 batches of back-to-back steps, host rows
 given as lists, synchronized once per batch), fewer repeats for the eager runs.
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _runtime(model: hf.HFDecoder, graphs: bool, pieces: bool) -> tuple[GraphRunt
 
 
 def _times(model, rt, repeats: int) -> dict[int, float]:
-    from .hf import step_time_us
+    from .common import step_time_us
     return {T: step_time_us(model, rt, T, repeats) for T in WIDTHS}
 
 
@@ -104,7 +104,7 @@ def sec_pieces(ctx) -> dict:
     return {"status": "ok", "eager_piece": _eager_piece(ctx), "varlen": _varlen(ctx), "widths": list(WIDTHS),
             "method": "HFDecoders over the bench's weights (their own pools): attention='eager-piece' in pieces, as "
                       "whole graphs and graphs off; attention='varlen' in pieces and graphs off; per-step time of T "
-                      "decode rows (bench.hf.step_time_us: median of 5 batches of back-to-back steps), widths "
+                      "decode rows (bench.common.step_time_us: median of 5 batches of back-to-back steps), widths "
                       f"{WIDTHS} captured; capture time and pool bytes from each runtime's CaptureReport"}
 
 

@@ -15,7 +15,7 @@ are views of it, so both read the same bytes). Implementations:
 * ``autotune`` (M = 1 only): mode ``max-autotune-no-cudagraphs``,
   whose coordinate-descent tuning turns an M = 1 matmul into a tuned Triton reduction;
 * ``small``: the small-M kernel (kernels/small_linear.py) with its planned config (the
-  model path of ``fuse_projections(model, small_m_kernel=True)``; the head is timed too,
+  model path of ``fuse_projections(model)`` then ``use_small_m_kernel(model)``; the head is timed too,
   but the model keeps it on cuBLAS, so the step totals take the head's cuBLAS figure).
 
 ``--tune`` then times the kernel's short candidate list (:data:`CANDIDATES`) on q/k/v,
