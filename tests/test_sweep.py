@@ -75,6 +75,35 @@ class LivePadOutputsOnly(LivePadAdapter, OutputsOnly):
     """(a) with nothing but the outputs to show it."""
 
 
+def test_the_state_check_sees_padding_rows_overwrite_a_cell_no_row_of_the_step_writes():
+    """check_state's first case, alone: the pad cell is sequence 0's position 0, a live cell
+    that no row of the next step writes (it steps positions 4..6 of sequence 0, width 4:
+    one padding row). That padding row overwrites the cell's K/V; the check must see it
+    (the cell's K/V compared with a copy taken before the step). With the scratch cell as
+    the pad (the toy as it is), the same steps are clean. Emulated graphs: padding rows run."""
+    from cudagraph_rt.testing.plans import Chunk, StepPlan
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    vocab = ToyAdapter(device="cpu").config.vocab
+    toks = [int(t) for t in torch.randint(1, vocab, (7,), generator=gen)]  # not the pad token 0
+    steps = [StepPlan(0, 4, (Chunk(0, 0, 0, tuple(toks[:4]), (False,) * 4),)),
+             StepPlan(1, 3, (Chunk(0, 0, 4, tuple(toks[4:]), (False, False, True)),))]
+    for adapter, live in [(LivePadAdapter(device="cpu"), True), (ToyAdapter(device="cpu"), False)]:
+        rt = adapter.build("emulate")
+        got = []
+        for st in steps:
+            res = rt.step(**adapter.step_inputs(st))
+            assert res.slices[-1].width == 4
+            got.append(adapter.check_state())
+        assert got[0] == []  # step 0: 4 rows at width 4, no padding row
+        if live:
+            pad = adapter.model.cell_for(0, 0)
+            assert len(got[1]) == 1 and f"padding rows wrote live cell(s) {pad} (seq 0, pos 0)" in got[1][0]
+            assert "no row of the step writes it, yet its K/V changed" in got[1][0], got[1]
+        else:
+            assert got[1] == []
+        rt.close()
+
+
 def skip_pad_fill(monkeypatch):
     """(b) StaticInputs.write copies the real rows but leaves rows [length, width) as the
     previous steps left them."""
