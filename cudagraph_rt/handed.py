@@ -35,7 +35,7 @@ class HandedBuffers:
         a CPU, where they are plain memory)."""
         if self._inputs is None:
             return 0
-        ring = self._rows_mode.ring if self._rows_mode is not None else None
+        ring = self._rows_mode.ring
         return sum(b.nbytes for b in self._inputs.staging) + (ring.nbytes if ring is not None and ring.pinned else 0)
 
     def static_inputs(self, width: int) -> dict[str, torch.Tensor]:

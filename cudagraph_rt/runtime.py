@@ -73,13 +73,13 @@ class GraphRuntime(HandedBuffers):
         self.widths, self.dynamic_limit, self.slicing, self.graphs = cfg.widths, cfg.dynamic_limit, cfg.slicing, cfg.graphs
         self.host_rows_config, self.on_capture_error = cfg.host_rows, cfg.on_capture_error
         self.warmup, self.keep_graphs = cfg.warmup, cfg.keep_graphs
-        hr = self._rows_mode = make_rows_mode(cfg.host_rows, cfg.rows, self.device) if cfg.host_rows else None
+        hr = self._rows_mode = make_rows_mode(cfg.host_rows, cfg.rows, self.device)  # NoHostRows without HostRows
         mode = self._graph_mode = cfg.graph_mode
-        self._inputs = StaticInputs(cfg.inputs, cfg.rows, self.device, hr.control_blocks() if hr else {},
+        self._inputs = StaticInputs(cfg.inputs, cfg.rows, self.device, hr.control_blocks(),
                                     feed_event=mode.feed_event(self.device))
-        self._layout = OutputLayout(hr.count_leaf if hr else lambda out, leaves: -1)
+        self._layout = OutputLayout(hr.count_leaf)
         self._body = StepBody(cfg.step_fn, self._layout, hr, self._inputs.control, StepValues(cfg.step_values, cfg.inputs))
-        self._replaying = hr.replaying if hr else lambda: None
+        self._replaying = hr.replaying
         self._watch = WatchedTensors(cfg.watch)
         self._lock, self._token = threading.Lock(), object()  # the token marks this runtime's StepResults
         self._planner = Planner(self.widths, self.dynamic_limit, self.slicing)
@@ -126,15 +126,14 @@ class GraphRuntime(HandedBuffers):
         if self._ready:
             return self.capture_report
         with self._inputs.rows_kept():
-            hr = self._rows_mode
-            probed = hr is not None and hr.probe(self._body.values.on_pads(self.step_fn), self._inputs, self._layout,
-                                                 self.widths[-1])
+            probed = self._rows_mode.probe(self._body.values.on_pads(self.step_fn), self._inputs, self._layout,
+                                           self.widths[-1])
             t0, calls = time.perf_counter(), [int(probed)]
             reports, pool = self._capture_graphs(calls) if self._graph_mode.captures else ([], 0)
         self.capture_report = CaptureReport(tuple(reports), time.perf_counter() - t0, pool, calls[0],
                                             self._graph_mode.name)
         self._ready = True
-        if self._inputs.fed and self._rows_mode is None:
+        if self._inputs.fed and not self._rows_mode.ships_rows:
             self._direct = DirectStep(self._inputs, self._by_width.get, self._planner, self._layout, self._counters,
                                       self._token, self._watch)
         return self.capture_report
@@ -154,8 +153,7 @@ class GraphRuntime(HandedBuffers):
             self._drop_graphs()
             self._inputs, self._by_width, self._dynamic, self._body = None, {}, None, None
             self._direct = None
-            if self._rows_mode is not None:
-                self._rows_mode.close()
+            self._rows_mode.close()
 
     def __enter__(self) -> "GraphRuntime":
         return self
@@ -188,8 +186,6 @@ class GraphRuntime(HandedBuffers):
         """``HostRows(mode="commit")``: ship ``rows`` of an earlier step's ``source`` output
         to the host, from its device snapshot. Allowed until ``depth`` later steps have
         run (then StaleRowsError); not for sliced steps (CapacityError)."""
-        if self._rows_mode is None:
-            raise InputError(expected("commit()", "a runtime built with HostRows(mode='commit')", "mode None"))
         self._rows_mode.check_commit()
         if not isinstance(result, StepResult):
             raise InputError(expected("result", "a StepResult of this runtime", type(result).__name__))
@@ -230,16 +226,13 @@ class GraphRuntime(HandedBuffers):
         slices = self._planner(T)
         if prep.zero_copy and len(slices) > 1:
             raise CapacityError(expected("zero-copy inputs", f"a step of at most {self.config.rows} rows", T))
-        hr, idx = self._rows_mode, None
-        if hr is not None:
-            first = slices[0].width if slices[0].path == "graph" else slices[0].length
-            idx = hr.step_rows(rows, T, first, len(slices) > 1)
-        elif rows is not None:
-            raise InputError(expected("rows", "None unless the runtime has HostRows(mode='host')", "row indices"))
+        hr = self._rows_mode
+        first = slices[0].width if slices[0].path == "graph" else slices[0].length
+        idx = hr.step_rows(rows, T, first, len(slices) > 1)
         if not self._ready:
             self.capture()
         self._watch.check()
-        ships = hr is not None and hr.ships(idx)
+        ships = hr.ships(idx)
         if ships:
             hr.ring.check_free()
         return PlannedStep(prep, slices, idx, ships)
@@ -247,22 +240,21 @@ class GraphRuntime(HandedBuffers):
     def _execute(self, step: PlannedStep) -> StepResult:
         hr = self._rows_mode
         slot = hr.ring.acquire() if step.ships else None
-        turn = hr.begin(step.sliced) if hr is not None else None
+        turn = hr.begin(step.sliced)
         try:
-            control = hr.step_control(step.T, step.sliced, step.idx, slot, turn) if hr is not None else None
+            control = hr.step_control(step.T, step.sliced, step.idx, slot, turn)
             if step.sliced:
                 outputs = self._run_sliced(step, control, slot)
             else:
                 s = step.slices[0]
                 outputs = self._executor(s).outputs(step.prep, s, control, self._layout)
-                outputs = hr.step_outputs(outputs, step.T) if hr is not None else outputs
+                outputs = hr.step_outputs(outputs, step.T)
                 self._counters.slices += 1
                 self._counters.padding += s.padding
         except BaseException:
-            if hr is not None:
-                hr.abort(turn)  # a failed step uses up no snapshot turn where none was written
-                if slot is not None:
-                    hr.ring.unacquire(slot)  # ... and no ring turn
+            hr.abort(turn)  # a failed step uses up no snapshot turn where none was written
+            if slot is not None:
+                hr.ring.unacquire(slot)  # ... and no ring turn
             raise
         self._counters.steps += 1
         handle = hr.publish(slot, step.T, step.idx) if step.ships else None
@@ -278,8 +270,7 @@ class GraphRuntime(HandedBuffers):
                 self._counters.slices += 1
                 self._counters.padding += s.padding
                 bufs = self._layout.join_into(bufs, out, s, step.T)
-                if hr is not None:
-                    records.append(hr.slice_record(out, s.start, s.width if s.path == "graph" else s.length, s.length))
+                records.append(hr.slice_record(out, s.start, s.width if s.path == "graph" else s.length, s.length))
             outputs = self._layout.joined(bufs)
             return hr.gather_sliced(outputs, step.idx, slot, step.T, records) if step.ships else outputs
 
@@ -296,14 +287,13 @@ class GraphRuntime(HandedBuffers):
         every gather aimed at a spare slot (recapture() comes after real steps; their rows,
         KV slots and held host rows must not be touched again). Each width as the capture
         policy says (``width_modes``)."""
-        self._inputs.reset(self._rows_mode.spare_control() if self._rows_mode is not None else None)
+        self._inputs.reset(self._rows_mode.spare_control())
         cap = self._capturer
         cap.begin()
         parts = WidthParts(self._body, self._inputs, self._counters, self._graph_mode, self._replaying, self.device,
                            self.explain_capture)
         reports = capture_widths(self.config.capture_policy, cap, self._by_width, parts, calls)
-        if self._rows_mode is not None:
-            self._rows_mode.capture_extra(cap.body, self._inputs)
+        self._rows_mode.capture_extra(cap.body, self._inputs)
         self._watch.remember()
         return reports, cap.pool_bytes()
 
@@ -321,8 +311,7 @@ class GraphRuntime(HandedBuffers):
     def _drop_graphs(self) -> None:
         self._direct = None
         self._eager_executors()
-        if self._rows_mode is not None:
-            self._rows_mode.drop_graphs()
+        self._rows_mode.drop_graphs()
         self._capturer.drop()
         self._ready = False
         self._watch.forget()

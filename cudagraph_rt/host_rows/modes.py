@@ -1,7 +1,8 @@
 """One object per way of choosing the rows that go to the host.
 
 The runtime talks to a mode through the methods of :class:`RowsMode` and never asks which
-mode it holds: a new way of choosing rows is a new subclass here. Each mode owns its
+mode it holds, or whether it holds one (:class:`NoHostRows` is the mode of a runtime built
+without HostRows): a new way of choosing rows is a new subclass here. Each mode owns its
 control blocks (where the captured gather reads its row indices, count and slots), its
 in-graph gather, its merge of a sliced step's rows, and, for commit, the snapshots.
 """
@@ -74,6 +75,8 @@ class RowsMode:
 
     Lifetime: built with the runtime; ``make_buffers`` (the first-use probe) allocates the
     ring once the source's row width and dtype are known; ``close`` drops it."""
+
+    ships_rows = True  # a step may ship rows: the runtime's short path (no host rows) is closed
 
     def __init__(self, config: HostRows, rows: int, device: torch.device, gather: Callable):
         self.config, self.rows, self.device, self.gather = config, rows, device, gather
@@ -441,12 +444,57 @@ class Committed(RowsMode):
         return ring, fingerprint([self.snap, self._snap_meta, self._gen, self._next])
 
 
+class NoHostRows(RowsMode):
+    """No HostRows: a runtime that ships no rows. Every hook of a step does nothing and
+    writes nothing; ``rows=`` and ``commit()`` are refused (InputError). It has no ring,
+    no control blocks and no gather, and leaves the runtime's short path open
+    (``ships_rows`` False)."""
+
+    ships_rows = False
+
+    def __init__(self):  # no config, no gather: nothing to ship
+        self.config, self.ring = None, None
+
+    def control_blocks(self) -> dict[str, tuple[int, torch.dtype]]:
+        return {}
+
+    def spare_control(self) -> None:
+        return None
+
+    def probe(self, step_fn: Callable, inputs, layout, w: int) -> bool:
+        return False
+
+    def step_rows(self, rows: Any, T: int, first_width: int, sliced: bool) -> None:
+        if rows is not None:
+            raise InputError(expected("rows", "None unless the runtime has HostRows(mode='host')", "row indices"))
+        return None
+
+    def ships(self, idx) -> bool:
+        return False
+
+    def step_control(self, T: int, sliced: bool, idx, slot, turn) -> None:
+        return None
+
+    def gather_in_graph(self, out: Any, n: int, control: Callable[[str], torch.Tensor]) -> None:
+        """Nothing to gather."""
+
+    def check_commit(self) -> None:
+        raise InputError(expected("commit()", "a runtime built with HostRows(mode='commit')", "mode None"))
+
+    def digest(self) -> tuple[str, str]:
+        return ("-", "-")
+
+
 _MODES = {"host": RowsMode, "device": DeviceChosen, "commit": Committed}
 
 
-def make_rows_mode(config: HostRows, rows: int, device: torch.device, gather: Callable | None = None) -> RowsMode:
-    """The mode object for ``config`` (its ``mode`` string is read here and nowhere else);
-    ``gather`` defaults to the row-gather kernel on CUDA, its torch reference elsewhere."""
+def make_rows_mode(config: HostRows | None, rows: int, device: torch.device,
+                   gather: Callable | None = None) -> RowsMode:
+    """The mode object for ``config`` (its ``mode`` string is read here and nowhere else;
+    None: :class:`NoHostRows`); ``gather`` defaults to the row-gather kernel on CUDA, its
+    torch reference elsewhere."""
+    if config is None:
+        return NoHostRows()
     if gather is None:
         if device.type == "cuda":
             from ..kernels.row_gather import gather_rows as gather
