@@ -167,3 +167,21 @@ def test_an_interrupted_feed_write_turns_the_short_path_off(monkeypatch):
     monkeypatch.setattr(HostArena, "stage", real)
     feed.write(Prepared(3, x, frozenset(), {n: t.data_ptr() for n, t in x.items()}), 0, 3, 16, None)
     assert feed.all_host
+
+
+def test_the_fast_step_result_is_the_dataclass_with_every_field():
+    """StepResult.fast (the short path's constructor) takes every field, in order, and builds
+    what the frozen __init__ builds: a field added to the class but not to fast fails here."""
+    import dataclasses
+    import inspect
+
+    from cudagraph_rt.results import StepResult
+    fields = [f.name for f in dataclasses.fields(StepResult)]
+    assert list(inspect.signature(StepResult.fast).parameters) == fields
+    rng = np.random.default_rng()
+    values = ({"hidden": torch.from_numpy(rng.standard_normal((3, 4)))}, int(rng.integers(1, 9)), ("slices",),
+              object(), (int(rng.integers(0, 4)), int(rng.integers(0, 99))), object())
+    a, b = StepResult.fast(*values), StepResult(*values)
+    assert type(a) is StepResult and a == b and vars(a) == vars(b)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.T = 0
