@@ -5,10 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, NamedTuple
 
-import torch
-
 from .inputs import Prepared
-from .host_rows import HostRowsHandle
+from .host_rows import HostRowsHandle, StepTicket
 from .widths import Slice
 
 
@@ -64,13 +62,12 @@ class RuntimeStats:
 
 
 class PlannedStep(NamedTuple):
-    """One validated step, before anything is written: its inputs, slices and host rows.
+    """One validated step, before anything is written: its inputs, slices and host-row ticket.
     (A NamedTuple, not a frozen dataclass: one is built on every step's path.)"""
 
     prep: Prepared
     slices: tuple[Slice, ...]
-    idx: torch.Tensor | None  # host-chosen rows, validated
-    ships: bool  # takes a ring slot
+    ticket: StepTicket  # the host-row mode's part of the step (rows validated, a ring slot free)
 
     @property
     def T(self) -> int:

@@ -239,8 +239,7 @@ class GraphRuntime:
         a CPU, where they are plain memory)."""
         if self._inputs is None:
             return 0
-        ring = self._rows_mode.ring
-        return sum(b.nbytes for b in self._inputs.staging) + (ring.nbytes if ring is not None and ring.pinned else 0)
+        return sum(b.nbytes for b in self._inputs.staging) + self._rows_mode.pinned_bytes()
 
     def static_inputs(self, width: int) -> dict[str, torch.Tensor]:
         """The device views a graph of ``width`` reads: rows ``[:width]`` of the arena.
@@ -322,47 +321,38 @@ class GraphRuntime:
         if not self._ready:
             self.capture()
         self._watch.check()
-        ships = hr.ships(idx)
-        if ships:
-            hr.ring.check_free()
-        return PlannedStep(prep, slices, idx, ships)
+        return PlannedStep(prep, slices, hr.ticket(idx))
 
     def _execute(self, step: PlannedStep) -> StepResult:
-        hr = self._rows_mode
-        slot = hr.ring.acquire() if step.ships else None
-        turn = hr.begin(step.sliced)
+        ticket = step.ticket
+        ticket.open(step.sliced)
         try:
-            control = hr.step_control(step.T, step.sliced, step.idx, slot, turn)
+            control = ticket.control(step.T, step.sliced)
             if step.sliced:
-                outputs = self._run_sliced(step, control, slot)
+                outputs = self._run_sliced(step, control)
             else:
                 s = step.slices[0]
-                outputs = self._executor(s).outputs(step.prep, s, control, self._layout)
-                outputs = hr.step_outputs(outputs, step.T)
+                outputs = ticket.outputs(self._executor(s).outputs(step.prep, s, control, self._layout), step.T)
                 self._counters.slices += 1
                 self._counters.padding += s.padding
         except BaseException:
-            hr.abort(turn)  # a failed step uses up no snapshot turn where none was written
-            if slot is not None:
-                hr.ring.unacquire(slot)  # ... and no ring turn
+            ticket.abort()
             raise
         self._counters.steps += 1
-        handle = hr.publish(slot, step.T, step.idx) if step.ships else None
-        snap = (turn.slot, turn.generation) if turn is not None else None
+        handle, snap = ticket.publish(step.T)
         return StepResult(outputs, step.T, step.slices, handle, snap, self._token)
 
-    def _run_sliced(self, step: PlannedStep, control, slot) -> Any:
+    def _run_sliced(self, step: PlannedStep, control) -> Any:
         """Each slice's rows are copied out of graph memory before the next slice runs."""
-        hr, bufs, records = self._rows_mode, None, []
+        ticket, bufs, records = step.ticket, None, []
         with torch.inference_mode():
             for s in step.slices:
                 out = self._executor(s).run(step.prep, s, control)
                 self._counters.slices += 1
                 self._counters.padding += s.padding
                 bufs = self._layout.join_into(bufs, out, s, step.T)
-                records.append(hr.slice_record(out, s.start, s.width if s.path == "graph" else s.length, s.length))
-            outputs = self._layout.joined(bufs)
-            return hr.gather_sliced(outputs, step.idx, slot, step.T, records) if step.ships else outputs
+                records.append(ticket.record(out, s.start, s.width if s.path == "graph" else s.length, s.length))
+            return ticket.gather_sliced(self._layout.joined(bufs), step.T, records)
 
     # -- building blocks ---------------------------------------------------------------
     def _executor(self, s: Slice):

@@ -69,6 +69,48 @@ class SnapshotTurn:
     writes_before: int
 
 
+class StepTicket:
+    """One step's dealings with its host-row mode, from plan to publish (built by
+    :meth:`RowsMode.ticket` once the rows are validated and the ring has a free slot:
+    nothing written). ``open`` takes the ring slot (when the step ships) and the snapshot
+    turn; then ``control``, the slices' ``record``, ``outputs`` or ``gather_sliced``; at
+    the end ``publish`` (the handle and the snapshot) or, if the step failed, ``abort``
+    (neither turn used up). Lifetime: one step."""
+
+    __slots__ = ("mode", "idx", "ships", "slot", "turn")
+
+    def __init__(self, mode: "RowsMode", idx: torch.Tensor | None, ships: bool):
+        self.mode, self.idx, self.ships, self.slot, self.turn = mode, idx, ships, None, None
+
+    def open(self, sliced: bool) -> None:
+        mode = self.mode
+        self.slot = mode.ring.acquire() if self.ships else None
+        self.turn = mode.begin(sliced)
+
+    def control(self, T: int, sliced: bool) -> dict[str, Any] | None:
+        return self.mode.step_control(T, sliced, self.idx, self.slot, self.turn)
+
+    def outputs(self, outputs: Any, T: int) -> Any:
+        return self.mode.step_outputs(outputs, T)
+
+    def record(self, out: Any, start: int, width: int, length: int) -> Any:
+        return self.mode.slice_record(out, start, width, length)
+
+    def gather_sliced(self, outputs: Any, T: int, records: list) -> Any:
+        return self.mode.gather_sliced(outputs, self.idx, self.slot, T, records) if self.ships else outputs
+
+    def abort(self) -> None:
+        self.mode.abort(self.turn)  # a failed step uses up no snapshot turn where none was written
+        if self.slot is not None:
+            self.mode.ring.unacquire(self.slot)  # ... and no ring turn
+
+    def publish(self, T: int) -> tuple[HostRowsHandle | None, tuple[int, int] | None]:
+        """(the host-row handle or None, the commit snapshot (slot, generation) or None)."""
+        handle = self.mode.publish(self.slot, T, self.idx) if self.ships else None
+        turn = self.turn
+        return handle, ((turn.slot, turn.generation) if turn is not None else None)
+
+
 class RowsMode:
     """Host rows chosen by the host before the step (``HostRows(mode="host")``); the base
     of the other modes.
@@ -149,6 +191,14 @@ class RowsMode:
         """Whether the step ships rows (takes a ring slot)."""
         return idx is not None
 
+    def ticket(self, idx: torch.Tensor | None) -> StepTicket:
+        """The step's :class:`StepTicket` for the validated rows ``idx`` (``step_rows``);
+        HostRingFullError if it ships and every ring slot is held. Writes nothing."""
+        ships = self.ships(idx)
+        if ships:
+            self.ring.check_free()
+        return StepTicket(self, idx, ships)
+
     def begin(self, sliced: bool) -> SnapshotTurn | None:
         """Bookkeeping before the step writes anything of this mode (commit: a snapshot)."""
         return None
@@ -208,6 +258,11 @@ class RowsMode:
 
     def commit(self, result, rows, T: int, inputs) -> HostRowsHandle:
         self.check_commit()
+
+    def pinned_bytes(self) -> int:
+        """Pinned host memory of this mode: its ring once built (0 before, or on a CPU)."""
+        ring = self.ring
+        return ring.nbytes if ring is not None and ring.pinned else 0
 
     def digest(self) -> tuple[str, str]:
         """(ring, snapshots) fingerprints for StateDigest ("-": not built)."""
