@@ -32,3 +32,18 @@ def test_full_run_times_the_goal_cases():
     assert names == {"w1@8k", "w1@32k", "w8@8k", "w8@32k", "w64@1k"}
     assert sum(len(c.tries) for c in FULL.cases) <= 30
     assert 128 in FULL.extents and {8192, 32768} <= set(FULL.extents)
+
+
+def test_the_kv_floor_counts_k_and_v_of_every_layer():
+    """The floor (module docstring): live K and V bytes of all layers at the nominal HBM
+    bandwidth. A floor that counts K only halves it, and every kernel would look twice as
+    far from it as it is."""
+    import torch
+
+    from cudagraph_rt.tools.bench.attention import HBM_BYTES_PER_S, Shape, Workload
+    for layers, hkv, d, dtype, seqs, extent in [(1, 2, 16, torch.float32, 1, 24), (3, 1, 8, torch.float16, 2, 40)]:
+        wl = Workload(Shape(layers, 2 * hkv, hkv, d, dtype), width=2 * seqs, seqs=seqs, extent=extent,
+                      max_seqs=seqs, max_len=64, block_size=8, device="cpu")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        live_bytes = layers * seqs * extent * hkv * d * itemsize * 2  # K and V
+        assert wl.floor_us() == live_bytes / HBM_BYTES_PER_S * 1e6

@@ -317,6 +317,24 @@ def test_goal_status_only_where_the_repeats_agree():
     assert gs["step() with four fresh CPU tensors vs replay()"]["status"] == "unclear"
 
 
+def test_pool_goals_judge_every_context_of_8k_cells_and_more():
+    """bench --model hf's pool section: the attention-over-floor goal holds for every live
+    context of 8k cells and more (8,192 included), the pool-size goal for every width."""
+    from cudagraph_rt.tools.bench import pool as bench_pool
+    lim = bench_pool.ATTENTION_GOAL
+    sec = {"pool_scaling": [{"width": 1, "ratio": bench_pool.POOL_GOAL}, {"width": 8, "ratio": 1.5}],
+           "context_scaling": [{"live": 4096, "width": 1, "attention_over_floor": 9.0},
+                               {"live": 8192, "width": 1, "attention_over_floor": lim + 0.5},
+                               {"live": 8192, "width": 8, "attention_over_floor": lim},
+                               {"live": 32768, "width": 1, "attention_over_floor": lim - 0.5}]}
+    got = [(name, value, ok) for name, value, _, ok in bench_pool.goals(sec)]
+    assert got == [("pool 262,144 / 4,096 cells, width 1", bench_pool.POOL_GOAL, True),
+                   ("pool 262,144 / 4,096 cells, width 8", 1.5, False),
+                   ("attention / KV floor, 8k cells, width 1", lim + 0.5, False),
+                   ("attention / KV floor, 8k cells, width 8", lim, True),
+                   ("attention / KV floor, 32k cells, width 1", lim - 0.5, True)]
+
+
 def test_overhead_cases_interleave_the_repeats_across_cases(clock, monkeypatch):
     """host_overhead's loop: every repeat runs every case once, in order (repeat 1 of all
     cases before repeat 2 of any); each case's row pools its own repeats only."""

@@ -185,3 +185,22 @@ def test_the_fast_step_result_is_the_dataclass_with_every_field():
     assert type(a) is StepResult and a == b and vars(a) == vars(b)
     with pytest.raises(dataclasses.FrozenInstanceError):
         a.T = 0
+
+
+def test_the_short_path_hands_each_step_its_own_outputs_dict():
+    """The outputs dict of a step is the caller's (the tensors in it are the graph's, valid
+    until the next step): changing it must not change what later steps of the same T get.
+    Emulated graphs: the short path runs on a CPU."""
+    from models_for_tests import SlotModel
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    m, ref = SlotModel("cpu", seed=5), SlotModel("cpu", seed=5)
+    rt = GraphRuntime(m, m.specs(), graphs="emulate", device="cpu")
+    rt.capture()
+    for _ in range(3):
+        x = m.random_inputs(3, gen=gen)
+        res = rt.step(**x)
+        assert sorted(res.outputs) == ["hidden", "tok"]
+        torch.testing.assert_close(res.outputs["hidden"], ref(x)["hidden"], rtol=1e-5, atol=1e-6)
+        res.outputs.pop("tok")
+        res.outputs["hidden"] = None
+    assert dict(rt.stats().graph_replays) == {4: 3}

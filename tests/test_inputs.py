@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from cudagraph_rt import BusyError, GraphRuntime, InputError, InputSpec
+from cudagraph_rt import BusyError, GraphRuntime, HostRows, InputError, InputSpec
 from models_for_tests import SlotModel
+from reliability_harness import ScaleChooser
 
 
 def seeded_gen() -> torch.Generator:
@@ -328,6 +329,36 @@ def test_views_kept_past_a_step_that_did_not_write_the_feed_are_refused(graphs, 
     assert rt.state_digest() == before
     got = in_thread(lambda: rt.host_inputs(3))
     assert isinstance(got, dict), got  # not BusyError: the views were used up
+
+
+@pytest.mark.parametrize("graphs", GRAPH_PATHS, ids=GRAPH_IDS)
+@pytest.mark.parametrize("mode", [None, "host", "device", "commit"])
+def test_views_kept_past_their_step_are_refused_in_every_host_row_mode(graphs, mode):
+    """Every step uses up the views host_inputs() handed out before it, whichever path
+    writes its rows: the short path (no HostRows) and the general write of a fed graph
+    (any HostRows mode) alike. Kept and passed again, they would run on the next step's rows."""
+    hr = HostRows(source="hidden", mode=mode) if mode else None
+    model = ScaleChooser if mode == "device" else SlotModel
+    device = "cuda" if graphs is True else "cpu"
+    m, ref = model(device, seed=3), model(device, seed=3)
+    rt = GraphRuntime(m, m.specs(), graphs=graphs, device=device, host_rows=hr)
+    rows = {"rows": [0, 2]} if mode == "host" else {}
+    gen = seeded_gen()
+    v = rt.host_inputs(3)
+    fill(v, x := m.random_inputs(3, gen=gen))
+    res = rt.step(**rows, **v)
+    torch.testing.assert_close(res.outputs["hidden"], on(ref, x, device)["hidden"])
+    if res.host_rows is not None:
+        res.host_rows.release()
+    y = m.random_inputs(3, gen=gen)  # the same width: the views' memory now holds y's rows
+    res = rt.step(**rows, **y)
+    torch.testing.assert_close(res.outputs["hidden"], on(ref, y, device)["hidden"])
+    if res.host_rows is not None:
+        res.host_rows.release()
+    before = rt.state_digest()
+    with pytest.raises(InputError, match=r"expected memory apart from the runtime's static buffers"):
+        rt.step(**rows, **v)
+    assert rt.state_digest() == before
 
 
 # ---- issue 22: float lists rounded once, into the spec's dtype ---------------------------

@@ -217,3 +217,35 @@ def test_pinned_bytes_count_only_pinned_memory(graphs, mode):
                       host_rows=HostRows(source="hidden", mode=mode) if mode else None)
     rt.step(**m.random_inputs(5, gen=seeded()))
     assert rt.pinned_bytes == 0
+
+
+# ---- watch(): a tensor the graphs read that moved or changed shape (emulated graphs) ------
+@pytest.mark.parametrize("hr", [None, "host"], ids=["short-path", "host-rows"])
+@pytest.mark.parametrize("change", ["replaced", "resized-in-place"])
+def test_a_watched_tensor_that_moved_or_changed_shape_is_caught_until_recapture(hr, change):
+    """Emulated graphs remember the watched tensors at capture as CUDA graphs do: a step
+    after one was replaced, or resized in place (the same address, another shape), raises
+    StaleCaptureError before anything is written; recapture() takes the new tensor."""
+    from cudagraph_rt import StaleCaptureError
+    gen = seeded()
+    m, ref = SlotModel("cpu", seed=2), SlotModel("cpu", seed=2)
+    m.state = torch.zeros(300, m.state.shape[1])[:m.state.shape[0]]  # room to grow in place
+    rt = GraphRuntime(m, m.specs(), graphs="emulate", device="cpu", watch=lambda: [m.state, *m.ws],
+                      host_rows=HostRows(source="hidden", mode=hr) if hr else None)
+    rows = {"rows": [0]} if hr else {}
+    x = m.random_inputs(3, gen=gen)
+    torch.testing.assert_close(rt.step(**rows, **x).outputs["hidden"], ref(x)["hidden"], rtol=1e-5, atol=1e-6)
+    if change == "replaced":
+        m.ws[1] = m.ws[1].clone()
+    else:  # more slots in the same storage: only the shape tells
+        ptr, n = m.state.data_ptr(), m.state.shape[0]
+        m.state.resize_(n + 20, m.state.shape[1])
+        assert m.state.data_ptr() == ptr
+        ref.state = torch.cat([ref.state, torch.zeros(20, ref.state.shape[1])])
+    before = rt.state_digest()
+    y = m.random_inputs(3, gen=gen)
+    with pytest.raises(StaleCaptureError, match=r"moved or changed shape since capture"):
+        rt.step(**rows, **y)
+    assert rt.state_digest() == before
+    rt.recapture()
+    torch.testing.assert_close(rt.step(**rows, **y).outputs["hidden"], ref(y)["hidden"], rtol=1e-5, atol=1e-6)

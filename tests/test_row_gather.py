@@ -351,9 +351,12 @@ def test_plan_launch_covers_every_row_and_column(dtype, rng):
     for _ in range(50):
         H, R, C, S = rng.randint(1, 9000), rng.randint(0, 300), rng.randint(0, 300), rng.randint(1, 4)
         shape = (R + 1, H) if rng.random() < 0.5 else (2, R + 1, H)
-        src = torch.empty(shape, dtype=dtype)
+        # rows padded past H (a view of a wider tensor: the last dimension stays contiguous,
+        # the row and slab strides are not multiples of H) in about half the cases
+        pad_src, pad_dst = (rng.randint(1, 7), rng.randint(1, 7)) if rng.random() < 0.5 else (0, 0)
+        src = torch.empty(*shape[:-1], H + pad_src, dtype=dtype)[..., :H]
         rows = torch.empty(R, dtype=torch.int32)
-        dst = torch.empty(S, C, H, dtype=dtype)
+        dst = torch.empty(S, C, H + pad_dst, dtype=dtype)[..., :H]
         p = rg.plan_launch(src, rows, dst)
         assert p.grid[0] >= 1 and p.grid[0] * p.rows_per_program >= min(R, C)
         assert p.grid[1] * p.block_h >= H and p.block_h <= 1024

@@ -321,3 +321,20 @@ def test_a_device_drafter_with_a_smaller_k_is_refused_before_any_step(drafter_k)
     ok.submit([Request((1, 2, 3), 6)])
     ok.run()
     assert _greedy_ok(ok)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_the_reference_drafter_refuses_a_row_with_one_non_finite_entry(bad):
+    """ReferenceDrafter.observe "checks one finite host row per committed token": a row is
+    finite only when every entry is; one NaN (or inf) entry in one row is a RuntimeError
+    naming the row's position, and finite rows pass."""
+    from cudagraph_rt.spec.runner import Sequence
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    drafter = ReferenceDrafter(MODEL, 0.5, seed=1)
+    seq = Sequence(uid=7, slot=0, prompt=(1, 2, 3), max_new=8, tokens=[1, 2, 3, 4, 5, 6])
+    rows = torch.randn(3, MODEL.hidden_width, generator=gen)
+    drafter.observe(CommittedRows.of(seq, 2, rows.clone()))  # positions 2, 3, 4: finite
+    j = int(torch.randint(0, 3, (1,), generator=gen))
+    rows[j, int(torch.randint(0, rows.shape[1], (1,), generator=gen))] = bad
+    with pytest.raises(RuntimeError, match=rf"sequence 7: non-finite host rows at position {2 + j}"):
+        drafter.observe(CommittedRows.of(seq, 2, rows))

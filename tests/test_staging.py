@@ -1,13 +1,15 @@
 """The host-side bookkeeping of staging and the feed, on plain host memory, so that a CPU
 run checks what otherwise runs only on a GPU: which rows a narrower step pads, which
 words a fed graph's prologue takes from the feed and which it keeps."""
+import pytest
 import torch
 
-from cudagraph_rt import InputSpec
+from cudagraph_rt import GraphRuntime, InputSpec
 from cudagraph_rt.inputs.arena import ArenaLayout
 from cudagraph_rt.inputs.feed import Feed
 from cudagraph_rt.inputs.staging import HostArena
 from cudagraph_rt.inputs.validate import Prepared
+from models_for_tests import SlotModel
 
 SPECS = {"a": InputSpec((), torch.int64, -5), "b": InputSpec((3,), torch.float32, 0.25),
          "c": InputSpec((2,), torch.bfloat16, -1.5)}
@@ -168,3 +170,27 @@ class HostArenaView:
 
     def __init__(self, views):
         self.views = views
+
+
+# ---- a sliced step stages every slice from its own rows, whatever path the rows take -------
+@pytest.mark.parametrize("graphs", [False, "emulate"], ids=["graphs-off", "emulated"])
+@pytest.mark.parametrize("form", ["cast", "strided"])
+def test_each_slice_of_a_sliced_step_is_staged_from_its_own_rows(graphs, form):
+    """Rows a memmove cannot take (a dtype to cast, strided rows) go through ``put_rows``;
+    a sliced step must hand each slice rows [start, start + length) of every input, as the
+    memmove path does: the outputs equal one eager call of the step function on all rows."""
+    gen = seeded()
+    model, ref = SlotModel("cpu", seed=3), SlotModel("cpu", seed=3)
+    rt = GraphRuntime(model, model.specs(), widths=(1, 2, 4, 8), dynamic_limit=12, graphs=graphs, device="cpu")
+    for T in (29, 13, 24):  # dynamic 12 + dynamic 12 + graph 8 (5 rows); 12 + graph 1; 12 + 12
+        x = model.random_inputs(T, gen=gen)
+        if form == "cast":  # int32 / float16 values, each exact in the spec's dtype
+            given = {k: v.half() if v.is_floating_point() else v.to(torch.int32) for k, v in x.items()}
+        else:
+            given = {k: torch.stack([v, v], 1)[:, 0] for k, v in x.items()}  # same rows, strided
+        exact = {k: v.to(x[k].dtype) for k, v in given.items()}
+        res = rt.step(**given)
+        assert len(res.slices) > 1, res.slices
+        want = ref(exact)["hidden"]
+        torch.testing.assert_close(res.outputs["hidden"], want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(model.state[:-1], ref.state[:-1], rtol=1e-5, atol=1e-6)

@@ -75,6 +75,35 @@ class LivePadOutputsOnly(LivePadAdapter, OutputsOnly):
     """(a) with nothing but the outputs to show it."""
 
 
+def test_the_state_check_sees_padding_rows_overwrite_a_cell_no_row_of_the_step_writes():
+    """check_state's first case, alone: the pad cell is sequence 0's position 0, a live cell
+    that no row of the next step writes (it steps positions 4..6 of sequence 0, width 4:
+    one padding row). That padding row overwrites the cell's K/V; the check must see it
+    (the cell's K/V compared with a copy taken before the step). With the scratch cell as
+    the pad (the toy as it is), the same steps are clean. Emulated graphs: padding rows run."""
+    from cudagraph_rt.testing.plans import Chunk, StepPlan
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    vocab = ToyAdapter(device="cpu").config.vocab
+    toks = [int(t) for t in torch.randint(1, vocab, (7,), generator=gen)]  # not the pad token 0
+    steps = [StepPlan(0, 4, (Chunk(0, 0, 0, tuple(toks[:4]), (False,) * 4),)),
+             StepPlan(1, 3, (Chunk(0, 0, 4, tuple(toks[4:]), (False, False, True)),))]
+    for adapter, live in [(LivePadAdapter(device="cpu"), True), (ToyAdapter(device="cpu"), False)]:
+        rt = adapter.build("emulate")
+        got = []
+        for st in steps:
+            res = rt.step(**adapter.step_inputs(st))
+            assert res.slices[-1].width == 4
+            got.append(adapter.check_state())
+        assert got[0] == []  # step 0: 4 rows at width 4, no padding row
+        if live:
+            pad = adapter.model.cell_for(0, 0)
+            assert len(got[1]) == 1 and f"padding rows wrote live cell(s) {pad} (seq 0, pos 0)" in got[1][0]
+            assert "no row of the step writes it, yet its K/V changed" in got[1][0], got[1]
+        else:
+            assert got[1] == []
+        rt.close()
+
+
 def skip_pad_fill(monkeypatch):
     """(b) StaticInputs.write copies the real rows but leaves rows [length, width) as the
     previous steps left them."""
@@ -174,6 +203,92 @@ def test_sweep_tolerance_sees_a_1e3_relative_error():
     fine = run_sweep(Perturbed(1e-6), **QUICK)
     print(f"sweep seed {fine.seed}")
     assert fine.ok, fine.summary()
+
+
+class NonFinite(ToyAdapter):
+    """Row 0 of every step returns one NaN or one inf entry in its hidden state (the rest of
+    the row and every token right): a runtime that returns such rows is wrong, however
+    close the other entries are."""
+
+    def __init__(self, value: float):
+        super().__init__(device="cpu")
+        self.value = value
+
+    def build(self, graphs):
+        self.model.reset_cache()
+        step, value = self.model.step, self.value
+
+        def broken(x):
+            out = step(x)
+            h = out["hidden"].clone()
+            h[0, 1] = value
+            return {**out, "hidden": h}
+
+        return GraphRuntime(broken, self.input_specs(), widths=self.widths, graphs=graphs, device=self.device)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+def test_non_finite_hidden_rows_fail_the_sweep(value):
+    bad = run_sweep(NonFinite(value), **QUICK)
+    assert not bad.ok and kinds(bad) == {"hidden"}, bad.summary()
+    assert bad.modes[0].failed == bad.modes[0].steps_checked  # every step: its row 0
+    assert "hidden: 1 of" in messages(bad) and "row 0 " in messages(bad)
+
+
+def test_the_tolerance_counts_a_non_finite_row_as_infinitely_wrong():
+    from cudagraph_rt.testing.checks import Tolerance
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    ref = torch.randn(5, 8, generator=gen)
+    got = ref.clone()
+    got[1, 3], got[2, 0], got[3, 7] = float("nan"), float("inf"), -float("inf")
+    err, bound = Tolerance.for_dtype(torch.float32).errors(got, ref)
+    assert (err > bound).tolist() == [False, True, True, True, False]
+    assert torch.isinf(err[1:4]).all() and torch.isfinite(bound).all()
+
+
+class WrongToken(ToyAdapter):
+    """Row 0 of every step returns a wrong token (its hidden rows right): the toy's reference
+    has no near-ties (no ``clear`` hook), so every such row is a failure."""
+
+    def build(self, graphs):
+        self.model.reset_cache()
+        step = self.model.step
+
+        def broken(x):
+            out = step(x)
+            t = out["tokens"].clone()
+            t[0] = t[0] + 1  # -1 (no token asked for) becomes 0: wrong too
+            return {**out, "tokens": t}
+
+        return GraphRuntime(broken, self.input_specs(), widths=self.widths, graphs=graphs, device=self.device)
+
+
+def test_a_wrong_token_fails_the_sweep_when_no_margin_is_unclear():
+    bad = run_sweep(WrongToken(device="cpu"), **QUICK)
+    assert not bad.ok and kinds(bad) == {"tokens"}, bad.summary()
+    assert bad.modes[0].failed == bad.modes[0].steps_checked and bad.modes[0].near_ties == 0
+    assert "tokens: 1 of" in messages(bad) and "row 0 " in messages(bad)
+
+
+@pytest.mark.parametrize("T", [3, 7, 12, 1])
+def test_the_pad_check_sees_one_stale_padding_row(toy, T):
+    """check_pad_rows reads every padding row the last graph slice read, one padding row too
+    (T=3 and 7 pad one row at widths 4 and 8); a step without padding has nothing to check."""
+    from cudagraph_rt.testing.checks import check_pad_rows
+    rt = toy.build("emulate")
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    x = {k: torch.full((T,), int(v.pad), dtype=v.dtype) for k, v in rt.input_specs.items()}
+    x["tokens"] = torch.randint(0, toy.config.vocab, (T,), generator=gen)
+    last = rt.step(**x).slices[-1]
+    assert check_pad_rows(rt, last) is None
+    if last.padding == 0:
+        return
+    views = rt.static_inputs(last.width)
+    name = list(rt.input_specs)[int(torch.randint(0, len(rt.input_specs), (1,), generator=gen))]
+    views[name][last.width - 1] = int(rt.input_specs[name].pad) + 1  # the last padding row, stale
+    msg = check_pad_rows(rt, last)
+    assert msg is not None and msg.startswith(f"pad rows: static input rows [{T}, {last.width})") and repr(name) in msg
+    rt.close()
 
 
 def test_the_harness_plan_rule_is_plan_steps_rule():

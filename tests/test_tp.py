@@ -22,7 +22,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from cudagraph_rt import CaptureError, CgrtError, GraphRuntime, HostRows, InputError
+from cudagraph_rt import CgrtError, GraphRuntime, HostRows, InputError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 120
@@ -265,6 +265,57 @@ def test_agree_width_runs_one_width_on_every_rank(seed):
         assert (T0, T1) == (t0, t1) and shape0 == (t0,) and shape1 == (t1,)  # cut to the rank's own rows
         assert ok0 and ok1 and n0 == n1 == 2.0
     assert r0[0][2] == r1[0][2] == 8 and r0[1][2] == 4  # T 1 and 7 ran width 8; 3 and 2 width 4
+
+
+def _w_agree_width_pads(rank, world, seed):
+    """As _w_agree_width, the step function keeping what it was handed: each step's rows
+    as the step function saw them, and the hidden rows beside the one-device toy's."""
+    import torch.distributed as dist
+
+    from cudagraph_rt.distributed import DistributedRuntime
+    from cudagraph_rt.models import ToyDecoder
+
+    rng = random.Random(seed * 7 + rank)
+    model, ref = ToyDecoder(device="cpu"), ToyDecoder(device="cpu")
+    seen = []
+
+    def step(x):
+        seen.append({k: v.tolist() for k, v in x.items()})
+        out = model.step(x)
+        n = torch.ones(x["tokens"].shape[0])
+        dist.all_reduce(n)
+        return {**out, "ranks": n}
+
+    rt = DistributedRuntime(step, model.inputs(), graphs=False, agree_width=True)
+    one = GraphRuntime(ref.step, ref.inputs(), graphs=False)
+    out, pos = [], 0
+    for T in ([1, 3, 5] if rank == 0 else [6, 2, 8]):
+        inp = _toy_inputs((model, ref), rng, T, seq=rank, start=pos)
+        pos += T
+        a, b = rt.step(**inp), one.step(**inp)
+        err = float((a.outputs["hidden"] - b.outputs["hidden"]).abs().max())
+        out.append((T, a.slices[0].width, {k: list(v) for k, v in inp.items()}, seen[-1], err))
+    return out
+
+
+def test_agree_width_pads_every_input_with_its_own_pad_value(seed):
+    """The rows a narrower rank adds to reach the agreed width hold each input's declared
+    pad (InputSpec.pad: the toy's seq_ids -1 and cells its scratch cell), never some other
+    value such as 0 (cell 0 is a live cell of sequence 0, which its padding rows would
+    overwrite): the step function sees the rank's own rows, then pad rows; the hidden rows
+    equal the one-device toy's on every step, the later steps after a padded one too."""
+    from cudagraph_rt.models import ToyDecoder
+    specs = ToyDecoder(device="cpu").inputs()
+    assert specs["cells"].pad != 0 and specs["seq_ids"].pad != 0  # what the check relies on
+    padded = 0
+    for steps in run_ranks(_w_agree_width_pads, seed):
+        for T, width, given, seen, err in steps:
+            assert err <= 1e-5, (T, width, err)
+            for name, spec in specs.items():
+                assert seen[name][:T] == given[name], (name, T)
+                assert seen[name][T:] == [spec.pad] * (width - T), (name, T, width, seen[name])
+            padded += width > T
+    assert padded == 5  # rank 0 pads every step, rank 1 its first two
 
 
 def _w_config_mismatch(rank, world):

@@ -1,0 +1,278 @@
+"""The mutation catalogue: realistic one-line bugs, each planted by ``run.py`` in a scratch
+copy of the tree (never in the working tree) and run against the CPU suite.
+
+An entry names the file, the ORIGINAL line (compared with its indentation stripped; it must
+occur exactly once in the file, or exactly once after ``anchor`` where the same line occurs
+twice), the MUTATED line (written with the original's indentation; ``pass`` deletes a
+statement), the area it belongs to, why a developer could write it, and the test files to
+run first (``tests``: the concept's own tests; the whole suite runs when they all pass).
+``graph_path``: the code runs only on the graph path (fed graphs, the short path, handed
+views, static outputs, emulated replay): graphs off never executes it.
+
+tests/test_mutation_catalogue.py checks that every entry still applies to HEAD; a change
+to a planted line must update its entry here (or drop it, saying why in the commit).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Mutation:
+    id: int
+    area: str
+    file: str
+    original: str
+    mutated: str
+    why: str
+    tests: tuple[str, ...]
+    graph_path: bool = False
+    anchor: str | None = None  # a unique line before the target, when the target line is not unique
+
+
+PLANNER = ("tests/test_widths.py", "tests/test_sweep.py")
+INPUTS = ("tests/test_inputs.py", "tests/test_bad_input_catalogue.py")
+FEED = ("tests/test_staging.py", "tests/test_emulated_graphs.py", "tests/test_direct_step.py")
+SHORT = ("tests/test_direct_step.py", "tests/test_emulated_graphs.py")
+ROWS = ("tests/test_host_rows.py", "tests/test_emulated_graphs.py")
+GATHER = ("tests/test_row_gather.py",)
+CAPTURE = ("tests/test_emulated_graphs.py", "tests/test_lifecycle.py", "tests/test_runtime.py")
+TP = ("tests/test_tp.py",)
+SWEEP = ("tests/test_sweep.py", "tests/test_planted_bugs.py")
+ACCEPT = ("tests/test_runner_contract.py",)
+HF = ("tests/test_hf.py",)
+POOL = ("tests/test_pool.py",)
+ATTN = ("tests/test_cell_attention.py",)
+BENCH = ("tests/test_bench.py", "tests/test_bench_timing.py", "tests/test_bench_attention.py")
+RUNNER = ("tests/test_runner_contract.py", "tests/test_fuzz_runner.py")
+
+M = Mutation
+CATALOGUE: tuple[Mutation, ...] = (
+    # ---------------------------------------------------------------- the planner
+    M(1, "planner", "cudagraph_rt/widths.py",
+      "w = widths[bisect.bisect_left(widths, left)]",
+      "w = widths[bisect.bisect_right(widths, left)]",
+      "bisect_right for bisect_left: a T equal to a width pads to the next one (or past the widest)", PLANNER),
+    M(2, "planner", "cudagraph_rt/widths.py",
+      "while w < max_width:",
+      "while w <= max_width:",
+      "`<=` for `<`: a power-of-two max_width is listed twice", PLANNER),
+    # ---------------------------------------------------------------- input checks
+    M(3, "input checks", "cudagraph_rt/inputs/validate.py",
+      "if type(t) is not torch.Tensor or t.dtype is not dtype or not t.is_cpu or t.is_neg() \\",
+      "if type(t) is not torch.Tensor or t.dtype is not dtype or not t.is_cpu \\",
+      "the short path's fast check drops is_neg(): a lazy negation's bytes are memmoved with the other sign",
+      INPUTS + SHORT, graph_path=True),
+    M(4, "input checks", "cudagraph_rt/specs.py",
+      "if big > lim:",
+      "if big >= lim:",
+      "`>=` for `>`: 2**24 (exact in float32) is refused for a float32 input", INPUTS),
+    M(5, "input checks", "cudagraph_rt/specs.py",
+      "out = torch.from_numpy(_float32_round_to_odd(a)).to(torch.bfloat16)",
+      "out = torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16)",
+      "the 'simpler' double rounding float64 -> float32 -> bfloat16 (1 ulp off now and then)", INPUTS),
+    M(6, "input checks", "cudagraph_rt/specs.py",
+      'value = value.astype(value.dtype.newbyteorder("="))  # exact: same values',
+      'value = value.view(value.dtype.newbyteorder("="))',
+      "view for astype: a big-endian array's bytes are reinterpreted, not converted", INPUTS),
+    M(7, "input checks", "cudagraph_rt/specs.py",
+      "if t.numel() == 0 or (int(t.min()) >= info.min and int(t.max()) <= info.max):",
+      "if t.numel() == 0 or int(t.max()) <= info.max:",
+      "only the upper bound checked before narrowing: values below the dtype's min wrap", INPUTS),
+    # ---------------------------------------------------------------- staging and the feed
+    M(8, "staging", "cudagraph_rt/inputs/staging.py",
+      "self._full[name][length:width].fill_(pads[name].pad)",
+      "self._full[name][length + 1:width].fill_(pads[name].pad)",
+      "off by one: the first padding row keeps the last step's row (graphs off on a CPU)", FEED + SWEEP),
+    M(9, "staging", "cudagraph_rt/inputs/staging.py",
+      "dst_np[:length] = t.detach().numpy()[start:start + length]",
+      "dst_np[:length] = t.detach().numpy()[:length]",
+      "the slice's start forgotten where rows are cast: every slice of a sliced step gets the first slice's rows",
+      FEED + INPUTS),
+    M(10, "feed", "cudagraph_rt/inputs/feed.py",
+      "pad = self._row_of_byte >= self._mirror_t  # rows [T, ...) of every input",
+      "pad = self._row_of_byte > self._mirror_t  # rows [T, ...) of every input",
+      "`>` for `>=`: the prologue leaves row T (the first padding row) as the feed held it", FEED, graph_path=True),
+    M(11, "feed", "cudagraph_rt/inputs/feed.py",
+      "flags_np[i] = flags[i] = True",
+      "flags[i] = True",
+      "the host copy of an input's flag set, the feed's own byte (what the graph reads) not", FEED + SWEEP,
+      graph_path=True),
+    M(12, "feed", "cudagraph_rt/inputs/__init__.py",
+      "self._handed_host = None  # used up (see consume)",
+      "pass  # used up (see consume)",
+      "a fed graph's general write does not use up the handed views: kept views are taken again",
+      ("tests/test_inputs.py",) + FEED, graph_path=True,
+      anchor="def write_fed(self, prep: Prepared, start: int, length: int, width: int, control: Mapping[str, Any] | None = None) -> None:"),
+    # ---------------------------------------------------------------- the short path
+    M(13, "short path", "cudagraph_rt/direct_step.py",
+      "return StepResult.fast(e.cut.copy() if e.is_dict else e.cut, T, e.slices, None, None, self._token)",
+      "return StepResult.fast(e.cut, T, e.slices, None, None, self._token)",
+      "the cached cut dict handed out itself: a caller's edit of res.outputs changes later steps' outputs",
+      SHORT, graph_path=True),
+    M(14, "short path", "cudagraph_rt/direct_step.py",
+      "c.replays[e.width] += 1",
+      "c.replays[T] += 1",
+      "the replay counted under T, not the graph's width", SHORT + SWEEP, graph_path=True),
+    M(15, "short path", "cudagraph_rt/direct_step.py",
+      "self._inputs.consume()",
+      "pass",
+      "the short path does not use up the handed views: views kept past their step are accepted",
+      SHORT + ("tests/test_inputs.py",), graph_path=True),
+    # ---------------------------------------------------------------- handed views, static outputs
+    M(16, "handed views", "cudagraph_rt/runtime.py",
+      "self._inputs.unfeed()",
+      "pass",
+      "static_inputs() without unfeed: a replay by hand copies the feed over the rows the caller wrote",
+      CAPTURE, graph_path=True),
+    M(17, "static outputs", "cudagraph_rt/host_rows/modes.py",
+      "return (start, width, length, r.reshape(-1)[:width].to(torch.int64, copy=True),",
+      "return (start, width, length, r.reshape(-1)[:width].to(torch.int64),",
+      "the slice record keeps an int64 chooser's static output, which the next slice's replay rewrites",
+      ROWS, graph_path=True),
+    # ---------------------------------------------------------------- host-row modes and snapshots
+    M(18, "host rows", "cudagraph_rt/host_rows/modes.py",
+      "pad = used & (rows >= c.T) & (rows < n)",
+      "pad = used & (rows > c.T) & (rows < n)",
+      "`>` for `>=`: a chosen row T (the first padding row) is shipped", ROWS),
+    M(19, "host rows", "cudagraph_rt/host_rows/modes.py",
+      "ok = used & (r >= 0) & (r < length)  # rows [length, width) are padding: dropped",
+      "ok = used & (r >= 0) & (r < width)  # rows [length, width) are padding: dropped",
+      "width for length: a sliced step ships a slice's chosen padding rows (as the next slice's rows)", ROWS),
+    M(20, "snapshots", "cudagraph_rt/host_rows/modes.py",
+      "if self._gen[snap_slot] != gen:",
+      "if self._gen[snap_slot] < gen:",
+      "`<` for `!=`: a commit of a snapshot reused by a later step is not refused (generations only grow)", ROWS),
+    M(21, "host rows", "cudagraph_rt/host_rows/config.py",
+      "if lo < 0 or hi >= T:",
+      "if lo < 0 or hi > T:",
+      "`>` for `>=`: rows=[T] is accepted and ships a padding row", ROWS + INPUTS),
+    M(22, "host rows", "cudagraph_rt/host_rows/ring.py",
+      "self._gen[slot] -= 1",
+      "pass",
+      "a failed step gives its ring slot back without its generation: the ring is not as before the step",
+      ROWS),
+    # ---------------------------------------------------------------- the row gather
+    M(23, "row gather", "kernels/row_gather.py",
+      "n = min(max(c, 0), C, R)",
+      "n = min(c, C, R)",
+      "the reference forgets to clamp a negative count", GATHER),
+    M(24, "row gather", "kernels/row_gather.py",
+      "bad = ((count > C).to(tl.int32) * 2 + ((count < 0) | (count > R)).to(tl.int32) * 4",
+      "bad = ((count >= C).to(tl.int32) * 2 + ((count < 0) | (count > R)).to(tl.int32) * 4",
+      "the kernel flags a count equal to the slot's capacity", GATHER),
+    M(25, "row gather", "kernels/row_gather.py",
+      "grid = (max(1, -(-cap // rows_pp)), -(-H // block_h))",
+      "grid = (max(1, cap // rows_pp), -(-H // block_h))",
+      "floor for ceiling division: the last partial block of rows is never copied", GATHER),
+    M(26, "row gather", "kernels/row_gather.py",
+      "while vec > 1 and (H % vec or any(st % vec for st in strides)):",
+      "while vec > 1 and H % vec:",
+      "the vector width checked against H only: a false alignment hint for padded strides (GPU loads)", GATHER),
+    # ---------------------------------------------------------------- capture
+    M(27, "capture", "cudagraph_rt/graph_mode.py",
+      "for _ in range(st.warmup):",
+      "for _ in range(st.warmup - 1):",
+      "one warm-up run short under emulation (step_fn_calls and stateful step functions see it)", CAPTURE),
+    M(28, "capture", "cudagraph_rt/capture.py",
+      "return None if self._watch is None else [(t.data_ptr(), tuple(t.shape)) for t in self._watch()]",
+      "return None if self._watch is None else [t.data_ptr() for t in self._watch()]",
+      "watch() remembers addresses only: a watched tensor resized in place is not seen", CAPTURE),
+    # ---------------------------------------------------------------- distributed checks
+    M(29, "distributed", "cudagraph_rt/distributed.py",
+      "pad = torch.full((to - T, *spec.shape), spec.pad, dtype=spec.dtype, device=t.device)",
+      "pad = torch.full((to - T, *spec.shape), 0, dtype=spec.dtype, device=t.device)",
+      "agree_width pads with zeros instead of each input's pad (cell 0 is a live cell)", TP),
+    M(30, "distributed", "cudagraph_rt/distributed.py",
+      "self.ships = rows_rank is None or rows_rank == self.rank",
+      "self.ships = rows_rank == self.rank",
+      "rows_rank=None ('every rank ships') forgotten: no rank ships host rows", TP),
+    # ---------------------------------------------------------------- the sweep harness
+    M(31, "sweep harness", "cudagraph_rt/testing/checks.py",
+      "err = torch.where(torch.isfinite(err), err, torch.full_like(err, math.inf))",
+      "err = torch.nan_to_num(err, nan=0.0)",
+      "NaN 'cleaned' from the errors: a NaN hidden row passes the tolerance check", SWEEP),
+    M(32, "sweep harness", "cudagraph_rt/testing/checks.py",
+      'if last.path != "graph" or last.padding <= 0 or last.width not in rt.widths:',
+      'if last.path != "graph" or last.padding <= 1 or last.width not in rt.widths:',
+      "the pad check skipped for a step with one padding row", SWEEP),
+    M(33, "sweep harness", "cudagraph_rt/testing/harness.py",
+      "ties = ~counts & (got != exp_tokens)  # differs at a near-tie: counted, not a failure",
+      "ties = got != exp_tokens  # differs at a near-tie: counted, not a failure",
+      "every differing token counted as a near-tie, not only those at an unclear margin", SWEEP + HF),
+    # ---------------------------------------------------------------- the acceptance rule
+    M(34, "acceptance", "cudagraph_rt/models/accept.py",
+      "earlier = (seq_ids[None, :] == seq_ids[:, None]) & (positions[None, :] < positions[:, None])  # [i, j]: j before i",
+      "earlier = (seq_ids[None, :] == seq_ids[:, None]) & (positions[None, :] <= positions[:, None])  # [i, j]: j before i",
+      "`<=` for `<`: a mismatching row blocks itself, so the correction row is never committed",
+      ACCEPT + ("tests/test_toy.py",)),
+    # ---------------------------------------------------------------- the transformers adapter
+    M(35, "transformers adapter", "cudagraph_rt/models/hf.py",
+      "st.cells, d ** -0.5 if scaling is None else scaling, sliding_window)",
+      "st.cells, d ** -0.5 if scaling is None else scaling, None)",
+      "the layer's sliding window not passed on: sliding layers attend to the whole sequence", HF),
+    M(36, "transformers adapter", "cudagraph_rt/models/hf.py",
+      "eps = torch.finfo(self.config.dtype).eps",
+      "eps = torch.finfo(torch.bfloat16).eps",
+      "the margin's eps of the wrong dtype: an fp32 model's clear margins are 2**16 too wide (every token 'unclear')",
+      HF + SWEEP),
+    M(37, "transformers adapter", "cudagraph_rt/testing/adapter.py",
+      "self._watch = (pad, pool.k[:, pad].clone(), pool.v[:, pad].clone())",
+      "self._watch = (pad, pool.k[:, pad], pool.v[:, pad])",
+      "the watched pad cell kept as views, not copies: a write into it is never seen", SWEEP + HF),
+    # ---------------------------------------------------------------- the paged pool
+    M(38, "paged pool", "cudagraph_rt/models/pool.py",
+      "need = [b for b in range(b0, b1 + 1) if row[b] == self.scratch_block or self._refs[row[b]] > 1]",
+      "need = [b for b in range(b0, b1 + 1) if row[b] == self.scratch_block or self._refs[row[b]] > 2]",
+      "copy-on-write only past two holders: a block shared by a fork and its source is written in place", POOL),
+    M(39, "paged pool", "cudagraph_rt/models/pool.py",
+      "live = seq_ids >= 0",
+      "live = seq_ids > 0",
+      "`>` for `>=`: sequence 0's rows get the scratch cell on the device path", POOL),
+    # ---------------------------------------------------------------- the cell attention's reference
+    M(40, "cell attention reference", "kernels/cell_attention.py",
+      "lo = (pos - window + 1).clamp(min=0) if window is not None else torch.zeros_like(pos)",
+      "lo = (pos - window).clamp(min=0) if window is not None else torch.zeros_like(pos)",
+      "the sliding window one position wider", ATTN + HF),
+    M(41, "cell attention reference", "kernels/cell_attention.py",
+      "dist = (pos[:, None] - bias_shift - j[None, :]).abs().float()  # [N, span]",
+      "dist = (pos[:, None] + bias_shift - j[None, :]).abs().float()  # [N, span]",
+      "the ALiBi shift's sign flipped", ATTN),
+    # ---------------------------------------------------------------- the bench statistics
+    M(42, "bench statistics", "tools/bench/common.py",
+      "xs = sorted(ns)",
+      "xs = list(ns)",
+      "percentiles read off the unsorted samples", BENCH),
+    M(43, "bench statistics", "tools/bench/report.py",
+      'hi, lo = max(s["max"] for s in sp.values()), max(s["min"] for s in sp.values())',
+      'hi, lo = max(s["max"] for s in sp.values()), min(s["min"] for s in sp.values())',
+      "the best case's least repeat for the worst case's: a width wholly over the limit reads 'unclear', not missed",
+      BENCH),
+    M(44, "bench statistics", "tools/bench/attention.py",
+      "live = self.seqs * self.extent * s.Hkv * s.D * torch.finfo(s.dtype).bits // 8 * 2",
+      "live = self.seqs * self.extent * s.Hkv * s.D * torch.finfo(s.dtype).bits // 8",
+      "the KV floor counts K only: the floor halves and every kernel looks twice as far from it", BENCH),
+    M(45, "bench statistics", "tools/bench/pool.py",
+      'if r["live"] >= 8192:',
+      'if r["live"] > 8192:',
+      "`>` for `>=`: the 8k-cell attention goal is never judged", BENCH),
+    # ---------------------------------------------------------------- the runner
+    M(46, "runner", "cudagraph_rt/spec/runner.py",
+      "ks = [min(self.k, s.max_new - (len(s.tokens) - len(s.prompt)) - 1) for s in dec]  # never past the limit",
+      "ks = [min(self.k, s.max_new - (len(s.tokens) - len(s.prompt))) for s in dec]  # never past the limit",
+      "drafts one token past max_new", RUNNER),
+    M(47, "runner", "cudagraph_rt/spec/runner.py",
+      "if owed + self._blocks_for(len(r.prompt), r.max_new) > pool.free_blocks:",
+      "if self._blocks_for(len(r.prompt), r.max_new) > pool.free_blocks:",
+      "admission forgets what the admitted sequences still owe the pool: a tight pool runs out mid-run",
+      RUNNER + POOL),
+    M(48, "runner", "cudagraph_rt/spec/drafting.py",
+      "x ^= x >> 15",
+      "x ^= x >> 16",
+      "the host drafter's Python-int hash drifts from mix32: host and device drafters draft differently",
+      RUNNER),
+    M(49, "runner", "cudagraph_rt/spec/drafting.py",
+      "ok = torch.isfinite(c.rows.float()).all(1).numpy()",
+      "ok = torch.isfinite(c.rows.float()).any(1).numpy()",
+      "any for all: a host row with some NaN entries passes the reference drafter's check", RUNNER),
+)
