@@ -106,8 +106,7 @@ class StepBody:
     def __call__(self, n: int, views: dict, fn: Callable | None = None) -> Any:
         out = (fn or self.step_fn)(views)
         self.layout.check(n, out)
-        if self.rows_mode is not None:
-            self.rows_mode.gather_in_graph(out, n, self.control)
+        self.rows_mode.gather_in_graph(out, n, self.control)
         return out
 
     def at_width(self, w: int, inputs, calls: list[int]) -> tuple[Callable[[], Any], Callable[[], Any]]:

@@ -278,7 +278,9 @@ class PiecewiseGraph:
         return layout(len(self.pieces), self.calls)
 
     def replay(self, values: Any = None) -> None:
-        with _values(values) if values is not None else _PLAIN:
+        # The marked calls in inference mode, as at capture: their static tensors are
+        # inference tensors, which nothing may write in place outside it.
+        with torch.inference_mode(), (_values(values) if values is not None else _PLAIN):
             for g, call in zip(self.pieces, self.calls):
                 g.replay()
                 call.replay()
@@ -304,9 +306,10 @@ class PieceLaunch:
         self._last, self._before_last = launches[-1], before_last
 
     def __call__(self) -> None:
-        for launch, call in self._steps:
-            launch()
-            call()
+        with torch.inference_mode():  # as PiecewiseGraph.replay
+            for launch, call in self._steps:
+                launch()
+                call()
         self._before_last()
         self._last()
 

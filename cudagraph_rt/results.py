@@ -5,10 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, NamedTuple
 
-import torch
-
 from .inputs import Prepared
-from .host_rows import HostRowsHandle
+from .host_rows import HostRowsHandle, StepTicket
 from .widths import Slice
 
 
@@ -29,6 +27,17 @@ class StepResult:
     host_rows: HostRowsHandle | None = None
     snapshot: tuple[int, int] | None = field(default=None, repr=False)  # (slot, generation)
     owner: object = field(default=None, repr=False, compare=False)  # the runtime's token
+
+    @classmethod
+    def fast(cls, outputs: Any, T: int, slices: tuple[Slice, ...], host_rows: HostRowsHandle | None,
+             snapshot: tuple[int, int] | None, owner: object) -> "StepResult":
+        """The same object as ``StepResult(...)`` with every field given, built in one dict
+        update instead of the frozen ``__init__``'s six ``object.__setattr__`` calls (about
+        0.8 µs on the H200's host): for the short path. A new field must be added here too
+        (tests/test_direct_step.py compares the parameters with the fields)."""
+        r = object.__new__(cls)
+        r.__dict__.update(outputs=outputs, T=T, slices=slices, host_rows=host_rows, snapshot=snapshot, owner=owner)
+        return r
 
 
 @dataclass(frozen=True)
@@ -53,13 +62,12 @@ class RuntimeStats:
 
 
 class PlannedStep(NamedTuple):
-    """One validated step, before anything is written: its inputs, slices and host rows.
+    """One validated step, before anything is written: its inputs, slices and host-row ticket.
     (A NamedTuple, not a frozen dataclass: one is built on every step's path.)"""
 
     prep: Prepared
     slices: tuple[Slice, ...]
-    idx: torch.Tensor | None  # host-chosen rows, validated
-    ships: bool  # takes a ring slot
+    ticket: StepTicket  # the host-row mode's part of the step (rows validated, a ring slot free)
 
     @property
     def T(self) -> int:

@@ -21,15 +21,14 @@ from .config import RuntimeConfig, StepFn
 from .digest import StateDigest, runtime_digest
 from .errors import BusyError, CapacityError, CgrtError, InputError, expected
 from .direct_step import DirectStep
-from .executor import Counters, OutputLayout, StepBody, eager_executors
+from .executor import Counters, GraphSlice, OutputLayout, StepBody, eager_executors
 from .width_modes import WidthParts, capture_widths, modes_of
-from .handed import HandedBuffers
 from .host_rows import HostRows, HostRowsHandle, make_rows_mode
 from .results import PlannedStep, RuntimeStats, StepResult
 from .widths import Planner, Slice
 
 
-class GraphRuntime(HandedBuffers):
+class GraphRuntime:
     """Captures ``step_fn`` once per width of a width set and replays it for any step.
 
     ``step_fn(inputs)`` takes a dict of ``[N, *shape]`` tensors (one per declared
@@ -73,13 +72,13 @@ class GraphRuntime(HandedBuffers):
         self.widths, self.dynamic_limit, self.slicing, self.graphs = cfg.widths, cfg.dynamic_limit, cfg.slicing, cfg.graphs
         self.host_rows_config, self.on_capture_error = cfg.host_rows, cfg.on_capture_error
         self.warmup, self.keep_graphs = cfg.warmup, cfg.keep_graphs
-        hr = self._rows_mode = make_rows_mode(cfg.host_rows, cfg.rows, self.device) if cfg.host_rows else None
+        hr = self._rows_mode = make_rows_mode(cfg.host_rows, cfg.rows, self.device)  # NoHostRows without HostRows
         mode = self._graph_mode = cfg.graph_mode
-        self._inputs = StaticInputs(cfg.inputs, cfg.rows, self.device, hr.control_blocks() if hr else {},
+        self._inputs = StaticInputs(cfg.inputs, cfg.rows, self.device, hr.control_blocks(),
                                     feed_event=mode.feed_event(self.device))
-        self._layout = OutputLayout(hr.count_leaf if hr else lambda out, leaves: -1)
+        self._layout = OutputLayout(hr.count_leaf)
         self._body = StepBody(cfg.step_fn, self._layout, hr, self._inputs.control, StepValues(cfg.step_values, cfg.inputs))
-        self._replaying = hr.replaying if hr else lambda: None
+        self._replaying = hr.replaying
         self._watch = WatchedTensors(cfg.watch)
         self._lock, self._token = threading.Lock(), object()  # the token marks this runtime's StepResults
         self._planner = Planner(self.widths, self.dynamic_limit, self.slicing)
@@ -126,15 +125,14 @@ class GraphRuntime(HandedBuffers):
         if self._ready:
             return self.capture_report
         with self._inputs.rows_kept():
-            hr = self._rows_mode
-            probed = hr is not None and hr.probe(self._body.values.on_pads(self.step_fn), self._inputs, self._layout,
-                                                 self.widths[-1])
+            probed = self._rows_mode.probe(self._body.values.on_pads(self.step_fn), self._inputs, self._layout,
+                                           self.widths[-1])
             t0, calls = time.perf_counter(), [int(probed)]
             reports, pool = self._capture_graphs(calls) if self._graph_mode.captures else ([], 0)
         self.capture_report = CaptureReport(tuple(reports), time.perf_counter() - t0, pool, calls[0],
                                             self._graph_mode.name)
         self._ready = True
-        if self._inputs.fed and self._rows_mode is None:
+        if self._inputs.fed and not self._rows_mode.ships_rows:
             self._direct = DirectStep(self._inputs, self._by_width.get, self._planner, self._layout, self._counters,
                                       self._token, self._watch)
         return self.capture_report
@@ -154,8 +152,7 @@ class GraphRuntime(HandedBuffers):
             self._drop_graphs()
             self._inputs, self._by_width, self._dynamic, self._body = None, {}, None, None
             self._direct = None
-            if self._rows_mode is not None:
-                self._rows_mode.close()
+            self._rows_mode.close()
 
     def __enter__(self) -> "GraphRuntime":
         return self
@@ -188,8 +185,6 @@ class GraphRuntime(HandedBuffers):
         """``HostRows(mode="commit")``: ship ``rows`` of an earlier step's ``source`` output
         to the host, from its device snapshot. Allowed until ``depth`` later steps have
         run (then StaleRowsError); not for sliced steps (CapacityError)."""
-        if self._rows_mode is None:
-            raise InputError(expected("commit()", "a runtime built with HostRows(mode='commit')", "mode None"))
         self._rows_mode.check_commit()
         if not isinstance(result, StepResult):
             raise InputError(expected("result", "a StepResult of this runtime", type(result).__name__))
@@ -223,6 +218,96 @@ class GraphRuntime(HandedBuffers):
             torch.cuda.synchronize(self.device)  # every queued gather has written the ring
         return runtime_digest(self._inputs, self._rows_mode, self.stats())
 
+    # -- the runtime's own buffers, handed out: what each is and for how long, in its docstring
+    def static_outputs(self, width: int) -> Any:
+        """The outputs the graph of ``width`` writes at each replay (the step function's
+        structure, ``width`` rows): for a caller replaying ``graphs_captured[width]`` by
+        hand. Valid while that graph lives (until ``recapture()`` or ``close()``)."""
+        e = self._by_width.get(width)
+        if not isinstance(e, GraphSlice):
+            raise InputError(expected("width", f"a captured width ({sorted(self.graphs_captured)})", width))
+        return e.static_out
+
+    @property
+    def fed_graphs(self) -> bool:
+        """Whether captured graphs copy their own host rows in (see StaticInputs)."""
+        return self._inputs is not None and self._inputs.fed
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Pinned host memory this runtime holds: staging arenas, feed, host-row ring (0 on
+        a CPU, where they are plain memory)."""
+        if self._inputs is None:
+            return 0
+        return sum(b.nbytes for b in self._inputs.staging) + self._rows_mode.pinned_bytes()
+
+    def static_inputs(self, width: int) -> dict[str, torch.Tensor]:
+        """The device views a graph of ``width`` reads: rows ``[:width]`` of the arena.
+
+        For writing them by hand and replaying ``graphs_captured[width]`` directly: a
+        graph normally copies the last step's host rows in first (fed graphs, see
+        StaticInputs); after this call it keeps the arena's rows as they are, until the
+        next ``step``."""
+        with self._exclusive("static_inputs"):
+            is_int = isinstance(width, int) and not isinstance(width, bool)
+            if not is_int or not (width in self.widths or self.widths[-1] < width <= self.config.rows):
+                raise InputError(expected("width", f"one of {self.widths} or a dynamic width", width))
+            self._inputs.unfeed()
+            return self._inputs.views(width)
+
+    def host_inputs(self, T: int, *, numpy: bool = False) -> dict[str, Any]:
+        """Zero-copy host path, the fastest way in: pinned rows ``[:T]`` of the staging
+        arena the next step will use. Fill them in place and pass the same objects,
+        unchanged, to the next ``step``: it recognises them by identity, skips every check
+        and the packing, and one host-to-device copy remains (none on the host, for a
+        graph step: the graph copies its rows in). ``numpy=True`` hands out the same rows
+        as numpy arrays (no ``.numpy()`` per step: the cheapest to fill; bfloat16 and
+        other dtypes numpy lacks stay tensors); pass those to ``step`` instead. Rows
+        written in place are taken as they are: numpy converts what you assign into the
+        input's dtype without a word (1.7 into int64 is 1; out-of-range values wrap), where
+        ``step`` with a list or array of another dtype raises InputError.
+
+        Lifetime: good for the next step only (whatever that step wrote), from this
+        thread. Views kept past it, or cut, are refused with InputError (their arena may
+        hold an older step's rows by then); written after it, they write the next step's
+        staging, which no check can see (padding rows are padded on every step all the
+        same). Until this thread steps them, another thread's ``host_inputs`` and ``step``
+        raise BusyError (the views of a thread that ended are free). Captures first if
+        ``capture()`` was not called (a capture would reset the rows handed out). Refused
+        with BusyError while another thread is inside ``step``."""
+        if numpy is not True and numpy is not False:
+            raise InputError(expected("host_inputs(numpy=)", "True or False", repr(numpy)))
+        if not self._lock.acquire(blocking=False):  # not _exclusive: a generator costs µs here
+            raise BusyError("GraphRuntime.host_inputs: another thread is inside step() or commit() of this runtime")
+        try:
+            self._check_open("host_inputs")
+            direct = self._direct
+            fed = direct is not None and direct.runs(T)
+            if not fed:
+                s = self._single_slice(T, "host_inputs")
+                if not self._ready:
+                    self.capture()
+                fed = isinstance(self._executor(s), GraphSlice)
+            return self._inputs.host_views(T, fed=fed, numpy=numpy)
+        finally:
+            self._lock.release()
+
+    def device_inputs(self, T: int) -> dict[str, torch.Tensor]:
+        """Zero-copy device path: rows ``[:T]`` of the static device arena. Write them with
+        your own device ops on the current stream and pass the views to ``step``: no
+        copy is made, only the padding rows are filled. Rows written here before the first
+        step survive the capture that step runs (capture works on padding rows and puts
+        the arena back). Refused with BusyError while another thread is inside ``step``."""
+        with self._exclusive("device_inputs"):
+            self._single_slice(T, "device_inputs")
+            return self._inputs.device_views(T)
+
+    def _single_slice(self, T: int, what: str) -> Slice:
+        plan = self.plan(T)
+        if len(plan) > 1:
+            raise CapacityError(expected(f"{what}(T)", f"T <= {self.config.rows} (one slice)", T))
+        return plan[0]
+
     # -- one step: validate and plan (writes nothing), then execute ---------------------
     def _plan_step(self, rows: Any, inputs: Mapping[str, Any]) -> PlannedStep:
         prep = self._inputs.prepare(inputs)
@@ -230,58 +315,44 @@ class GraphRuntime(HandedBuffers):
         slices = self._planner(T)
         if prep.zero_copy and len(slices) > 1:
             raise CapacityError(expected("zero-copy inputs", f"a step of at most {self.config.rows} rows", T))
-        hr, idx = self._rows_mode, None
-        if hr is not None:
-            first = slices[0].width if slices[0].path == "graph" else slices[0].length
-            idx = hr.step_rows(rows, T, first, len(slices) > 1)
-        elif rows is not None:
-            raise InputError(expected("rows", "None unless the runtime has HostRows(mode='host')", "row indices"))
+        hr = self._rows_mode
+        first = slices[0].width if slices[0].path == "graph" else slices[0].length
+        idx = hr.step_rows(rows, T, first, len(slices) > 1)
         if not self._ready:
             self.capture()
         self._watch.check()
-        ships = hr is not None and hr.ships(idx)
-        if ships:
-            hr.ring.check_free()
-        return PlannedStep(prep, slices, idx, ships)
+        return PlannedStep(prep, slices, hr.ticket(idx))
 
     def _execute(self, step: PlannedStep) -> StepResult:
-        hr = self._rows_mode
-        slot = hr.ring.acquire() if step.ships else None
-        turn = hr.begin(step.sliced) if hr is not None else None
+        ticket = step.ticket
+        ticket.open(step.sliced)
         try:
-            control = hr.step_control(step.T, step.sliced, step.idx, slot, turn) if hr is not None else None
+            control = ticket.control(step.T, step.sliced)
             if step.sliced:
-                outputs = self._run_sliced(step, control, slot)
+                outputs = self._run_sliced(step, control)
             else:
                 s = step.slices[0]
-                outputs = self._executor(s).outputs(step.prep, s, control, self._layout)
-                outputs = hr.step_outputs(outputs, step.T) if hr is not None else outputs
+                outputs = ticket.outputs(self._executor(s).outputs(step.prep, s, control, self._layout), step.T)
                 self._counters.slices += 1
                 self._counters.padding += s.padding
         except BaseException:
-            if hr is not None:
-                hr.abort(turn)  # a failed step uses up no snapshot turn where none was written
-                if slot is not None:
-                    hr.ring.unacquire(slot)  # ... and no ring turn
+            ticket.abort()
             raise
         self._counters.steps += 1
-        handle = hr.publish(slot, step.T, step.idx) if step.ships else None
-        snap = (turn.slot, turn.generation) if turn is not None else None
+        handle, snap = ticket.publish(step.T)
         return StepResult(outputs, step.T, step.slices, handle, snap, self._token)
 
-    def _run_sliced(self, step: PlannedStep, control, slot) -> Any:
+    def _run_sliced(self, step: PlannedStep, control) -> Any:
         """Each slice's rows are copied out of graph memory before the next slice runs."""
-        hr, bufs, records = self._rows_mode, None, []
+        ticket, bufs, records = step.ticket, None, []
         with torch.inference_mode():
             for s in step.slices:
                 out = self._executor(s).run(step.prep, s, control)
                 self._counters.slices += 1
                 self._counters.padding += s.padding
                 bufs = self._layout.join_into(bufs, out, s, step.T)
-                if hr is not None:
-                    records.append(hr.slice_record(out, s.start, s.width if s.path == "graph" else s.length, s.length))
-            outputs = self._layout.joined(bufs)
-            return hr.gather_sliced(outputs, step.idx, slot, step.T, records) if step.ships else outputs
+                records.append(ticket.record(out, s.start, s.width if s.path == "graph" else s.length, s.length))
+            return ticket.gather_sliced(self._layout.joined(bufs), step.T, records)
 
     # -- building blocks ---------------------------------------------------------------
     def _executor(self, s: Slice):
@@ -296,14 +367,13 @@ class GraphRuntime(HandedBuffers):
         every gather aimed at a spare slot (recapture() comes after real steps; their rows,
         KV slots and held host rows must not be touched again). Each width as the capture
         policy says (``width_modes``)."""
-        self._inputs.reset(self._rows_mode.spare_control() if self._rows_mode is not None else None)
+        self._inputs.reset(self._rows_mode.spare_control())
         cap = self._capturer
         cap.begin()
         parts = WidthParts(self._body, self._inputs, self._counters, self._graph_mode, self._replaying, self.device,
                            self.explain_capture)
         reports = capture_widths(self.config.capture_policy, cap, self._by_width, parts, calls)
-        if self._rows_mode is not None:
-            self._rows_mode.capture_extra(cap.body, self._inputs)
+        self._rows_mode.capture_extra(cap.body, self._inputs)
         self._watch.remember()
         return reports, cap.pool_bytes()
 
@@ -321,8 +391,7 @@ class GraphRuntime(HandedBuffers):
     def _drop_graphs(self) -> None:
         self._direct = None
         self._eager_executors()
-        if self._rows_mode is not None:
-            self._rows_mode.drop_graphs()
+        self._rows_mode.drop_graphs()
         self._capturer.drop()
         self._ready = False
         self._watch.forget()

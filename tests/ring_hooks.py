@@ -10,8 +10,7 @@ from cudagraph_rt.host_rows import HostRowRing
 def host_ring(rt) -> HostRowRing | None:
     """The runtime's host-row ring (None before the first-use probe sized it, or without
     HostRows). ``dst[slot]`` rows, ``meta[slot]`` = [count, error bits, indices...]."""
-    mode = rt._rows_mode
-    return mode.ring if mode is not None else None
+    return rt._rows_mode.ring  # NoHostRows has none
 
 
 def poison_next_slot(rt) -> None:

@@ -34,7 +34,7 @@ def test_quick_run_of_the_small_m_kernel_and_its_tuning(tmp_path, capsys):
     from cudagraph_rt.kernels.small_linear import kernel_mode
 
     if kernel_mode() != "interpreter":
-        pytest.skip("the kernel runs on CPU tensors in the interpreter only (a GPU machine: .ci/gpu_small_m.sh)")
+        pytest.skip("the kernel runs on CPU tensors in the interpreter only (a GPU machine: bash .ci/gpu kernels)")
     out = tmp_path / "proj.json"
     args = ["--quick", "--json", str(out), "--widths", "1", "--replays", "1", "--impls", "cublas,small", "--tune",
             "--candidates", "1"]

@@ -169,6 +169,24 @@ def test_an_interrupted_feed_write_turns_the_short_path_off(monkeypatch):
     assert feed.all_host
 
 
+def test_the_fast_step_result_is_the_dataclass_with_every_field():
+    """StepResult.fast (the short path's constructor) takes every field, in order, and builds
+    what the frozen __init__ builds: a field added to the class but not to fast fails here."""
+    import dataclasses
+    import inspect
+
+    from cudagraph_rt.results import StepResult
+    fields = [f.name for f in dataclasses.fields(StepResult)]
+    assert list(inspect.signature(StepResult.fast).parameters) == fields
+    rng = np.random.default_rng()
+    values = ({"hidden": torch.from_numpy(rng.standard_normal((3, 4)))}, int(rng.integers(1, 9)), ("slices",),
+              object(), (int(rng.integers(0, 4)), int(rng.integers(0, 99))), object())
+    a, b = StepResult.fast(*values), StepResult(*values)
+    assert type(a) is StepResult and a == b and vars(a) == vars(b)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.T = 0
+
+
 def test_the_short_path_hands_each_step_its_own_outputs_dict():
     """The outputs dict of a step is the caller's (the tensors in it are the graph's, valid
     until the next step): changing it must not change what later steps of the same T get.

@@ -18,7 +18,7 @@ import cudagraph_rt
 from cudagraph_rt import CaptureError, CgrtError, GraphRuntime, HostRows, InputError, InputSpec
 from cudagraph_rt.debug.hazards import find_capture_hazards
 from cudagraph_rt.debug.inspect import inspect_runtime
-from cudagraph_rt.pieces import EmulatedPieces, is_marked
+from cudagraph_rt.pieces import EagerCall, EmulatedPieces, PieceLaunch, PiecewiseGraph, is_marked
 from cudagraph_rt.testing.checks import check_pad_rows
 from models_for_tests import MarkedSlotModel, SlotModel
 from reliability_harness import ScaleChooser, chosen_by_scale
@@ -640,3 +640,36 @@ def test_cuda_sweep_in_pieces(attention):
     if attention == "eager-piece":
         rep = run_sweep(ToyAdapter(device="cuda", attention=attention, pieces=True), graphs="both", repeats=1)
         assert rep.ok, rep.summary()
+
+
+class _Piece:
+    """A stand-in for one piece's CUDA graph: logs its replays."""
+
+    def __init__(self, log: list, i: int):
+        self.log, self.i = log, i
+
+    def replay(self) -> None:
+        self.log.append(f"piece {self.i}")
+
+    __call__ = replay
+
+
+@pytest.mark.parametrize("writes", ["in place", "returns"])
+def test_marked_calls_replay_in_inference_mode_whatever_the_caller(writes):
+    """A capture leaves inference tensors (its static outputs and arguments); a step launched
+    outside inference mode must still run the marked calls between the pieces and write them
+    (on the H200 every real piecewise step failed here while the emulation passed)."""
+    with torch.inference_mode():
+        x, static = torch.randn(5), torch.full((5,), float("nan"))
+    fn = (lambda a, o: o.copy_(a * 2)) if writes == "in place" else (lambda a, o: a * 2)
+    call = EagerCall(fn, (x, static), {}, static)
+    log = []
+    pieces = [_Piece(log, 1), _Piece(log, 2)]
+    assert not torch.is_inference_mode_enabled()
+    PieceLaunch(pieces, (call,), lambda: log.append("before last"))()
+    assert torch.equal(static, x * 2) and log == ["piece 1", "before last", "piece 2"]
+    with torch.inference_mode():
+        static.fill_(float("nan"))
+    log.clear()
+    PiecewiseGraph(5, tuple(pieces), (call,)).replay()
+    assert torch.equal(static, x * 2) and log == ["piece 1", "piece 2"]

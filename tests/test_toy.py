@@ -384,3 +384,29 @@ def test_step_replays_from_a_cuda_graph():
         results.append(({k: v.clone() for k, v in out.items()}, rows))
     bad, worst = deviations(m, seqs, results)
     assert bad == 0 and worst <= ATOL[torch.bfloat16] * 2, (bad, worst)
+
+
+def test_compiled_step_attends_through_the_opaque_op(rng):
+    """torch.compile of the toy's step: each layer's attention is one cgrt::attend_cells call
+    (inductor must not re-generate the cell kernel nor hold the pool; on the H200 a traced
+    kernel failed to compile), and the compiled step's rows equal the eager step's."""
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    eager, m = model_for(), model_for()
+    seqs, steps = random_schedule(rng, eager, n_seqs=2, max_chunk=6)
+    rows = [r for s, start, n, wants in steps[0] for r in chunk_rows(eager, s, seqs[s][start:start + n], start, wants)]
+    width = len(rows) + 2  # each model takes the rows' blocks in its own pool
+    torch._dynamo.reset()
+    try:
+        got = torch.compile(m.step, backend=record, fullgraph=True)(build(m, rows, width))
+    finally:
+        torch._dynamo.reset()
+    want = eager.step(build(eager, rows, width))
+    calls = [n for g in graphs for n in g.graph.nodes if n.target in (torch.ops.cgrt.attend_cells, torch.ops.cgrt.attend_cells.default)]
+    assert len(calls) == m.config.layers, [str(n.target) for g in graphs for n in g.graph.nodes][:40]
+    torch.testing.assert_close(got["hidden"], want["hidden"], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got["tokens"], want["tokens"])

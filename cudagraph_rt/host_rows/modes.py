@@ -1,7 +1,8 @@
 """One object per way of choosing the rows that go to the host.
 
 The runtime talks to a mode through the methods of :class:`RowsMode` and never asks which
-mode it holds: a new way of choosing rows is a new subclass here. Each mode owns its
+mode it holds, or whether it holds one (:class:`NoHostRows` is the mode of a runtime built
+without HostRows): a new way of choosing rows is a new subclass here. Each mode owns its
 control blocks (where the captured gather reads its row indices, count and slots), its
 in-graph gather, its merge of a sliced step's rows, and, for commit, the snapshots.
 """
@@ -68,12 +69,56 @@ class SnapshotTurn:
     writes_before: int
 
 
+class StepTicket:
+    """One step's dealings with its host-row mode, from plan to publish (built by
+    :meth:`RowsMode.ticket` once the rows are validated and the ring has a free slot:
+    nothing written). ``open`` takes the ring slot (when the step ships) and the snapshot
+    turn; then ``control``, the slices' ``record``, ``outputs`` or ``gather_sliced``; at
+    the end ``publish`` (the handle and the snapshot) or, if the step failed, ``abort``
+    (neither turn used up). Lifetime: one step."""
+
+    __slots__ = ("mode", "idx", "ships", "slot", "turn")
+
+    def __init__(self, mode: "RowsMode", idx: torch.Tensor | None, ships: bool):
+        self.mode, self.idx, self.ships, self.slot, self.turn = mode, idx, ships, None, None
+
+    def open(self, sliced: bool) -> None:
+        mode = self.mode
+        self.slot = mode.ring.acquire() if self.ships else None
+        self.turn = mode.begin(sliced)
+
+    def control(self, T: int, sliced: bool) -> dict[str, Any] | None:
+        return self.mode.step_control(T, sliced, self.idx, self.slot, self.turn)
+
+    def outputs(self, outputs: Any, T: int) -> Any:
+        return self.mode.step_outputs(outputs, T)
+
+    def record(self, out: Any, start: int, width: int, length: int) -> Any:
+        return self.mode.slice_record(out, start, width, length)
+
+    def gather_sliced(self, outputs: Any, T: int, records: list) -> Any:
+        return self.mode.gather_sliced(outputs, self.idx, self.slot, T, records) if self.ships else outputs
+
+    def abort(self) -> None:
+        self.mode.abort(self.turn)  # a failed step uses up no snapshot turn where none was written
+        if self.slot is not None:
+            self.mode.ring.unacquire(self.slot)  # ... and no ring turn
+
+    def publish(self, T: int) -> tuple[HostRowsHandle | None, tuple[int, int] | None]:
+        """(the host-row handle or None, the commit snapshot (slot, generation) or None)."""
+        handle = self.mode.publish(self.slot, T, self.idx) if self.ships else None
+        turn = self.turn
+        return handle, ((turn.slot, turn.generation) if turn is not None else None)
+
+
 class RowsMode:
     """Host rows chosen by the host before the step (``HostRows(mode="host")``); the base
     of the other modes.
 
     Lifetime: built with the runtime; ``make_buffers`` (the first-use probe) allocates the
     ring once the source's row width and dtype are known; ``close`` drops it."""
+
+    ships_rows = True  # a step may ship rows: the runtime's short path (no host rows) is closed
 
     def __init__(self, config: HostRows, rows: int, device: torch.device, gather: Callable):
         self.config, self.rows, self.device, self.gather = config, rows, device, gather
@@ -146,6 +191,14 @@ class RowsMode:
         """Whether the step ships rows (takes a ring slot)."""
         return idx is not None
 
+    def ticket(self, idx: torch.Tensor | None) -> StepTicket:
+        """The step's :class:`StepTicket` for the validated rows ``idx`` (``step_rows``);
+        HostRingFullError if it ships and every ring slot is held. Writes nothing."""
+        ships = self.ships(idx)
+        if ships:
+            self.ring.check_free()
+        return StepTicket(self, idx, ships)
+
     def begin(self, sliced: bool) -> SnapshotTurn | None:
         """Bookkeeping before the step writes anything of this mode (commit: a snapshot)."""
         return None
@@ -205,6 +258,11 @@ class RowsMode:
 
     def commit(self, result, rows, T: int, inputs) -> HostRowsHandle:
         self.check_commit()
+
+    def pinned_bytes(self) -> int:
+        """Pinned host memory of this mode: its ring once built (0 before, or on a CPU)."""
+        ring = self.ring
+        return ring.nbytes if ring is not None and ring.pinned else 0
 
     def digest(self) -> tuple[str, str]:
         """(ring, snapshots) fingerprints for StateDigest ("-": not built)."""
@@ -441,12 +499,57 @@ class Committed(RowsMode):
         return ring, fingerprint([self.snap, self._snap_meta, self._gen, self._next])
 
 
+class NoHostRows(RowsMode):
+    """No HostRows: a runtime that ships no rows. Every hook of a step does nothing and
+    writes nothing; ``rows=`` and ``commit()`` are refused (InputError). It has no ring,
+    no control blocks and no gather, and leaves the runtime's short path open
+    (``ships_rows`` False)."""
+
+    ships_rows = False
+
+    def __init__(self):  # no config, no gather: nothing to ship
+        self.config, self.ring = None, None
+
+    def control_blocks(self) -> dict[str, tuple[int, torch.dtype]]:
+        return {}
+
+    def spare_control(self) -> None:
+        return None
+
+    def probe(self, step_fn: Callable, inputs, layout, w: int) -> bool:
+        return False
+
+    def step_rows(self, rows: Any, T: int, first_width: int, sliced: bool) -> None:
+        if rows is not None:
+            raise InputError(expected("rows", "None unless the runtime has HostRows(mode='host')", "row indices"))
+        return None
+
+    def ships(self, idx) -> bool:
+        return False
+
+    def step_control(self, T: int, sliced: bool, idx, slot, turn) -> None:
+        return None
+
+    def gather_in_graph(self, out: Any, n: int, control: Callable[[str], torch.Tensor]) -> None:
+        """Nothing to gather."""
+
+    def check_commit(self) -> None:
+        raise InputError(expected("commit()", "a runtime built with HostRows(mode='commit')", "mode None"))
+
+    def digest(self) -> tuple[str, str]:
+        return ("-", "-")
+
+
 _MODES = {"host": RowsMode, "device": DeviceChosen, "commit": Committed}
 
 
-def make_rows_mode(config: HostRows, rows: int, device: torch.device, gather: Callable | None = None) -> RowsMode:
-    """The mode object for ``config`` (its ``mode`` string is read here and nowhere else);
-    ``gather`` defaults to the row-gather kernel on CUDA, its torch reference elsewhere."""
+def make_rows_mode(config: HostRows | None, rows: int, device: torch.device,
+                   gather: Callable | None = None) -> RowsMode:
+    """The mode object for ``config`` (its ``mode`` string is read here and nowhere else;
+    None: :class:`NoHostRows`); ``gather`` defaults to the row-gather kernel on CUDA, its
+    torch reference elsewhere."""
+    if config is None:
+        return NoHostRows()
     if gather is None:
         if device.type == "cuda":
             from ..kernels.row_gather import gather_rows as gather

@@ -14,6 +14,7 @@ from torch import Tensor
 from ..errors import InputError, expected
 from ..pieces import eager
 from ..specs import InputSpec
+from . import attention_op
 from .accept import greedy_accept
 from .pool import KVPool
 
@@ -98,14 +99,19 @@ class CellPoolModel:
     which takes blocks on demand; :meth:`free_seq` gives a retired sequence's blocks back."""
 
     pool: KVPool
+    pool_id: int  # attention_op's registry id of ``pool`` (set with it): what a compiled step fetches it by
     attention: str = "cells"  # see ATTENTIONS
     step_values = None  # a runtime's step_values function this model needs (varlen attention), or None
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, seq_ids: Tensor, positions: Tensor, cells: Tensor,
                *, scale: float, window=None, slopes=None, bias_shift: int = 0) -> Tensor:
         """The pool's attention of one layer: inside the step (``"cells"``), or marked eager
-        (``"eager-piece"``: same kernels, same result)."""
+        (``"eager-piece"``: same kernels, same result). Under torch.compile one opaque op
+        (:mod:`.attention_op`), so inductor neither re-generates the kernel nor holds the pool."""
         if self.attention == "cells":
+            if torch.compiler.is_compiling():
+                return attention_op.attend(self.pool_id, layer, q, k, v, seq_ids, positions, cells, scale=scale,
+                                           window=window, slopes=slopes, bias_shift=bias_shift)
             return self.pool.attend(layer, q, k, v, seq_ids, positions, cells, scale=scale, window=window,
                                     slopes=slopes, bias_shift=bias_shift)
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])

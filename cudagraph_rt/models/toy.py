@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import InputError, expected
+from . import attention_op
 from .cells import ROW_INPUTS as _INPUTS, CellPoolModel, check_attention, resolve_device
 from .pool import DEFAULT_BLOCK_SIZE, KVPool, default_cells
 
@@ -207,6 +208,7 @@ class ToyDecoder(CellPoolModel):
         self.pool = KVPool(layers=cfg.layers, kv_heads=self.local_heads, head_dim=self.head_dim, dtype=cfg.dtype,
                            device=self.device, cells=cfg.cells, max_seqs=cfg.max_seqs, max_seq_len=cfg.max_len,
                            block_size=cfg.block_size)
+        self.pool_id = attention_op.pool_id(self.pool)
 
     def _shard(self) -> None:
         """Keep this process's part of the weights (all of them here; see ``tp.py``)."""

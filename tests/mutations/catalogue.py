@@ -106,8 +106,8 @@ CATALOGUE: tuple[Mutation, ...] = (
       anchor="def write_fed(self, prep: Prepared, start: int, length: int, width: int, control: Mapping[str, Any] | None = None) -> None:"),
     # ---------------------------------------------------------------- the short path
     M(13, "short path", "cudagraph_rt/direct_step.py",
-      "r.__dict__.update(outputs=e.cut.copy() if e.is_dict else e.cut, T=T, slices=e.slices, host_rows=None,",
-      "r.__dict__.update(outputs=e.cut, T=T, slices=e.slices, host_rows=None,",
+      "return StepResult.fast(e.cut.copy() if e.is_dict else e.cut, T, e.slices, None, None, self._token)",
+      "return StepResult.fast(e.cut, T, e.slices, None, None, self._token)",
       "the cached cut dict handed out itself: a caller's edit of res.outputs changes later steps' outputs",
       SHORT, graph_path=True),
     M(14, "short path", "cudagraph_rt/direct_step.py",
@@ -120,7 +120,7 @@ CATALOGUE: tuple[Mutation, ...] = (
       "the short path does not use up the handed views: views kept past their step are accepted",
       SHORT + ("tests/test_inputs.py",), graph_path=True),
     # ---------------------------------------------------------------- handed views, static outputs
-    M(16, "handed views", "cudagraph_rt/handed.py",
+    M(16, "handed views", "cudagraph_rt/runtime.py",
       "self._inputs.unfeed()",
       "pass",
       "static_inputs() without unfeed: a replay by hand copies the feed over the rows the caller wrote",
