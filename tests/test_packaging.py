@@ -232,8 +232,7 @@ def test_moved_module_paths_are_the_new_modules_and_warn(tmp_path):
             ("DeprecationWarning", f"{old} moved to {new}; the old path goes in cudagraph_rt 0.2")], (old, got)
         assert got["warnings"][0][2] == "<string>", got["warnings"]  # the importer's line, not importlib's
         assert not (ROOT / (old.replace(".", "/") + ".py")).exists(), f"{old}: a file at the old path"
-    readme = (ROOT / "README.md").read_text()
-    changes = readme[readme.index("### API changes"):]
+    changes = (ROOT / "CHANGELOG.md").read_text()
     deprecated = changes[changes.index("- Deprecated"):].split("\n- ")[0]  # that item only
     for old, new in MOVED.items():
         assert f"`{old}`" in deprecated and f"`{new}`" in changes, old
