@@ -9,6 +9,7 @@ from cudagraph_rt import (
     CapacityError, DeviceRowIndexError, GraphRuntime, HostRows, InputError, StaleRowsError,
 )
 from models_for_tests import ChoosingSlotModel, SlotModel, chosen_rows
+from reliability_harness import ScaleChooser
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
@@ -276,22 +277,6 @@ GRAPH_PATHS = [False, "emulate", pytest.param(True, marks=pytest.mark.cuda)]
 GRAPH_IDS = ["graphs-off", "emulated", "cuda-graphs"]
 
 
-class DtypeChooser(SlotModel):
-    """Accepts the rows whose scale is above 0.5 (packed first, in row order), with its
-    ``accept_rows`` / ``accept_count`` outputs in the given dtypes (int64 is allowed)."""
-
-    def __init__(self, *a, rows_dtype=torch.int32, count_dtype=torch.int32, **kw):
-        super().__init__(*a, **kw)
-        self.rows_dtype, self.count_dtype = rows_dtype, count_dtype
-
-    def __call__(self, x):
-        out = super().__call__(x)
-        keep = (x["scale"][:, 0] > 0.5).to(torch.int32)
-        out["accept_rows"] = torch.sort(1 - keep, stable=True).indices.to(self.rows_dtype)
-        out["accept_count"] = keep.sum().reshape(1).to(self.count_dtype)
-        return out
-
-
 def scale_chosen(x) -> list[int]:
     return [i for i, s in enumerate(x["scale"][:, 0].tolist()) if s > 0.5]
 
@@ -306,7 +291,7 @@ def test_sliced_device_steps_ship_the_chosen_rows_whatever_the_choosers_dtype(gr
     is no copy), which the next slice's replay overwrote: host rows [1, 5, 9, 10] for
     [2, 4, 9, 10] on the H200; int32 and graphs off were right."""
     device = "cuda" if graphs is True else "cpu"
-    m = DtypeChooser(device, seed=5, rows_dtype=rows_dtype, count_dtype=count_dtype)
+    m = ScaleChooser(device, seed=5, rows_dtype=rows_dtype, count_dtype=count_dtype)
     ref = SlotModel(device, seed=5)
     rt = GraphRuntime(m, m.specs(), widths=(1, 2, 4), dynamic_limit=4, graphs=graphs, device=device,
                       host_rows=HostRows(source="hidden", mode="device", capacity=16))

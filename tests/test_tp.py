@@ -229,9 +229,11 @@ def test_check_steps_names_the_ranks(seed):
         assert good == ("ok", 4)
 
 
-def _w_agree_width(rank, world, seed):
+def _agree_width_rig(rank, seed, seen=None):
     """Data-parallel ranks (each its own rows, a whole toy each) with a width-sized
-    collective in the step: it only completes if both ranks run the same width."""
+    collective in the step: it only completes if both ranks run the same width. Returns
+    the rank's rng, both toys, the agreeing runtime and a one-device runtime of the same
+    weights; ``seen`` (a list) collects each step's rows as the step function saw them."""
     import torch.distributed as dist
 
     from cudagraph_rt.distributed import DistributedRuntime
@@ -241,13 +243,19 @@ def _w_agree_width(rank, world, seed):
     model, ref = ToyDecoder(device="cpu"), ToyDecoder(device="cpu")
 
     def step(x):
+        if seen is not None:
+            seen.append({k: v.tolist() for k, v in x.items()})
         out = model.step(x)
         n = torch.ones(x["tokens"].shape[0])
         dist.all_reduce(n)
         return {**out, "ranks": n}
 
     rt = DistributedRuntime(step, model.inputs(), graphs=False, agree_width=True)
-    one = GraphRuntime(ref.step, ref.inputs(), graphs=False)
+    return rng, model, ref, rt, GraphRuntime(ref.step, ref.inputs(), graphs=False)
+
+
+def _w_agree_width(rank, world, seed):
+    rng, model, ref, rt, one = _agree_width_rig(rank, seed)
     out, pos = [], 0
     for T in ([1, 3] if rank == 0 else [7, 2]) + [rng.randint(1, 20) for _ in range(3)]:
         inp = _toy_inputs((model, ref), rng, T, seq=rank, start=pos)
@@ -270,24 +278,8 @@ def test_agree_width_runs_one_width_on_every_rank(seed):
 def _w_agree_width_pads(rank, world, seed):
     """As _w_agree_width, the step function keeping what it was handed: each step's rows
     as the step function saw them, and the hidden rows beside the one-device toy's."""
-    import torch.distributed as dist
-
-    from cudagraph_rt.distributed import DistributedRuntime
-    from cudagraph_rt.models import ToyDecoder
-
-    rng = random.Random(seed * 7 + rank)
-    model, ref = ToyDecoder(device="cpu"), ToyDecoder(device="cpu")
     seen = []
-
-    def step(x):
-        seen.append({k: v.tolist() for k, v in x.items()})
-        out = model.step(x)
-        n = torch.ones(x["tokens"].shape[0])
-        dist.all_reduce(n)
-        return {**out, "ranks": n}
-
-    rt = DistributedRuntime(step, model.inputs(), graphs=False, agree_width=True)
-    one = GraphRuntime(ref.step, ref.inputs(), graphs=False)
+    rng, model, ref, rt, one = _agree_width_rig(rank, seed, seen)
     out, pos = [], 0
     for T in ([1, 3, 5] if rank == 0 else [6, 2, 8]):
         inp = _toy_inputs((model, ref), rng, T, seq=rank, start=pos)
