@@ -43,6 +43,14 @@ class _Counter:
         except Exception as e:  # noqa: BLE001 - named by call, not by piece
             raise _MarkedCallFailed(self.calls, getattr(fn, "__qualname__", repr(fn)), e) from e
 
+    def record(self, fn: Callable, args: tuple, kwargs: dict, out: Any) -> EagerCall:
+        """The call just made, recorded (its ``eager(bind=)`` runs here: a failure there is
+        this call's, as one of the call itself)."""
+        try:
+            return EagerCall(fn, args, kwargs, out)
+        except Exception as e:  # noqa: BLE001 - named by call, not by piece
+            raise _MarkedCallFailed(self.calls, getattr(fn, "__qualname__", repr(fn)), e) from e
+
 
 class _CudaRecorder(_Counter):
     """The capture run: each marked call ends the piece being captured, replays it (so the
@@ -73,7 +81,7 @@ class _CudaRecorder(_Counter):
     def __call__(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         self.end().replay()
         out = super().__call__(fn, args, kwargs)
-        self.recorded.append(EagerCall(fn, args, kwargs, out))
+        self.recorded.append(self.record(fn, args, kwargs, out))
         self.begin()
         return out
 
@@ -144,7 +152,7 @@ class _EmulatedRecorder(_Counter):
 
     def __call__(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         out = super().__call__(fn, args, kwargs)
-        self.recorded.append(EagerCall(fn, args, kwargs, out))
+        self.recorded.append(self.record(fn, args, kwargs, out))
         return out
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator, Mapping
 
@@ -61,17 +62,30 @@ _NOW = _Now()
 _PLAIN = nullcontext()
 
 
-def eager(fn: Callable) -> Callable:
-    """Mark ``fn`` as a call that runs outside the graphs (a decorator, or ``eager(fn)``).
+def eager(fn: Callable | None = None, *, bind: Callable[..., Callable[[], Any]] | None = None) -> Callable:
+    """Mark ``fn`` as a call that runs outside the graphs (a decorator, ``@eager(bind=...)``,
+    or ``eager(fn)``).
 
     In a width captured in pieces, each call of the marked function ends a piece: it runs
     eagerly between two graphs at every replay, on the tensors it was given at capture
     (see the module docstring for what it may rely on and what it costs). Everywhere else
     it is a plain call. The hazard finder skips what runs inside it (it may sync: that is
-    why it is marked). torch.compile does not trace into it (a graph break)."""
+    why it is marked). torch.compile does not trace into it (a graph break).
+
+    ``bind`` (optional): ``bind(*args, **kwargs)`` returns a zero-argument callable that
+    does what ``fn(*args, **kwargs)`` does on those very arguments and returns the same
+    outputs. It is called once, when the call is recorded at capture, and the replays run
+    what it returned instead of ``fn``: the host work that depends only on the arguments'
+    shapes and addresses (checks, planning, scratch, packing a kernel's arguments) is done
+    once, not at every step. An exception from it fails the capture of that piece."""
+    if fn is None:
+        return lambda f: eager(f, bind=bind)
     if not callable(fn):
         from .errors import InputError, expected
         raise InputError(expected("eager(fn)", "a callable", type(fn).__name__))
+    if bind is not None and not callable(bind):
+        from .errors import InputError, expected
+        raise InputError(expected("eager(bind=)", "None or a callable", type(bind).__name__))
 
     @functools.wraps(fn)
     def marked(*args, **kwargs):
@@ -86,7 +100,12 @@ def eager(fn: Callable) -> Callable:
 
     out = torch.compiler.disable(marked)  # dynamo runs it as it is (about 0.5 us a call)
     out._cgrt_eager = fn  # type: ignore[attr-defined]
+    if bind is not None:
+        _BINDS[fn] = bind
     return out
+
+
+_BINDS: "weakref.WeakKeyDictionary[Callable, Callable]" = weakref.WeakKeyDictionary()
 
 
 def is_marked(fn: Any) -> bool:
@@ -211,12 +230,15 @@ class EagerCall:
         self.name = _name(fn)
         self._static = [t for t in tree_flatten(out)[0]]
         self._arg_leaves, self._arg_spec = tree_flatten((args, kwargs))
+        bind = _BINDS.get(fn)
+        self.bound = bind is not None  # replays run what eager(bind=) made of these arguments
+        self._run = bind(*args, **kwargs) if bind is not None else functools.partial(fn, *args, **kwargs)
 
     def replay(self) -> Any:
         now = _NOW
         now.marked += 1  # (not in_marked_call(): a generator's context costs microseconds a call)
         try:
-            new = self.fn(*self.args, **self.kwargs)
+            new = self._run()
         finally:
             now.marked -= 1
         static = self._static

@@ -81,8 +81,8 @@ except ImportError:  # pragma: no cover - exercised only on installs without tri
     tl = None
 
 __all__ = [
-    "AttentionConfig", "AttentionPlan", "COUNTERS", "TUNED_CONFIGS", "attention_counters", "cell_attention",
-    "cell_attention_reference", "cell_attention_triton", "kernel_mode", "new_attention_counters", "plan_attention",
+    "AttentionConfig", "AttentionPlan", "BoundLaunch", "COUNTERS", "TUNED_CONFIGS", "attention_counters",
+    "bind_cell_attention", "bind_write_cells", "cell_attention", "cell_attention_reference", "cell_attention_triton", "kernel_mode", "new_attention_counters", "plan_attention",
     "write_cells", "write_cells_reference", "write_cells_triton",
 ]
 
@@ -745,6 +745,128 @@ def write_cells_triton(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, c
             k, v, k_cache, v_cache, cells, k_cache.shape[0], cells.stride(0), k.stride(0), k.stride(1), v.stride(0),
             v.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             HKV=Hkv, D=D, BLOCK_H=_next_pow2(Hkv), BLOCK_D=_next_pow2(D))
+
+
+class BoundLaunch:
+    """One Triton kernel launch with every argument fixed, repeated by ``__call__`` on the
+    current stream. The first call launches through Triton's ``kernel[grid](...)``
+    (compiling if needed, outside any capture) and keeps the compiled kernel; later calls
+    go straight to its launcher with the arguments in signature order, skipping the
+    argument binding and the cache lookup (about 30 us of host time a launch with this
+    kernel's 38 arguments). Where that is unavailable (the interpreter, a Triton whose
+    compiled kernel lacks the launcher) every call takes the first call's path.
+
+    Lifetime: the tensors it holds stay alive with it; their contents may change between
+    calls (a piece rewrites them), never their storage."""
+
+    __slots__ = ("_kernel", "_grid", "_args", "_meta", "_device", "_fast", "_all")
+
+    def __init__(self, kernel, grid: tuple, args: tuple, meta: dict, device: torch.device):
+        self._kernel, self._grid, self._args, self._meta, self._device = kernel, grid, args, meta, device
+        self._fast, self._all = None, ()
+
+    @property
+    def direct(self) -> bool:
+        """Whether calls now go straight to the compiled kernel's launcher (after the first
+        call, on CUDA, with a Triton that offers it)."""
+        return self._fast is not None
+
+    def __call__(self) -> None:
+        fast = self._fast
+        if fast is not None and torch.cuda.current_device() == self._device.index:
+            fast(*self._all)
+            return
+        with torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext():
+            compiled = self._kernel[self._grid](*self._args, **self._meta)
+        if fast is None and self._device.type == "cuda":
+            self._fast, self._all = _fast_launcher(self._kernel, compiled, self._grid, self._args, self._meta)
+
+
+def _fast_launcher(kernel, compiled, grid: tuple, args: tuple, meta: dict):
+    """``(compiled[grid], every argument in the kernel's signature order)``, or ``(None, ())``
+    when this Triton offers no such launcher (then each launch binds its arguments)."""
+    names = getattr(kernel, "arg_names", None)
+    if compiled is None or names is None or not hasattr(type(compiled), "__getitem__"):
+        return None, ()
+    values = dict(zip(names, args))
+    for name in names[len(args):]:
+        if name not in meta:
+            return None, ()
+        values[name] = meta[name]
+    try:
+        return compiled[tuple(grid) + (1,) * (3 - len(grid))], tuple(values[n] for n in names)
+    except Exception:  # noqa: BLE001 - an older or newer launcher API: keep the binding path
+        return None, ()
+
+
+def bind_cell_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_ids: Tensor,
+                        positions: Tensor, *, block_size: int, scale: float, out: Tensor, window: int | None = None,
+                        slopes: Tensor | None = None, bias_shift: int = 0, plan: AttentionPlan | None = None,
+                        counters: Tensor | None = None, scratch=None):
+    """A zero-argument callable that does ``cell_attention(...)`` on these very tensors
+    (``out`` required: each call writes it and returns it). Validation, the plan and the
+    split scratch are done once, here; each call is then one launch (:class:`BoundLaunch`)
+    with nothing else on the host: a marked eager call's replay between two graph pieces.
+    Where :func:`cell_attention` would run the reference, each call runs the reference.
+
+    ``scratch`` (optional): ``scratch(lse_elements, out_elements, dtype)`` returns two flat
+    contiguous buffers (float32 and ``dtype``) of at least that many elements for the
+    split partials, shared by bound launches that never run at the same time (one
+    model's layers: :meth:`KVPool.bind_attend`); None: this launch's own.
+
+    Raises InputError here, before anything runs, when an argument breaks the contract.
+    Lifetime: as long as its tensors; their contents may change between calls (they are
+    read on the device at each call), never their storage."""
+    if out is None:
+        raise InputError(expected("out", "a tensor like q (a bound launch writes in place)", "None"))
+    _check_attention_args(q, k_cache, v_cache, block_table, seq_ids, positions, block_size, window, slopes, out,
+                          None, counters)
+    if not _runs_kernel(q):
+        kw = dict(block_size=block_size, scale=scale, window=window, slopes=slopes, bias_shift=bias_shift, out=out)
+        return lambda: cell_attention_reference(q, k_cache, v_cache, block_table, seq_ids, positions, **kw)
+    N, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    plan = plan_attention(N, Hq, Hkv, D) if plan is None else plan
+    _check_plan(plan)
+    if N == 0:
+        return lambda: out
+    grid = (-(-N // plan.rows_per_tile) * plan.programs_per_tile, Hkv, plan.splits)
+    with _device_scope(q):
+        pm, pacc, cnt = _scratch(q, out, plan, counters, grid[0] * grid[1])
+        if scratch is not None and plan.splits > 1:  # the same layout in shared memory
+            lse, part = scratch(pm.numel(), pacc.numel(), out.dtype)
+            pm, pacc = lse[:pm.numel()].view(pm.shape), part[:pacc.numel()].view(pacc.shape)
+    meta = kernel_constants(plan, Hq, Hkv, D, block_size, k_cache.dtype, window is not None, slopes is not None)
+    args = (q, k_cache, v_cache, block_table, seq_ids, positions, q if slopes is None else slopes, out, pm, pacc, cnt,
+            N, Hq, plan.splits, max(1, plan.config.min_chunk), block_table.shape[0], k_cache.shape[0] // block_size,
+            block_table.shape[1], float(scale) * LOG2E, int(bias_shift), int(window or 0), q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), block_table.stride(0),
+            seq_ids.stride(0), positions.stride(0), out.stride(0), out.stride(1))
+    launch = BoundLaunch(_cell_attention_kernel, grid, args, {**meta, **_launch_options(plan.config, q.device)},
+                         q.device)
+
+    def attend() -> Tensor:
+        launch()
+        return out
+    attend.launch = launch  # type: ignore[attr-defined]
+    return attend
+
+
+def bind_write_cells(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, cells: Tensor):
+    """A zero-argument callable that does ``write_cells(k, v, k_cache, v_cache, cells)`` on
+    these very tensors: checked once, here (InputError before anything is written), then
+    one launch a call (:class:`BoundLaunch`), or the reference where :func:`write_cells`
+    would run it. Lifetime as :func:`bind_cell_attention`."""
+    _check_write_args(k, v, k_cache, v_cache, cells)
+    if not _runs_kernel(k):
+        return lambda: write_cells_reference(k, v, k_cache, v_cache, cells)
+    N, Hkv, D = k.shape
+    if N == 0:
+        return lambda: None
+    args = (k, v, k_cache, v_cache, cells, k_cache.shape[0], cells.stride(0), k.stride(0), k.stride(1), v.stride(0),
+            v.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
+    return BoundLaunch(_write_cells_kernel, (N,), args,
+                       dict(HKV=Hkv, D=D, BLOCK_H=_next_pow2(Hkv), BLOCK_D=_next_pow2(D)), k.device)
 
 
 # --------------------------------------------------------------------------------------

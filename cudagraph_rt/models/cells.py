@@ -32,11 +32,18 @@ def check_attention(attention, allowed: tuple[str, ...] = ATTENTIONS) -> str:
     return attention
 
 
-@eager
+def _bind_pool_attend(pool, layer: int, q: Tensor, k: Tensor, v: Tensor, seq_ids: Tensor, positions: Tensor,
+                      cells: Tensor, out: Tensor, scale: float, window, slopes, bias_shift: int):
+    return pool.bind_attend(layer, q, k, v, seq_ids, positions, cells, scale=scale, out=out, window=window,
+                            slopes=slopes, bias_shift=bias_shift)
+
+
+@eager(bind=_bind_pool_attend)
 def eager_pool_attend(pool, layer: int, q: Tensor, k: Tensor, v: Tensor, seq_ids: Tensor, positions: Tensor,
                       cells: Tensor, out: Tensor, scale: float, window, slopes, bias_shift: int) -> Tensor:
     """:meth:`KVPool.attend` as a call marked eager (``attention="eager-piece"``), written
-    into ``out`` in place: a piecewise replay copies nothing after it."""
+    into ``out`` in place: a piecewise replay copies nothing after it, and replays it
+    through :meth:`KVPool.bind_attend` (two kernel launches, nothing else on the host)."""
     return pool.attend(layer, q, k, v, seq_ids, positions, cells, scale=scale, window=window, slopes=slopes,
                        bias_shift=bias_shift, out=out)
 

@@ -45,7 +45,9 @@ Attention counters: on CUDA the pool owns ``counters``, the int32 arrival counte
 attention launches merge their splits through (zero between launches, see
 :mod:`cudagraph_rt.kernels.cell_attention`), allocated with the pool and never grown, so a
 captured graph's launches keep reading them at their address; a pool of its own per
-model keeps models that step on different streams from sharing counters.
+model keeps models that step on different streams from sharing counters. The bound
+attentions of piecewise replays (:meth:`KVPool.bind_attend`) share the pool's split scratch
+the same way: one buffer for all layers and widths, not one per recorded call.
 
 Lifetime: the pool lives as long as its model. ``k``, ``v``, ``block_table`` and
 ``counters`` never move.
@@ -62,8 +64,8 @@ import torch
 from torch import Tensor
 
 from ..errors import CapacityError, CaptureError, InputError, expected
-from ..kernels.cell_attention import (cell_attention, cell_attention_reference, new_attention_counters, write_cells,
-                                      write_cells_reference)
+from ..kernels.cell_attention import (bind_cell_attention, bind_write_cells, cell_attention, cell_attention_reference,
+                                      new_attention_counters, write_cells, write_cells_reference)
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -126,6 +128,7 @@ class KVPool:
                                       device=self.device)
         self._pin = self.device.type == "cuda"
         self.counters = new_attention_counters(self.device) if self._pin else None
+        self._scratch: dict[torch.dtype, tuple[Tensor, Tensor]] = {}  # bind_attend's split partials
         self._clear_host()
 
     def _clear_host(self) -> None:
@@ -290,7 +293,50 @@ class KVPool:
                          scale=scale, window=window, slopes=slopes, bias_shift=bias_shift, out=out,
                          counters=self.counters)
 
+    def bind_attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, seq_ids: Tensor, positions: Tensor,
+                    cells: Tensor, *, scale: float, out: Tensor, window: int | None = None,
+                    slopes: Tensor | None = None, bias_shift: int = 0):
+        """:meth:`attend` on these very tensors as a zero-argument callable (returning
+        ``out``): checked, planned and its scratch allocated once, here; each call then
+        launches the two kernels and nothing else on the host (on CUDA; the references
+        elsewhere, as :meth:`attend`). What a piecewise replay runs between two graphs for
+        a call marked eager (:func:`cudagraph_rt.eager`'s ``bind``). Raises InputError
+        here, before anything is written. Lifetime: as long as its tensors and this pool."""
+        kc, vc = self.k[layer], self.v[layer]
+        if not q.is_cuda:
+            def attend_reference() -> Tensor:
+                write_cells_reference(k, v, kc, vc, cells)
+                return cell_attention_reference(q, kc, vc, self.block_table, seq_ids, positions,
+                                                block_size=self.block_size, scale=scale, window=window,
+                                                slopes=slopes, bias_shift=bias_shift, out=out)
+            bind_write_cells(k, v, kc, vc, cells)  # the checks only (a reference "launch" is a plain call)
+            bind_cell_attention(q, kc, vc, self.block_table, seq_ids, positions, block_size=self.block_size,
+                                scale=scale, out=out, window=window, slopes=slopes, bias_shift=bias_shift)
+            return attend_reference
+        write = bind_write_cells(k, v, kc, vc, cells)
+        attention = bind_cell_attention(q, kc, vc, self.block_table, seq_ids, positions, block_size=self.block_size,
+                                        scale=scale, out=out, window=window, slopes=slopes, bias_shift=bias_shift,
+                                        counters=self.counters, scratch=self._bound_scratch)
+
+        def attend() -> Tensor:
+            write()
+            return attention()
+        return attend
+
     # ------------------------------------------------------------------ internals
+    def _bound_scratch(self, lse_elements: int, out_elements: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The split scratch every bound attention of this pool shares (they run one after
+        the other, on the stream that steps the model, as its counters): grown when a bind
+        needs more, the old buffers kept by the binds that hold them."""
+        have = self._scratch.get(dtype)
+        if have is None or have[0].numel() < lse_elements or have[1].numel() < out_elements:
+            lse = max(lse_elements, have[0].numel() if have else 0)
+            part = max(out_elements, have[1].numel() if have else 0)
+            have = (torch.empty(lse, dtype=torch.float32, device=self.device),
+                    torch.empty(part, dtype=dtype, device=self.device))
+            self._scratch[dtype] = have
+        return have
+
     def _seq(self, seq, name: str) -> int:
         """``seq`` as a sequence id in ``[0, max_seqs)``, else InputError naming ``name``."""
         try:
