@@ -122,16 +122,16 @@ class AttentionPlan:
 
 
 # Measured defaults, keyed on (rows per tile, padded D, padded G, splits > 1: the kernel
-# with the merge, which needs more registers): the first H200 run of
-# tools/bench/attention.py (Llama-3.2-1B shapes, bf16, 16 layers; the bench prints the
-# entries), on the kernel before the in-kernel merge and the chunked table reads. Width
-# 1: tiles of 128 cells (393 us against 437 at 32k), splits of at least 128 positions
-# (190 us against 232 at 8k). Width 8 (a verify step, 32 lanes): 2 warps (540 us against
-# 724 at 32k; also the register budget: 4 warps spill here). The bench's goal cases
-# re-measure them around these. Other shapes take the rule in _default_config.
+# with the merge, which needs more registers), from H200 runs of tools/bench/attention.py
+# (Llama-3.2-1B shapes, bf16, 16 layers) and scratch sweeps around them (BENCHMARKS.md).
+# Width 1: tiles of 128 cells (429 us against 446 with 64 at 32k; 64 is 8% faster at 8k
+# but not at 32k), splits of at least 128 positions. Width 8 (a verify step, 32 lanes):
+# 4 warps and tiles of 128 (612 us against 1078 with 2 warps and 64 at 32k, 306 against
+# 414 at 8k, 113 against 139 at 128 cells), splits of at least 512 positions (16 splits
+# at 8k, 32 at 32k: the best of each). Other shapes take the rule in _default_config.
 TUNED_CONFIGS: dict[tuple[int, int, int, bool], AttentionConfig] = {
     (1, 64, 4, True): AttentionConfig(tile_n=128, num_warps=4, num_stages=3, min_chunk=128),
-    (8, 64, 4, True): AttentionConfig(tile_n=64, num_warps=2, num_stages=3, min_chunk=256),
+    (8, 64, 4, True): AttentionConfig(tile_n=128, num_warps=4, num_stages=3, min_chunk=512),
 }
 
 MAX_ROWS_PER_TILE = 8  # a verify step of up to 8 rows of one sequence reads its context once
@@ -139,7 +139,7 @@ MAX_TILE_LANES = 128  # rows per tile * padded G: the accumulator tile's height
 SHARED_TILES_UP_TO = 8  # N in 2..8: the rows share one tile (a verify step); else one row per tile
 MAX_SPLITS = 64
 TARGET_PROGRAMS = 256  # programs per launch: one wave at the 3 per SM that fit (142 registers, 70 KB)
-MERGE_LANE_SPLITS = 512  # lanes x splits the last split reads at most (its merge is one program's)
+MERGE_LANE_SPLITS = 1024  # lanes x splits the last split reads at most (its merge is one program's)
 MERGE_ELEMENTS_PER_THREAD = 128  # of one merge step (lanes x splits x D over the threads), at most 16 splits
 COUNTERS = 1 << 16  # arrival counters per buffer: grids of up to 65,536 (tile, program, KV head)
 
