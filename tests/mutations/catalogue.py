@@ -101,9 +101,10 @@ CATALOGUE: tuple[Mutation, ...] = (
     M(12, "feed", "cudagraph_rt/inputs/__init__.py",
       "self._handed_host = None  # used up (see consume)",
       "pass  # used up (see consume)",
-      "a fed graph's general write does not use up the handed views: kept views are taken again",
+      "a write through a stager (a fed graph's into the feed, as every other) does not use up the handed "
+      "views: kept views are taken again",
       ("tests/test_inputs.py",) + FEED, graph_path=True,
-      anchor="def write_fed(self, prep: Prepared, start: int, length: int, width: int, control: Mapping[str, Any] | None = None) -> None:"),
+      anchor="def write_via(self, stager: Stager, prep: Prepared, start: int, length: int, width: int,"),
     # ---------------------------------------------------------------- the short path
     M(13, "short path", "cudagraph_rt/direct_step.py",
       "return StepResult.fast(e.cut.copy() if e.is_dict else e.cut, T, e.slices, None, None, self._token)",
