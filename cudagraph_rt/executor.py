@@ -142,7 +142,11 @@ class EagerSlice:
     def __init__(self, width: int, body: Callable, inputs, counters: Counters, values: StepValues):
         self.width, self._body, self._inputs, self._counters = width, body, inputs, counters
         self._values = values
-        self.stager = inputs.stager
+
+    @property
+    def stager(self):
+        """The arena stager (read when asked: a closed runtime builds these over no inputs)."""
+        return self._inputs.stager
 
     def run(self, prep, s: Slice, control) -> Any:
         self._inputs.write(prep, s.start, s.length, self.width, control)

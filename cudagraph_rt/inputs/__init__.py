@@ -253,11 +253,6 @@ class StaticInputs:
         nothing to do where graphs are not fed)."""
         self.graph_stager.unfeed()
 
-    def graph_prologue(self) -> None:
-        """The first work of every graph (captured with it): the graph stager's prologue
-        (the feed's copy in, for fed graphs; nothing else)."""
-        self.graph_stager.prologue()
-
     @torch.no_grad()
     def reset(self, control: Mapping[str, Any] | None = None) -> None:
         """Pad values into every row of the device arena, zeros (or ``control``'s values)
