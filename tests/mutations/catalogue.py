@@ -276,4 +276,15 @@ CATALOGUE: tuple[Mutation, ...] = (
       "ok = torch.isfinite(c.rows.float()).all(1).numpy()",
       "ok = torch.isfinite(c.rows.float()).any(1).numpy()",
       "any for all: a host row with some NaN entries passes the reference drafter's check", RUNNER),
+    # ---------------------------------------------------------------- the stagers (added with inputs/stager.py)
+    M(50, "stagers", "cudagraph_rt/executor.py",
+      "self.stager = inputs.graph_stager",
+      "self.stager = inputs.stager",
+      "a graph slice holds the arena stager: its rows go straight into the arena, and a fed graph's "
+      "prologue then copies the feed's stale rows over them", FEED + ("tests/test_stagers.py",), graph_path=True),
+    M(51, "stagers", "cudagraph_rt/inputs/stager.py",
+      "if feed_event is None or layout.nbytes > ONE_COPY_BYTES:",
+      "if feed_event is None:",
+      "the size rule forgotten: a big arena is fed, and every replay copies all of it (bandwidth, not latency)",
+      ("tests/test_stagers.py",) + FEED, graph_path=True),
 )
