@@ -1,12 +1,13 @@
 """The common step in few Python operations: one captured graph, host rows in.
 
-``DirectStep`` runs a step of a runtime without HostRows whose graphs are fed (see
-``inputs.feed``) when every input is a contiguous CPU tensor of its declared dtype (or
-they are the views ``host_inputs`` handed out) and T fits a captured width. What the
-general path works out per step (the plan, the executor, the cut outputs, the padding) it
-looks up per T, built once; the checks it makes are the general path's for such inputs.
-Anything else it declines before writing anything, and the general path runs the step
-(and raises its errors), so both paths give the same results and the same failures.
+``DirectStep`` runs a step of a runtime without HostRows whose graph stager allows it
+(``short_path``: the feed of fed graphs, see ``inputs.feed``) when every input is a
+contiguous CPU tensor of its declared dtype (or they are the views ``host_inputs`` handed
+out) and T fits a captured width. What the general path works out per step (the plan, the
+executor, the cut outputs, the padding) it looks up per T, built once; the checks it makes
+are the general path's for such inputs. Anything else it declines before writing
+anything, and the general path runs the step (and raises its errors), so both paths give
+the same results and the same failures.
 """
 from __future__ import annotations
 
@@ -32,11 +33,13 @@ class DirectStep:
     """``__call__(inputs)`` -> StepResult, or None (declined: nothing checked twice is
     missed, nothing written). Built after capture, dropped with the graphs; the runtime
     calls it under its step lock. Outputs: the graph's static tensors, valid until the
-    next step (as the general path's)."""
+    next step (as the general path's). ``stager``: the graph stager its rows go into (a
+    ``short_path`` one: ``write_rows``, ``all_host``)."""
 
     def __init__(self, inputs, executors: Callable[[int], Any], planner: Callable[[int], tuple],
                  layout: OutputLayout, counters: Counters, token: object, watch):
-        self._inputs, self._feed, self._validator = inputs, inputs.feed, inputs.validator
+        self._inputs, self._validator = inputs, inputs.validator
+        self.stager = self._feed = inputs.graph_stager
         self._executors, self._planner, self._layout = executors, planner, layout
         self._counters, self._token, self._watch = counters, token, watch
         self._watching = watch.watching

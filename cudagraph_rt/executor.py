@@ -4,8 +4,9 @@ One executor per slice kind, chosen at capture: a captured graph (``GraphSlice``
 captured in pieces with the marked calls run between them (``PiecewiseSlice``), the step
 function run eagerly at a padded width (graphs off, or a width whose capture fell back:
 ``EagerSlice``), and the dynamic path run unpadded (``DynamicSlice``). Each writes its rows
-into the static inputs, runs, and returns the static outputs of its width. Each says what
-it runs as (``mode_name``: what ``stats().width_modes`` reports).
+through its stager (``stager``: the arena stager for the eager kinds, the graph stager
+for graphs, the feed where they are fed), runs, and returns the static outputs of its
+width. Each says what it runs as (``mode_name``: what ``stats().width_modes`` reports).
 `OutputLayout` checks the output structure and cuts and joins outputs.
 """
 from __future__ import annotations
@@ -110,17 +111,17 @@ class StepBody:
         return out
 
     def at_width(self, w: int, inputs, calls: list[int]) -> tuple[Callable[[], Any], Callable[[], Any]]:
-        """(run, replay): what width ``w`` captures (a fed graph starts with the feed's
-        prologue), counted in ``calls[0]``, and the same work uncounted, for an emulated
-        graph to re-run (it holds the buffers and this body, never the runtime). ``run`` sees
-        the step values of padding rows; ``replay`` those of the slice that replays it."""
+        """(run, replay): what width ``w`` captures (a graph starts with its stager's
+        prologue: a fed graph's copies the feed in, the others' does nothing), counted in
+        ``calls[0]``, and the same work uncounted, for an emulated graph to re-run (it holds
+        the buffers and this body, never the runtime). ``run`` sees the step values of
+        padding rows; ``replay`` those of the slice that replays it."""
         views = inputs.views(w)
-        prologue = inputs.feed_prologue if inputs.fed else None
+        prologue = inputs.graph_stager.prologue
         values = self.values
 
         def replay():
-            if prologue is not None:
-                prologue()
+            prologue()
             return self(w, views)
 
         def run():
@@ -132,7 +133,8 @@ class StepBody:
 
 class EagerSlice:
     """The step function run eagerly at a padded width, over the same static buffers (the
-    graphs-off path, and a width whose capture fell back). Synchronous on a CPU."""
+    graphs-off path, and a width whose capture fell back). Synchronous on a CPU. Its rows
+    go through the arena stager (``stager``; ``inputs.write``)."""
 
     mode_name = "eager"
     graph = None
@@ -140,6 +142,11 @@ class EagerSlice:
     def __init__(self, width: int, body: Callable, inputs, counters: Counters, values: StepValues):
         self.width, self._body, self._inputs, self._counters = width, body, inputs, counters
         self._values = values
+
+    @property
+    def stager(self):
+        """The arena stager (read when asked: a closed runtime builds these over no inputs)."""
+        return self._inputs.stager
 
     def run(self, prep, s: Slice, control) -> Any:
         self._inputs.write(prep, s.start, s.length, self.width, control)
@@ -167,8 +174,9 @@ class DynamicSlice(EagerSlice):
 
 
 class GraphSlice:
-    """A captured graph of one width. Fed graphs copy their own host rows in (one node at
-    the start of the graph), so a replay costs the host no copy call; ``launch`` starts
+    """A captured graph of one width. Its rows go through the graph stager (``stager``):
+    the feed where graphs are fed, which they copy in themselves (one node at the start
+    of the graph), so a replay costs the host no copy call; ``launch`` starts
     the graph (the graph mode's launcher: ``GraphLaunch`` for a CUDA graph, an emulated
     graph's ``replay``). Outputs are the graph's static tensors: the same objects
     every replay, cut once per T (``cut``). ``direct``: the short path (``DirectStep``)
@@ -181,15 +189,12 @@ class GraphSlice:
                  replaying: Callable[[], None], launch: Callable[[], None]):
         self.width, self.graph, self.static_out = width, graph, static_out
         self._inputs, self._counters, self._replaying = inputs, counters, replaying
-        self._fed = inputs.fed
+        self.stager = inputs.graph_stager
         self.launch = launch
         self._cuts: dict[int, Any] = {}
 
     def run(self, prep, s: Slice, control) -> Any:
-        if self._fed:
-            self._inputs.write_fed(prep, s.start, s.length, self.width, control)
-        else:
-            self._inputs.write(prep, s.start, s.length, self.width, control)
+        self._inputs.write_via(self.stager, prep, s.start, s.length, self.width, control)
         self._counters.replays[self.width] += 1
         self._replaying()
         self.launch()

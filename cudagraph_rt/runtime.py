@@ -132,7 +132,7 @@ class GraphRuntime:
         self.capture_report = CaptureReport(tuple(reports), time.perf_counter() - t0, pool, calls[0],
                                             self._graph_mode.name)
         self._ready = True
-        if self._inputs.fed and not self._rows_mode.ships_rows:
+        if self._inputs.graph_stager.short_path and not self._rows_mode.ships_rows:
             self._direct = DirectStep(self._inputs, self._by_width.get, self._planner, self._layout, self._counters,
                                       self._token, self._watch)
         return self.capture_report
@@ -230,7 +230,8 @@ class GraphRuntime:
 
     @property
     def fed_graphs(self) -> bool:
-        """Whether captured graphs copy their own host rows in (see StaticInputs)."""
+        """Whether captured graphs copy their own host rows in (their stager is the feed;
+        see StaticInputs)."""
         return self._inputs is not None and self._inputs.fed
 
     @property
@@ -282,13 +283,14 @@ class GraphRuntime:
         try:
             self._check_open("host_inputs")
             direct = self._direct
-            fed = direct is not None and direct.runs(T)
-            if not fed:
+            if direct is not None and direct.runs(T):
+                stager = direct.stager
+            else:
                 s = self._single_slice(T, "host_inputs")
                 if not self._ready:
                     self.capture()
-                fed = isinstance(self._executor(s), GraphSlice)
-            return self._inputs.host_views(T, fed=fed, numpy=numpy)
+                stager = self._executor(s).stager  # the arena stager, or the graph stager (the feed)
+            return self._inputs.host_views(T, stager, numpy=numpy)
         finally:
             self._lock.release()
 

@@ -8,6 +8,10 @@ word): padding rows are the pads whatever the feed or the arena held, even rows 
 wrote into views after their step (which no host bookkeeping sees). A graph step then
 costs the host no copy call and no event record, only a wait on the feed event (the last
 replay's copy has left the feed) before writing it.
+
+The feed is the graph stager of a runtime whose graphs are fed (``stager.Stager``: the
+interface the two arena stagers share); ``write_rows`` and ``all_host`` are its own, for
+the short path.
 """
 from __future__ import annotations
 
@@ -23,7 +27,13 @@ from .validate import Prepared
 
 class Feed:
     """The feed arena, its device mirror and its external event. Lifetime: the runtime's;
-    the graphs bake in the addresses of the feed, the mirror and the arena."""
+    the graphs bake in the addresses of the feed, the mirror and the arena. A stager:
+    ``write`` leaves host rows in the feed for the next replay's prologue to copy in."""
+
+    fed = True
+    short_path = True
+    next = 0  # its one host arena, the feed, is always the next one
+    arenas: list[HostArena]
 
     @staticmethod
     def control_blocks(n_inputs: int) -> dict[str, tuple[int, torch.dtype]]:
@@ -35,6 +45,7 @@ class Feed:
         self.layout, self.arena, self._full, self.event = layout, arena, full, event
         self.host = HostArena(layout, pinned=pinned)  # plain memory on a CPU (emulated graphs, tests)
         self.host.views[SRC].fill_(True)
+        self.arenas = [self.host]  # (a list made once: host_inputs() indexes it per step)
         self.mirror = torch.empty_like(arena)
         mirror = layout.carve(self.mirror)
         self._mirror_src, self._mirror_t = mirror[SRC], mirror[ROWS_T]
@@ -46,6 +57,21 @@ class Feed:
         self._flags = [True] * len(layout.specs)  # host copy of the feed's per-input flags
         self.all_host = True  # every flag set: the graphs take every input from the feed
         self._rows = [(n, self.host.ptr[n], layout.row_bytes[n]) for n in layout.specs]
+
+    @property
+    def pinned(self) -> list[torch.Tensor]:
+        return [self.host.buf] if self.host.pinned else []
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        return [self.host.buf, self.mirror]
+
+    def wait(self, k: int) -> None:
+        """Until the last replay's copy has left the feed."""
+        self.event.synchronize()
+
+    def digest_state(self) -> list:
+        return [[self.host.dirty], self._flags, self.all_host, self._t_now]
 
     def write(self, prep: Prepared, start: int, length: int, width: int, control) -> None:
         """Host rows (and control blocks) into the feed, which the graph copies itself;

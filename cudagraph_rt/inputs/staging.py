@@ -5,7 +5,8 @@ two of them that CUDA steps alternate between, each copied to the device arena i
 stream-ordered copy. `CpuStaging`: graphs off on a CPU, where the arena is host memory
 and rows go straight in; its one host arena only backs ``host_inputs()`` views, so that
 views kept past their step are told apart from the arena (and refused) as on CUDA. Both
-stagers have the same methods; the owner never asks which device it is on.
+are arena stagers (``stager.ArenaStager``, the interface the feed shares too); the owner
+never asks which device it is on.
 """
 from __future__ import annotations
 
@@ -82,7 +83,33 @@ class HostArena:
             self.np[name][:len(v)] = v
 
 
-class CpuStaging:
+class _InArena:
+    """What the arena stagers share: graphs over them read the arena as it is (no
+    prologue, nothing fed, nothing to reset: every write pads what earlier ones left)."""
+
+    fed = False
+    short_path = False
+    arenas: list[HostArena]  # set by each stager
+    next: int
+
+    def prologue(self) -> None:
+        pass
+
+    def unfeed(self) -> None:
+        pass
+
+    def reset(self, control: Mapping[str, Any] | None) -> None:
+        pass
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        return [a.buf for a in self.arenas]
+
+    def digest_state(self) -> list:
+        return [self.next, [a.dirty for a in self.arenas]]
+
+
+class CpuStaging(_InArena):
     """Graphs off on a CPU: ``write`` puts rows straight into the (host) arena."""
 
     next = 0  # the id of the host arena host_inputs() hands out; never changes here
@@ -93,10 +120,6 @@ class CpuStaging:
         self._full_ptr = {n: v.data_ptr() for n, v in full.items()}
         self.arenas = [HostArena(layout, pinned=False)]
 
-    def take(self) -> int:
-        """Every step writes the arena itself; its host arena's handed views are used up."""
-        return 0
-
     def take_for_control(self) -> None:
         """Control blocks go straight into the arena: no host arena is taken."""
         return None
@@ -104,7 +127,9 @@ class CpuStaging:
     def wait(self, k: int) -> None:
         """Nothing is in flight on a CPU."""
 
-    def write(self, k: int, prep: Prepared, start: int, length: int, width: int, control) -> None:
+    def write(self, prep: Prepared, start: int, length: int, width: int, control) -> None:
+        """Every step writes the arena itself (its host arena's handed views are used up
+        all the same: the owner drops them on every write)."""
         ptrs, nbs, pads = prep.host_ptrs, self.layout.row_bytes, self.layout.specs
         for name, t in prep.tensors.items():
             p = ptrs.get(name)
@@ -118,7 +143,7 @@ class CpuStaging:
         for name, v in (control or {}).items():
             self._full_np[name][:len(v)] = v
 
-    def write_control(self, k: int, control: Mapping[str, Any]) -> None:
+    def write_control(self, k: None, control: Mapping[str, Any]) -> None:
         for name, v in control.items():
             self._full_np[name][:len(v)] = v
 
@@ -127,7 +152,7 @@ class CpuStaging:
         return []
 
 
-class PinnedStaging:
+class PinnedStaging(_InArena):
     """Two pinned arenas that steps alternate between. Each waits for its own previous
     host-to-device copy before it is rewritten, so the host never overwrites bytes still
     in flight. A small arena crosses the bus in one copy (latency-bound), else one per
@@ -153,7 +178,8 @@ class PinnedStaging:
     def take_for_control(self) -> int:
         return self.take()
 
-    def write(self, k: int, prep: Prepared, start: int, length: int, width: int, control) -> None:
+    def write(self, prep: Prepared, start: int, length: int, width: int, control) -> None:
+        k = self.take()
         a, ptrs, zero_copy = self.arenas[k], prep.host_ptrs, prep.zero_copy
         host, dev = [], []
         for name, t in prep.tensors.items():

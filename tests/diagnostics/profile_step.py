@@ -65,7 +65,7 @@ def main() -> None:
     print("step(arrays)          ", f"{statistics.median(xs)/1e3:7.2f} us")
     print("whole                 ", host(whole))
     print("host_inputs(numpy)    ", host(lambda i: r.host_inputs(1, numpy=True)))
-    ins, feed, val = r._inputs, r._inputs.feed, r._inputs.validator
+    ins, feed, val = r._inputs, r._inputs.graph_stager, r._inputs.validator
     print("-- pieces (no device wait between calls) --")
     print("lock acq/rel          ", pyt(lambda i: (r._lock.acquire(False), r._lock.release())))
     print("kwargs call           ", pyt(lambda i: (lambda **k: k)(**rows[i & 3])))

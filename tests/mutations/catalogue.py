@@ -101,9 +101,10 @@ CATALOGUE: tuple[Mutation, ...] = (
     M(12, "feed", "cudagraph_rt/inputs/__init__.py",
       "self._handed_host = None  # used up (see consume)",
       "pass  # used up (see consume)",
-      "a fed graph's general write does not use up the handed views: kept views are taken again",
+      "a write through a stager (a fed graph's into the feed, as every other) does not use up the handed "
+      "views: kept views are taken again",
       ("tests/test_inputs.py",) + FEED, graph_path=True,
-      anchor="def write_fed(self, prep: Prepared, start: int, length: int, width: int, control: Mapping[str, Any] | None = None) -> None:"),
+      anchor="def write_via(self, stager: Stager, prep: Prepared, start: int, length: int, width: int,"),
     # ---------------------------------------------------------------- the short path
     M(13, "short path", "cudagraph_rt/direct_step.py",
       "return StepResult.fast(e.cut.copy() if e.is_dict else e.cut, T, e.slices, None, None, self._token)",
@@ -275,4 +276,15 @@ CATALOGUE: tuple[Mutation, ...] = (
       "ok = torch.isfinite(c.rows.float()).all(1).numpy()",
       "ok = torch.isfinite(c.rows.float()).any(1).numpy()",
       "any for all: a host row with some NaN entries passes the reference drafter's check", RUNNER),
+    # ---------------------------------------------------------------- the stagers (added with inputs/stager.py)
+    M(50, "stagers", "cudagraph_rt/executor.py",
+      "self.stager = inputs.graph_stager",
+      "self.stager = inputs.stager",
+      "a graph slice holds the arena stager: its rows go straight into the arena, and a fed graph's "
+      "prologue then copies the feed's stale rows over them", FEED + ("tests/test_stagers.py",), graph_path=True),
+    M(51, "stagers", "cudagraph_rt/inputs/stager.py",
+      "if feed_event is None or layout.nbytes > ONE_COPY_BYTES:",
+      "if feed_event is None:",
+      "the size rule forgotten: a big arena is fed, and every replay copies all of it (bandwidth, not latency)",
+      ("tests/test_stagers.py",) + FEED, graph_path=True),
 )
