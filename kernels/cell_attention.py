@@ -683,6 +683,28 @@ def _scratch(q: Tensor, out: Tensor, plan: AttentionPlan, counters: Tensor | Non
     return pm, pacc, counters
 
 
+def _attention_args(q, k_cache, v_cache, block_table, seq_ids, positions, slopes, out, scratch, plan, block_size,
+                    scale, bias_shift, window) -> tuple:
+    """The attention kernel's runtime arguments, in its signature's order."""
+    N, Hq, _ = q.shape
+    pm, pacc, cnt = scratch
+    return (q, k_cache, v_cache, block_table, seq_ids, positions, q if slopes is None else slopes, out, pm, pacc, cnt,
+            N, Hq, plan.splits, max(1, plan.config.min_chunk), block_table.shape[0], k_cache.shape[0] // block_size,
+            block_table.shape[1], float(scale) * LOG2E, int(bias_shift), int(window or 0), q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), block_table.stride(0),
+            seq_ids.stride(0), positions.stride(0), out.stride(0), out.stride(1))
+
+
+def _write_args(k, v, k_cache, v_cache, cells) -> tuple:
+    """The K/V write kernel's runtime arguments, in its signature's order."""
+    return (k, v, k_cache, v_cache, cells, k_cache.shape[0], cells.stride(0), k.stride(0), k.stride(1), v.stride(0),
+            v.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
+
+
+def _write_meta(Hkv: int, D: int) -> dict:
+    return dict(HKV=Hkv, D=D, BLOCK_H=_next_pow2(Hkv), BLOCK_D=_next_pow2(D))
+
+
 def cell_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_ids: Tensor,
                           positions: Tensor, *, block_size: int, scale: float, window: int | None = None,
                           slopes: Tensor | None = None, bias_shift: int = 0, out: Tensor | None = None,
@@ -718,11 +740,8 @@ def cell_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tab
         pm, pacc, cnt = _scratch(q, out, plan, counters, grid[0] * grid[1])
         meta = kernel_constants(plan, Hq, Hkv, D, block_size, k_cache.dtype, window is not None, slopes is not None)
         _cell_attention_kernel[grid](
-            q, k_cache, v_cache, block_table, seq_ids, positions, q if slopes is None else slopes, out, pm, pacc, cnt,
-            N, Hq, plan.splits, max(1, plan.config.min_chunk), block_table.shape[0], k_cache.shape[0] // block_size,
-            block_table.shape[1], float(scale) * LOG2E, int(bias_shift), int(window or 0), q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), block_table.stride(0),
-            seq_ids.stride(0), positions.stride(0), out.stride(0), out.stride(1),
+            *_attention_args(q, k_cache, v_cache, block_table, seq_ids, positions, slopes, out, (pm, pacc, cnt), plan,
+                             block_size, scale, bias_shift, window),
             **meta, **_launch_options(plan.config, q.device))
     return out
 
@@ -741,10 +760,7 @@ def write_cells_triton(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, c
     if N == 0:
         return
     with _device_scope(k):
-        _write_cells_kernel[(N,)](
-            k, v, k_cache, v_cache, cells, k_cache.shape[0], cells.stride(0), k.stride(0), k.stride(1), v.stride(0),
-            v.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-            HKV=Hkv, D=D, BLOCK_H=_next_pow2(Hkv), BLOCK_D=_next_pow2(D))
+        _write_cells_kernel[(N,)](*_write_args(k, v, k_cache, v_cache, cells), **_write_meta(Hkv, D))
 
 
 class BoundLaunch:
@@ -837,11 +853,8 @@ def bind_cell_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
             lse, part = scratch(pm.numel(), pacc.numel(), out.dtype)
             pm, pacc = lse[:pm.numel()].view(pm.shape), part[:pacc.numel()].view(pacc.shape)
     meta = kernel_constants(plan, Hq, Hkv, D, block_size, k_cache.dtype, window is not None, slopes is not None)
-    args = (q, k_cache, v_cache, block_table, seq_ids, positions, q if slopes is None else slopes, out, pm, pacc, cnt,
-            N, Hq, plan.splits, max(1, plan.config.min_chunk), block_table.shape[0], k_cache.shape[0] // block_size,
-            block_table.shape[1], float(scale) * LOG2E, int(bias_shift), int(window or 0), q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), block_table.stride(0),
-            seq_ids.stride(0), positions.stride(0), out.stride(0), out.stride(1))
+    args = _attention_args(q, k_cache, v_cache, block_table, seq_ids, positions, slopes, out, (pm, pacc, cnt), plan,
+                           block_size, scale, bias_shift, window)
     launch = BoundLaunch(_cell_attention_kernel, grid, args, {**meta, **_launch_options(plan.config, q.device)},
                          q.device)
 
@@ -863,10 +876,8 @@ def bind_write_cells(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, cel
     N, Hkv, D = k.shape
     if N == 0:
         return lambda: None
-    args = (k, v, k_cache, v_cache, cells, k_cache.shape[0], cells.stride(0), k.stride(0), k.stride(1), v.stride(0),
-            v.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
-    return BoundLaunch(_write_cells_kernel, (N,), args,
-                       dict(HKV=Hkv, D=D, BLOCK_H=_next_pow2(Hkv), BLOCK_D=_next_pow2(D)), k.device)
+    return BoundLaunch(_write_cells_kernel, (N,), _write_args(k, v, k_cache, v_cache, cells), _write_meta(Hkv, D),
+                       k.device)
 
 
 # --------------------------------------------------------------------------------------
