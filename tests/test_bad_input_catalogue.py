@@ -28,9 +28,9 @@ from cudagraph_rt import (
     BusyError, CapacityError, CgrtError, DeviceRowIndexError, GraphRuntime, HostRows, InputError,
     InputSpec, StaleRowsError, StepFunctionError,
 )
-from models_for_tests import SlotModel
-from ring_hooks import host_ring
-from reliability_harness import Rig, ScaleChooser, TOL
+from tests.support.models_for_tests import SlotModel
+from tests.support.ring_hooks import host_ring
+from tests.support.reliability_harness import Rig, ScaleChooser, TOL
 
 MODES = [None, "host", "device", "commit"]
 pytestmark = pytest.mark.usefixtures("rig_graphs", "one_thread")  # every test graphs off, then emulated

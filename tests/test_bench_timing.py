@@ -22,7 +22,7 @@ from cudagraph_rt.cli import build_parser
 from cudagraph_rt.tools.bench import common as bench_common, steps as bench_steps
 from cudagraph_rt.tools.bench.context import Context
 from cudagraph_rt.widths import default_widths
-from seeds import seeded_rng
+from tests.support.seeds import seeded_rng
 
 WARM = 10**12  # ns of a warm-up call: if one is timed, every figure shows it
 PREP = 10**9  # ns of an untimed prepare

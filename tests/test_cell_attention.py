@@ -21,7 +21,8 @@ import pytest  # noqa: E402
 
 from cudagraph_rt.errors import CaptureError, InputError  # noqa: E402
 from cudagraph_rt.kernels import cell_attention as ca  # noqa: E402
-from seeds import seeded_rng  # noqa: E402
+from tests.support import ROOT, SUPPORT  # noqa: E402
+from tests.support.seeds import seeded_rng  # noqa: E402
 
 MODE = ca.kernel_mode()
 DEV = torch.device("cuda") if MODE == "compiled" else torch.device("cpu")
@@ -481,10 +482,9 @@ def test_kernels_compile_for_sm90_and_pipeline_their_loads():
     if torch.cuda.is_available():
         pytest.skip("the cuda tests compile the kernels for real here")
     pytest.importorskip("triton.backends.nvidia.compiler")
-    here = os.path.dirname(os.path.abspath(__file__))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, os.path.join(here, "compile_cell_attention.py")], env=env,
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, str(SUPPORT / "compile_cell_attention.py")], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert done.stdout.count("pipelined") >= 5 and "not pipelined" not in done.stdout, done.stdout
@@ -580,7 +580,7 @@ def test_cuda_offsets_past_two_to_the_31(rng):
 def test_cuda_graph_replays_follow_rewritten_inputs(rng, splits):
     """write_cells + attention captured once; positions, seq ids and block tables rewritten
     in place between replays (longer and shorter contexts, new padding) match eager runs."""
-    from models_for_tests import warm_and_capture
+    from tests.support.models_for_tests import warm_and_capture
 
     N, Hq, Hkv, D, bs, S, MB = 8, 32, 8, 64, 16, 4, 256
     pb = Problem(rng, [(0, 10)] * N, Hq=Hq, Hkv=Hkv, D=D, bs=bs, S=S, MB=MB, dtype=torch.bfloat16)

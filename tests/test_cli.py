@@ -18,9 +18,9 @@ import pytest
 import torch
 from rich.console import Console
 
-from cli_tables import markdown, rows, subparsers
 from cudagraph_rt import __version__
 from cudagraph_rt.cli import main
+from tests.support.cli_tables import markdown, rows, subparsers
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK_SWEEP = ["--repeats", "1", "--widths", "1,2,4", "--extras", "none", "--device", "cpu"]

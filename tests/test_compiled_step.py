@@ -19,20 +19,21 @@ COMPILE_TEST_SEED=<n> replays a run's inputs.
 from __future__ import annotations
 
 import gc
+import importlib
 import re
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 
-from compile_stand_ins import HFStandIn, PlainDecoder, StandInPool
 from cudagraph_rt import GraphRuntime
 from cudagraph_rt.models import attention_op
 from cudagraph_rt.models.compiled import CompiledRows
-from seeds import seeded_rng
+from tests.support.compile_stand_ins import HFStandIn, PlainDecoder, StandInPool
+from tests.support.seeds import seeded_rng
 
 try:
-    import transformers  # noqa: F401
+    importlib.import_module("transformers")
     HAVE_HF = True
 except ImportError:
     HAVE_HF = False

@@ -19,7 +19,7 @@ from cudagraph_rt.spec.device_drafter import DeviceDrafter
 from cudagraph_rt.spec.drafting import CommittedRows, DraftRule, controlled_drafts, controlled_drafts_py
 from cudagraph_rt.spec.runner import PHASES, PhaseClock, Request, SpecRunner, ToyDrafter
 from cudagraph_rt.testing.checks import Tolerance
-from seeds import seeded_rng
+from tests.support.seeds import seeded_rng
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py

@@ -11,7 +11,7 @@ from cudagraph_rt import GraphRuntime, InputError, InputSpec
 from cudagraph_rt.inputs.arena import ArenaLayout
 from cudagraph_rt.inputs.feed import Feed
 from cudagraph_rt.inputs.validate import Prepared, Validator
-from test_staging import SPECS, FakeEvent, rows
+from tests.support.feed_rows import SPECS, FakeEvent, rows
 
 FORMS = ["plain", "plain", "plain", "int32", "float64", "strided", "neg", "rows+1", "shape", "numpy", "list",
          "ours", "sparse", "scalar", "grad", "missing", "extra"]
@@ -191,7 +191,7 @@ def test_the_short_path_hands_each_step_its_own_outputs_dict():
     """The outputs dict of a step is the caller's (the tensors in it are the graph's, valid
     until the next step): changing it must not change what later steps of the same T get.
     Emulated graphs: the short path runs on a CPU."""
-    from models_for_tests import SlotModel
+    from tests.support.models_for_tests import SlotModel
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     m, ref = SlotModel("cpu", seed=5), SlotModel("cpu", seed=5)
     rt = GraphRuntime(m, m.specs(), graphs="emulate", device="cpu")

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from cudagraph_rt import GraphRuntime, InputError, InputSpec
-from seeds import seeded_rng
-from test_runtime_cuda import ECHO, _echo
+from tests.support.seeds import seeded_rng
+from tests.support.feed_rows import ECHO, _echo
 
 pytestmark = pytest.mark.cuda
 

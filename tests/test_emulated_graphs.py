@@ -14,8 +14,8 @@ import torch
 
 from cudagraph_rt import CgrtError, GraphRuntime, HostRows, InputError, InputSpec
 from cudagraph_rt.graph_mode import EmulatedGraph
-from models_for_tests import SlotModel
-from seeds import seeded_rng
+from tests.support.models_for_tests import SlotModel
+from tests.support.seeds import seeded_rng
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 

@@ -17,7 +17,7 @@ import transformers  # noqa: E402
 
 from cudagraph_rt.models import hf  # noqa: E402
 from cudagraph_rt.models.fused import MergedLinear, fuse_projections  # noqa: E402
-from seeds import seeded_rng  # noqa: E402
+from tests.support.seeds import seeded_rng  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 

@@ -42,9 +42,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from cudagraph_rt import (BusyError, CapacityError, CaptureError, CgrtError, GraphRuntime, HostRows, InputError,
                           StaleRowsError)
-from ring_hooks import poison_next_slot
-from models_for_tests import Boom, MarkedSlotModel, SlotModel, failing
-from reliability_harness import ScaleChooser, bits, chosen_by_scale, commit_turn
+from tests.support.ring_hooks import poison_next_slot
+from tests.support.models_for_tests import Boom, MarkedSlotModel, SlotModel, failing
+from tests.support.reliability_harness import ScaleChooser, bits, chosen_by_scale, commit_turn
 
 
 class MarkedChooser(ScaleChooser, MarkedSlotModel):

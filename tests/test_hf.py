@@ -21,8 +21,8 @@ from cudagraph_rt.models.accept import greedy_accept  # noqa: E402
 from cudagraph_rt.spec.runner import ReferenceDrafter, Request, SpecRunner  # noqa: E402
 from cudagraph_rt.testing import HFAdapter, run_sweep  # noqa: E402
 from cudagraph_rt.testing.checks import Tolerance  # noqa: E402
-from models_for_tests import python_acceptance  # noqa: E402
-from seeds import seeded_rng
+from tests.support.models_for_tests import python_acceptance  # noqa: E402
+from tests.support.seeds import seeded_rng
 
 FAMILIES = hf.FAMILIES
 # fp32: the packed step and the one-sequence forward differ by reduction order only.

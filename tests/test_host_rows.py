@@ -8,8 +8,8 @@ import torch
 from cudagraph_rt import (
     CapacityError, DeviceRowIndexError, GraphRuntime, HostRows, InputError, StaleRowsError,
 )
-from models_for_tests import ChoosingSlotModel, SlotModel, chosen_rows
-from reliability_harness import ScaleChooser
+from tests.support.models_for_tests import ChoosingSlotModel, SlotModel, chosen_rows
+from tests.support.reliability_harness import ScaleChooser
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from cudagraph_rt import BusyError, GraphRuntime, HostRows, InputError, InputSpec
-from models_for_tests import SlotModel
-from reliability_harness import ScaleChooser
+from tests.support.models_for_tests import SlotModel
+from tests.support.reliability_harness import ScaleChooser
 
 
 def seeded_gen() -> torch.Generator:

@@ -386,8 +386,6 @@ def fake_driver(edges_cuda13: bool):
 
 @pytest.mark.parametrize("edges_cuda13", [False, True], ids=["edges-cuda12", "edges-cuda13"])
 def test_graph_nodes_with_a_fake_driver(monkeypatch, edges_cuda13):
-    import cudagraph_rt.debug.inspect as insp
-
     monkeypatch.setattr(graph_nodes_mod, "_driver", lambda: fake_driver(edges_cuda13))
     kernel, h2d, memset, d2h = graph_nodes(1234)
     assert (kernel.type, kernel.grid, kernel.block) == ("kernel", (96, 1, 1), (256, 1, 1))
@@ -404,7 +402,7 @@ def test_graph_nodes_with_a_fake_driver(monkeypatch, edges_cuda13):
 def slot_target(graphs: bool, model_cls=None):
     """A runtime factory as `cgrt inspect --target` expects (see tools/inspect_cmd.py)."""
     from cudagraph_rt import GraphRuntime
-    from models_for_tests import SlotModel
+    from tests.support.models_for_tests import SlotModel
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = (model_cls or SlotModel)(device)
@@ -414,7 +412,7 @@ def slot_target(graphs: bool, model_cls=None):
 
 
 def _syncing_model():
-    from models_for_tests import SlotModel
+    from tests.support.models_for_tests import SlotModel
 
     class Syncing(SlotModel):
         def __call__(self, x):

@@ -20,7 +20,7 @@ from cudagraph_rt.debug.inspect import (
     inspect_runtime,
     to_dot,
 )
-from models_for_tests import warm_and_capture
+from tests.support.models_for_tests import warm_and_capture
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -194,7 +194,7 @@ def test_inspect_runtime_on_a_tiny_runtime():
 
 def test_inspect_a_graph_runtime(tmp_path):
     from cudagraph_rt import GraphRuntime
-    from models_for_tests import SlotModel
+    from tests.support.models_for_tests import SlotModel
 
     def build(graphs):
         m = SlotModel("cuda")

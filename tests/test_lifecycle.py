@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cudagraph_rt import GraphRuntime, HostRows, InputSpec, StaleRowsError, StateDigest, StepFunctionError
-from models_for_tests import Boom, SlotModel, failing
+from tests.support.models_for_tests import Boom, SlotModel, failing
 
 
 def seeded() -> torch.Generator:
@@ -132,7 +132,7 @@ def test_state_digest_waits_for_the_device_before_reading_the_ring():
     arena's ``.cpu()`` copy syncs anything: a digest taken right after a step that is still
     on the device reads the ring before the step's gather lands, so "equal digests before
     and after a refused call" can fail spuriously (or pass on a half-written ring)."""
-    from ring_hooks import poison_next_slot
+    from tests.support.ring_hooks import poison_next_slot
     m = SlotModel("cuda", seed=2)
     rt = GraphRuntime(m, m.specs(), graphs=True, device="cuda",
                       host_rows=HostRows(source="hidden", mode="host", depth=2))

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from mutations.catalogue import CATALOGUE
-from mutations.run import locate, mutate_text, parse_only, target_line
+from tests.mutations.catalogue import CATALOGUE
+from tests.mutations.run import locate, mutate_text, parse_only, target_line
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,9 +20,9 @@ from cudagraph_rt.debug.hazards import find_capture_hazards
 from cudagraph_rt.debug.inspect import inspect_runtime
 from cudagraph_rt.pieces import EagerCall, EmulatedPieces, PieceLaunch, PiecewiseGraph, is_marked
 from cudagraph_rt.testing.checks import check_pad_rows
-from models_for_tests import MarkedSlotModel, SlotModel
-from reliability_harness import ScaleChooser, chosen_by_scale
-from seeds import seeded_rng
+from tests.support.models_for_tests import MarkedSlotModel, SlotModel
+from tests.support.reliability_harness import ScaleChooser, chosen_by_scale
+from tests.support.seeds import seeded_rng
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 LAYOUT = ("piece 1", "eager _scaled_rows", "piece 2", "eager _state_rw", "piece 3")
@@ -385,7 +385,7 @@ class FailsInPiece2(MarkedSlotModel):
     broken = True
 
     def __call__(self, x):
-        from models_for_tests import _scaled_rows
+        from tests.support.models_for_tests import _scaled_rows
         if not (self.broken and x["tokens"].shape[0] == 16):
             return super().__call__(x)
         _scaled_rows(self.emb, x["tokens"], x["scale"])
@@ -496,7 +496,7 @@ def test_the_cuda_capture_of_pieces_in_order_with_stand_in_graphs(monkeypatch):
     import contextlib
 
     import cudagraph_rt.piece_capture as pc
-    from models_for_tests import _scaled_rows
+    from tests.support.models_for_tests import _scaled_rows
     log = []
 
     class Graph:
@@ -573,7 +573,7 @@ def test_cuda_pieces_equal_a_whole_graph_and_graphs_off_bit_for_bit():
 def test_cuda_a_host_sync_in_piece_2_is_named_and_contained():
     class Syncs(MarkedSlotModel):
         def __call__(self, x):
-            from models_for_tests import _scaled_rows
+            from tests.support.models_for_tests import _scaled_rows
             h = _scaled_rows(self.emb, x["tokens"], x["scale"])
             if float(h.sum()) > 1e30:  # a host sync in piece 2
                 h = h * 0

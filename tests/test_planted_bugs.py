@@ -33,8 +33,8 @@ from cudagraph_rt.models import ToyDecoder
 from cudagraph_rt.spec.runner import Request, SpecRunner, ToyDrafter
 from cudagraph_rt.testing import ToyAdapter, run_sweep
 from cudagraph_rt.testing.checks import Tolerance
-from planting import plan_one_width_wider, plant
-from seeds import seeded_rng
+from tests.support.planting import plan_one_width_wider, plant
+from tests.support.seeds import seeded_rng
 
 TOL = Tolerance.for_dtype(torch.float32)
 

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_leaves
 from cudagraph_rt import CapacityError, GraphRuntime, InputError
 from cudagraph_rt.models import Decoder, KVPool, ToyConfig, ToyDecoder
 from cudagraph_rt.models.pool import default_cells
-from seeds import seeded_rng
+from tests.support.seeds import seeded_rng
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
 from cudagraph_rt import CapacityError, DeviceRowIndexError, InputError, StaleRowsError
-from reliability_harness import TOL, Rig, chosen_by_scale, commit_turn
+from tests.support.reliability_harness import TOL, Rig, chosen_by_scale, commit_turn
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 DEPTH, CAPACITY = 2, 48

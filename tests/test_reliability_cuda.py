@@ -20,8 +20,8 @@ from cudagraph_rt import (
     BusyError, CapacityError, CaptureError, GraphRuntime, HostRows, InputError, StaleCaptureError,
     StaleRowsError,
 )
-from models_for_tests import SlotModel
-from reliability_harness import TOL, Rig, ScaleChooser, bits, chosen_by_scale
+from tests.support.models_for_tests import SlotModel
+from tests.support.reliability_harness import TOL, Rig, ScaleChooser, bits, chosen_by_scale
 
 pytestmark = pytest.mark.cuda
 

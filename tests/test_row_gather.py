@@ -31,8 +31,8 @@ import pytest  # noqa: E402
 
 from cudagraph_rt.errors import InputError  # noqa: E402
 from cudagraph_rt.kernels import row_gather as rg  # noqa: E402
-from models_for_tests import warm_and_capture  # noqa: E402
-from seeds import seeded_rng  # noqa: E402
+from tests.support.models_for_tests import warm_and_capture  # noqa: E402
+from tests.support.seeds import seeded_rng  # noqa: E402
 
 MODE = rg.kernel_mode()
 if MODE == "interpreter":

@@ -7,7 +7,7 @@ import torch
 from cudagraph_rt import (
     BusyError, CapacityError, GraphRuntime, InputError, InputSpec, StepFunctionError,
 )
-from models_for_tests import SlotModel
+from tests.support.models_for_tests import SlotModel
 
 
 class Spy:

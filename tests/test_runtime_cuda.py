@@ -3,9 +3,10 @@ capture failures reported and recovered from."""
 import pytest
 import torch
 
-from cudagraph_rt import CaptureError, GraphRuntime, InputError, InputSpec
-from models_for_tests import SlotModel
-from seeds import seeded_rng
+from cudagraph_rt import CaptureError, GraphRuntime, InputError
+from tests.support.feed_rows import ECHO, _echo
+from tests.support.models_for_tests import SlotModel
+from tests.support.seeds import seeded_rng
 
 pytestmark = pytest.mark.cuda
 
@@ -114,17 +115,8 @@ def test_wrong_device_input_rejected_before_write():
     assert torch.equal(before, m.state)
 
 
-def _echo(x):
-    """Returns what the graph read, so a test sees every real and padding row it got."""
-    return {"a": x["a"] * 1, "b": x["b"] * 1, "h": x["h"] * 1}
-
-
-ECHO = {"a": InputSpec((), torch.int64, -5), "b": InputSpec((3,), torch.float32, 0.25),
-        "h": InputSpec((2,), torch.bfloat16, -1.5)}
-
-
 def test_every_host_tensor_form_reaches_the_graph_exactly():
-    from test_runtime import _host_forms
+    from tests.test_runtime import _host_forms
     rt = GraphRuntime(_echo, ECHO, dynamic_limit=96)
     rt.capture()
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)

@@ -20,7 +20,8 @@ import torch
 
 from cudagraph_rt.errors import CaptureError, InputError
 from cudagraph_rt.kernels import small_linear as sl
-from seeds import seeded_rng
+from tests.support import ROOT, SUPPORT
+from tests.support.seeds import seeded_rng
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 DEV = torch.device("cuda") if sl.kernel_mode() == "compiled" and torch.cuda.is_available() else torch.device("cpu")
@@ -170,10 +171,9 @@ def test_the_launches_compile_for_sm90_with_16_byte_loads():
     if torch.cuda.is_available():
         pytest.skip("the cuda tests compile the kernel for real here")
     pytest.importorskip("triton.backends.nvidia.compiler")
-    here = os.path.dirname(os.path.abspath(__file__))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, os.path.join(here, "compile_small_linear.py")], env=env,
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, str(SUPPORT / "compile_small_linear.py")], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert done.stdout.count("ok ") >= 18 and "FAILED" not in done.stdout, done.stdout

@@ -22,7 +22,7 @@ from cudagraph_rt.kernels import small_linear as sl  # noqa: E402
 from cudagraph_rt.models import hf, small_m  # noqa: E402
 from cudagraph_rt.models.compiled import CompiledRows  # noqa: E402
 from cudagraph_rt.models.fused import MergedLinear, fuse_projections  # noqa: E402
-from seeds import seeded_rng  # noqa: E402
+from tests.support.seeds import seeded_rng  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 FAMILIES = ("llama", "qwen2", "qwen3")  # qwen2: q/k/v biases; qwen3: q/k norms on the slices

@@ -4,26 +4,19 @@ words a fed graph's prologue takes from the feed and which it keeps."""
 import pytest
 import torch
 
-from cudagraph_rt import GraphRuntime, InputSpec
+from cudagraph_rt import GraphRuntime
 from cudagraph_rt.inputs.arena import ArenaLayout
 from cudagraph_rt.inputs.feed import Feed
 from cudagraph_rt.inputs.staging import HostArena
 from cudagraph_rt.inputs.validate import Prepared
-from models_for_tests import SlotModel
-
-SPECS = {"a": InputSpec((), torch.int64, -5), "b": InputSpec((3,), torch.float32, 0.25),
-         "c": InputSpec((2,), torch.bfloat16, -1.5)}
+from tests.support.feed_rows import SPECS, FakeEvent, rows
+from tests.support.models_for_tests import SlotModel
 
 
 def seeded() -> torch.Generator:
     seed = int(torch.randint(0, 2**31, (1,)))
     print(f"seed {seed}")
     return torch.Generator().manual_seed(seed)
-
-
-def rows(T, gen):
-    return {"a": torch.randint(0, 99, (T,), generator=gen), "b": torch.randn(T, 3, generator=gen),
-            "c": torch.randn(T, 2, generator=gen).bfloat16()}
 
 
 def assert_padded(arena: HostArena, lo: int) -> None:
@@ -60,14 +53,6 @@ def test_a_write_from_an_offset_takes_the_right_rows():
         arena.stage(name, t, t.data_ptr(), 13, 6)
         assert torch.equal(arena.views[name][:6], t[13:19]), name
     assert_padded(arena, 6)
-
-
-class FakeEvent:
-    def synchronize(self):
-        pass
-
-    def record(self):
-        pass
 
 
 def test_the_feed_prologue_takes_fed_inputs_and_keeps_the_others():

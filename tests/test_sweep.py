@@ -31,7 +31,7 @@ from cudagraph_rt.testing import (
 )
 from cudagraph_rt.testing.checks import rule_slices
 from cudagraph_rt.widths import default_widths, plan_step
-from planting import plan_one_width_wider
+from tests.support.planting import plan_one_width_wider
 
 QUICK = dict(repeats=1)  # every width once: ~70 steps
 

@@ -10,17 +10,17 @@ import pytest
 import torch
 
 from cudagraph_rt import GraphRuntime
-from models_for_tests import SlotModel
+from tests.support import ROOT, SUPPORT
+from tests.support.models_for_tests import SlotModel
 
 pytestmark = pytest.mark.cuda
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def test_compile_reduce_overhead_then_runtime_in_one_process():
     """The issue's run: runtime steps, a reduce-overhead compile with automatic dynamic
     shapes at widths 64..1, then runtime steps again, all checked against graphs off."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), env_path()]))
-    p = subprocess.run([sys.executable, os.path.join(HERE, "compile_beside_runtime.py")],
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), env_path()]))
+    p = subprocess.run([sys.executable, str(SUPPORT / "compile_beside_runtime.py")],
                        capture_output=True, text=True, timeout=500, env=env)
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-3000:] + p.stderr[-3000:]
 

@@ -12,8 +12,8 @@ import torch
 
 from cudagraph_rt.errors import InputError
 from cudagraph_rt.models import ToyConfig, ToyDecoder
-from models_for_tests import python_acceptance
-from seeds import seeded_rng
+from tests.support.models_for_tests import python_acceptance
+from tests.support.seeds import seeded_rng
 
 DTYPES = [torch.float32, torch.bfloat16]
 # Hidden rows are O(1..4): fp32 differs by reduction order only; bf16 by a few ulps (1/64 at 2..4).

@@ -34,9 +34,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(ROOT))
 
-from mutations.catalogue import CATALOGUE, Mutation  # noqa: E402
+from tests.mutations.catalogue import CATALOGUE, Mutation  # noqa: E402
 
 _FAILED = re.compile(r"^(FAILED|ERROR) (\S+)")
 

@@ -12,8 +12,8 @@ import numpy as np
 import torch
 
 from cudagraph_rt import GraphRuntime, HostRows, InputSpec
-from ring_hooks import host_ring, poison_next_slot
-from models_for_tests import SlotModel
+from tests.support.ring_hooks import host_ring, poison_next_slot
+from tests.support.models_for_tests import SlotModel
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 

@@ -1,4 +1,4 @@
-"""The README's option tables, generated from the real parser (``python3 tests/cli_tables.py``
+"""The README's option tables, generated from the real parser (``python3 tests/support/cli_tables.py``
 prints them; tests/test_cli.py checks that the README holds exactly these)."""
 from __future__ import annotations
 
