@@ -1,6 +1,6 @@
 """The runtime's life around its steps: what capture runs the step function on, the first
 step after rows were written in place, the commit window across a failed step, and the
-public state digest. CPU path (graphs off); the GPU side is in test_reliability_cuda.py.
+public state digest. CPU path (graphs off); the GPU side is in test_reliability.py.
 """
 import pytest
 import torch
