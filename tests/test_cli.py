@@ -6,6 +6,7 @@ readable at 80 columns; the README's option tables are the parsers' own.
 """
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import io
 import json
@@ -251,3 +252,76 @@ def test_every_command_takes_the_shared_arguments_with_one_meaning():
     assert set(seen["--json"].values()) == {"[FILE]"} and set(seen["--plot"].values()) == {"DIR"}
     assert set(seen["--threads"]) >= {"sweep", "demo", "bench", "inspect"}  # every command that times
     assert importlib.util.find_spec("cudagraph_rt.tools.options") is not None
+
+
+# ======================================================================================
+# From the bad-input catalogue (issue 7): the CLI's arguments; every tool it
+# lists must import.
+# Each test runs graphs off, then with emulated graphs (rig_graphs); a refused call is
+# checked for its error class and message, for nothing written (Rig.snapshot: the static
+# arena, the KV state, the host-row ring, the commit snapshots, the counters) and for a
+# valid step after it that matches the eager reference (tests.support.reliability_harness.refused).
+# ======================================================================================
+@pytest.fixture
+def cli():
+    """cudagraph_rt.cli as installed: every tool it lists must import (a deleted or broken
+    tool fails the tests below, it is never stubbed or skipped)."""
+    from cudagraph_rt import cli as cli_mod
+    for name, (module, _help) in cli_mod.COMMANDS.items():
+        importlib.import_module(f"cudagraph_rt.tools.{module}")
+    return cli_mod
+
+
+@pytest.mark.usefixtures("rig_graphs", "one_thread")  # graphs off, then emulated
+def test_cli_no_command_prints_help_and_returns_2(cli, capsys):
+    assert cli.main([]) == 2
+    assert "usage: cgrt" in capsys.readouterr().out
+
+
+@pytest.mark.usefixtures("rig_graphs", "one_thread")  # graphs off, then emulated
+@pytest.mark.parametrize("argv,msg", [
+    (["no-such-command"], r"invalid choice: 'no-such-command'"),
+    (["--no-such-flag"], r"unrecognized arguments: --no-such-flag"),
+])
+def test_cli_bad_top_level_arguments_exit_2(cli, capsys, argv, msg):
+    assert cli.main(argv) == 2  # main returns every exit code, usage errors included
+    err = capsys.readouterr().err
+    assert re.search(msg, err) and err.startswith("cgrt: ") and err.count("\n") == 1
+
+
+def _subparser(cli, name):
+    p = cli.build_parser()
+    sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def _commands():
+    from cudagraph_rt import cli as cli_mod
+    return list(cli_mod.COMMANDS.items())
+
+
+@pytest.mark.usefixtures("rig_graphs", "one_thread")  # graphs off, then emulated
+@pytest.mark.parametrize("name,module", [(n, m) for n, (m, _h) in _commands()], ids=[n for n, _ in _commands()])
+def test_cli_tool_rejects_bad_flags(cli, capsys, name, module):
+    assert cli.main([name, "--definitely-not-a-flag"]) == 2
+    assert "unrecognized arguments: --definitely-not-a-flag" in capsys.readouterr().err
+    sp = _subparser(cli, name)
+    checked = 0
+    for act in sp._actions:  # every flag whose value is checked while parsing
+        if not act.option_strings or act.nargs == 0 or act.type is None:
+            continue
+        flag = act.option_strings[-1]
+        assert cli.main([name, flag, "__bogus__/x"]) == 2, flag
+        err = capsys.readouterr().err
+        assert err.startswith(f"cgrt {name}: {flag}: expected ") and err.count("\n") == 1, (flag, err)
+        checked += 1
+    assert checked >= 3, name
+    assert cli.main([name, "--help"]) == 0
+    assert f"usage: cgrt {name}" in capsys.readouterr().out
+
+
+@pytest.mark.usefixtures("rig_graphs", "one_thread")  # graphs off, then emulated
+def test_cli_survives_one_missing_tool(cli, monkeypatch, capsys):
+    monkeypatch.setitem(cli.COMMANDS, "ghost", ("ghost_tool_not_written", "a tool that does not exist"))
+    assert cli.main([]) == 2
+    assert "usage: cgrt" in capsys.readouterr().out

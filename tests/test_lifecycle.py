@@ -5,8 +5,11 @@ public state digest. CPU path (graphs off); the GPU side is in test_reliability.
 import pytest
 import torch
 
-from cudagraph_rt import GraphRuntime, HostRows, InputSpec, StaleRowsError, StateDigest, StepFunctionError
+from cudagraph_rt import (
+    CgrtError, GraphRuntime, HostRows, InputSpec, StaleRowsError, StateDigest, StepFunctionError,
+)
 from tests.support.models_for_tests import Boom, SlotModel, failing
+from tests.support.reliability_harness import MODES, TOL, Rig, warm
 
 
 def seeded() -> torch.Generator:
@@ -249,3 +252,55 @@ def test_a_watched_tensor_that_moved_or_changed_shape_is_caught_until_recapture(
     assert rt.state_digest() == before
     rt.recapture()
     torch.testing.assert_close(rt.step(**rows, **y).outputs["hidden"], ref(y)["hidden"], rtol=1e-5, atol=1e-6)
+
+
+# ======================================================================================
+# From the bad-input catalogue (issue 7): a closed runtime, recapture with
+# graphs off.
+# Each test runs graphs off, then with emulated graphs (rig_graphs); a refused call is
+# checked for its error class and message, for nothing written (Rig.snapshot: the static
+# arena, the KV state, the host-row ring, the commit snapshots, the counters) and for a
+# valid step after it that matches the eager reference (tests.support.reliability_harness.refused).
+# ======================================================================================
+@pytest.mark.usefixtures("rig_graphs", "one_thread")  # graphs off, then emulated
+@pytest.mark.parametrize("mode", MODES)
+def test_closed_runtime_refuses_steps(mode):
+    rig = Rig(mode)
+    res, want = rig.step(5, hold=mode in ("host", "device"))
+    rig.rt.close()
+    rig.rt.close()  # idempotent
+    with pytest.raises(CgrtError, match=r"GraphRuntime.step: the runtime was closed"):
+        rig.rt.step(**rig.inputs(3))
+    rig.check_kept()  # handles keep their ring alive: still readable after close
+
+
+@pytest.mark.usefixtures("rig_graphs", "one_thread")  # graphs off, then emulated
+def test_context_manager_closes():
+    m = SlotModel("cpu")
+    with GraphRuntime(m, m.specs(), graphs=False, device="cpu") as rt:
+        rt.step(**m.random_inputs(3))
+    with pytest.raises(CgrtError, match="closed"):
+        rt.step(**m.random_inputs(3))
+
+
+@pytest.mark.usefixtures("rig_graphs", "one_thread")  # graphs off, then emulated
+@pytest.mark.parametrize("call", ["capture", "recapture", "device_inputs", "host_inputs", "static_inputs", "commit"])
+def test_closed_runtime_refuses_everything_clearly(call):
+    rig = Rig("commit")
+    res, _ = rig.step(5)
+    rig.rt.close()
+    fn = {"capture": lambda: rig.rt.capture(), "recapture": lambda: rig.rt.recapture(),
+          "device_inputs": lambda: rig.rt.device_inputs(3), "host_inputs": lambda: rig.rt.host_inputs(3),
+          "static_inputs": lambda: rig.rt.static_inputs(8), "commit": lambda: rig.rt.commit(res, [0])}[call]
+    with pytest.raises(CgrtError, match="closed"):
+        fn()
+
+
+@pytest.mark.usefixtures("rig_graphs", "one_thread")  # graphs off, then emulated
+def test_recapture_with_graphs_off_keeps_state_and_results():
+    rig = Rig("commit")
+    res, want = rig.step(9)
+    rig.rt.recapture()
+    h = rig.rt.commit(res, [8])
+    torch.testing.assert_close(h.rows(), want["hidden"][[8]], **TOL)
+    warm(rig, 3)

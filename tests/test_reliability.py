@@ -21,7 +21,7 @@ from cudagraph_rt import (
     StaleRowsError,
 )
 from tests.support.models_for_tests import SlotModel
-from tests.support.reliability_harness import TOL, Rig, ScaleChooser, bits, chosen_by_scale
+from tests.support.reliability_harness import MODES, TOL, Rig, ScaleChooser, bits, chosen_by_scale
 
 pytestmark = pytest.mark.cuda
 
@@ -414,9 +414,6 @@ def _close_and_measure(mode):
     assert torch.cuda.memory_allocated() == alloc0, "close() left device memory allocated"
     assert torch.cuda.memory_reserved() == res0, "close() left graph-pool or arena segments reserved"
     return pin0, (pinned_held() if pin0 is not None else None)
-
-
-MODES = [None, "host", "device", "commit"]
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -1,6 +1,8 @@
 """CPU tests of GraphRuntime with graphs off: padding, slicing, stats, structure checks,
 and every bad input refused before anything is written. Marked cuda (at the end): replay ==
 graphs off bit for bit, one shared pool, capture failures reported and recovered from."""
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,7 @@ from cudagraph_rt import (
 )
 from tests.support.feed_rows import ECHO, _echo
 from tests.support.models_for_tests import SlotModel
+from tests.support.reliability_harness import MODES, TOL, Rig, ScaleChooser, warm
 from tests.support.seeds import seeded_rng
 
 
@@ -381,6 +384,244 @@ def test_padding_rows_run_the_pads_even_after_views_written_past_their_step(grap
     assert rt.stats().steps == 5 and dict(rt.stats().graph_replays) == {4: 5}
     # last: static_inputs() turns the feed off until the next step (a caller's own rows)
     assert check_pad_rows(rt, res.slices[-1]) is None
+
+
+# ======================================================================================
+# From the bad-input catalogue (issue 7): construction (the runtime, width sets,
+# input specs) and the step function's output.
+# Each test runs graphs off, then with emulated graphs (rig_graphs); a refused call is
+# checked for its error class and message, for nothing written (Rig.snapshot: the static
+# arena, the KV state, the host-row ring, the commit snapshots, the counters) and for a
+# valid step after it that matches the eager reference (tests.support.reliability_harness.refused).
+# ======================================================================================
+ONE_INPUT = {"a": InputSpec((), torch.int64, 0)}
+
+
+@pytest.mark.usefixtures("rig_graphs", "one_thread")  # graphs off, then emulated
+@pytest.mark.parametrize("kw,msg", [
+    (dict(step_fn=42), r"step_fn: expected a callable, got int"),
+    (dict(dynamic_fn="fn"), r"dynamic_fn: expected a callable or None, got str"),
+    (dict(watch=[torch.zeros(1)]), r"watch: expected a callable returning tensors, or None, got list"),
+    (dict(inputs={}), r"inputs: expected a non-empty dict"),
+    (dict(inputs=[("a", InputSpec())]), r"inputs: expected a non-empty dict"),
+    (dict(inputs={"a-b": InputSpec()}), r"inputs: expected identifier names other than 'rows', got 'a-b'"),
+    (dict(inputs={"__ctrl__": InputSpec()}), r"inputs: expected identifier names .*'__ctrl__'"),
+    (dict(inputs={3: InputSpec()}), r"inputs: expected identifier names"),
+    (dict(widths=(1, 2, 2)), r"widths: expected strictly increasing widths"),
+    (dict(widths=(1, 2.0)), r"widths: expected positive ints, got 2.0"),
+    (dict(widths=np.array([1, 2, 4])), r"widths: expected positive ints, got np.int64\(1\)"),
+    (dict(widths=5), r"widths: expected a sequence of positive ints, got 5"),
+    (dict(max_width=True), r"max_width: expected a positive int, got True"),
+    (dict(max_width="64"), r"max_width: expected a positive int, got '64'"),
+    (dict(dynamic_limit=96.0), r"dynamic_limit: expected an int >= the widest graph \(64\), got 96.0"),
+    (dict(dynamic_limit=True, widths=(1,)), r"dynamic_limit: expected an int >= the widest graph \(1\), got True"),
+    (dict(warmup=1.5), r"warmup: expected an int >= 0, got 1.5"),
+    (dict(warmup=True), r"warmup: expected an int >= 0, got True"),
+    (dict(on_capture_error=None), r"on_capture_error: expected 'raise', 'eager' or 'pieces', got None"),
+    (dict(device=object()), r"device: expected a torch device"),
+    (dict(device="meta"), r"device: expected 'cuda' or 'cpu', got meta"),
+])
+def test_bad_construction_more(kw, msg):
+    args = dict(step_fn=lambda x: x["a"], inputs=ONE_INPUT, graphs=False, device="cpu")
+    args.update(kw)
+    with pytest.raises(InputError, match=msg):
+        GraphRuntime(args.pop("step_fn"), args.pop("inputs"), **args)
+
+
+@pytest.mark.usefixtures("rig_graphs", "one_thread")  # graphs off, then emulated
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_cuda_device_without_cuda():
+    with pytest.raises(InputError, match=r"device: expected a device this machine has, got cuda \(no CUDA here\)"):
+        GraphRuntime(lambda x: x["a"], ONE_INPUT, graphs=False, device="cuda")
+    with pytest.raises(InputError, match=r"graphs: expected False on a CPU device"):
+        GraphRuntime(lambda x: x["a"], ONE_INPUT, device="cpu")  # graphs defaults to True
+
+
+@pytest.mark.usefixtures("rig_graphs", "one_thread")  # graphs off, then emulated
+@pytest.mark.parametrize("kw,msg", [
+    (dict(shape=(2.5,)), r"InputSpec.shape: expected a tuple of positive ints"),
+    (dict(shape=(True,)), r"InputSpec.shape: expected a tuple of positive ints"),
+    (dict(shape=(np.int64(3),)), r"InputSpec.shape: expected a tuple of positive ints"),
+    (dict(shape="3"), r"InputSpec.shape"),
+    (dict(dtype=torch.uint8, pad=-1), r"InputSpec.pad: expected a value in \[0, 255\], got -1"),
+    (dict(dtype=torch.int8, pad=200), r"InputSpec.pad: expected a value in \[-128, 127\], got 200"),
+    (dict(dtype=torch.int32, pad=1.5), r"InputSpec.pad: expected a finite integer for torch.int32, got 1.5"),
+    (dict(pad=1 + 2j), r"InputSpec.pad: expected an int, float or bool"),
+    (dict(pad=None), r"InputSpec.pad: expected an int, float or bool, got None"),
+    (dict(pad=torch.tensor(0)), r"InputSpec.pad: expected an int, float or bool"),
+    (dict(dtype=np.int64), r"InputSpec.dtype: expected a torch.dtype"),
+])
+def test_bad_input_specs_more(kw, msg):
+    with pytest.raises(InputError, match=msg):
+        InputSpec(**kw)
+
+
+@pytest.mark.usefixtures("rig_graphs", "one_thread")  # graphs off, then emulated
+def test_input_spec_numpy_pad_and_int_shape_are_normalised():
+    s = InputSpec(3, torch.float32, np.float32(0.5))
+    assert s.shape == (3,) and s.pad == 0.5 and type(s.pad) is float
+    assert InputSpec([2, 2], torch.int16, np.int16(-3)).shape == (2, 2)
+
+
+@pytest.mark.usefixtures("rig_graphs", "one_thread")  # graphs off, then emulated
+def test_complex_input_spec_is_refused_clearly():
+    with pytest.raises(InputError, match=r"InputSpec.dtype"):
+        InputSpec((), torch.complex64, 0)
+
+
+# ---- the step function's output: checked at the first step (probe) or at each width
+class Faulty(SlotModel):
+    """SlotModel whose output goes wrong on demand: ``fault(x, out)`` may raise or return a
+    replacement; ``None`` = behave."""
+
+    fault = None
+
+    def __call__(self, x):
+        out = super().__call__(x)
+        if self.fault is not None:
+            r = self.fault(x, out)
+            if r is not None:
+                return r
+        return out
+
+
+@pytest.mark.usefixtures("rig_graphs", "one_thread")  # graphs off, then emulated
+@pytest.mark.parametrize("mode,fault,msg", [
+    ("host", lambda x, o: o["hidden"], r"step_fn output: expected a dict or tuple when HostRows is used, got Tensor"),
+    ("host", lambda x, o: {"tok": o["tok"]}, r"HostRows.source: expected the step function's output 'hidden'"),
+    ("host", lambda x, o: {"hidden": o["tok"]}, r"HostRows.source: expected an output of shape \[64, H\], got \(64,\)"),
+    ("host", lambda x, o: {"hidden": o["hidden"].numpy()}, r"HostRows.source: expected a tensor, got ndarray"),
+    ("device", lambda x, o: {**o, "accept_count": o["accept_count"].float()},
+     r"HostRows.rows_output/count_output: expected integer \[N\] indices and a \[1\] count"),
+    ("device", lambda x, o: {**o, "accept_count": o["accept_rows"]},
+     r"HostRows.rows_output/count_output: expected integer"),
+    ("device", lambda x, o: {k: v for k, v in o.items() if k != "accept_rows"},
+     r"HostRows.rows_output: expected the step function's output 'accept_rows'"),
+    ("host", lambda x, o: {**o, "extra": 3}, r"step_fn output leaf \d: expected a tensor, got int"),
+])
+def test_bad_output_found_at_first_step_then_fixed(mode, fault, msg):
+    """The probe (first step) refuses the output before any input row is written; once the
+    function is fixed the same runtime works."""
+    cls = type("FaultyChooser", (Faulty, ScaleChooser), {}) if mode == "device" else Faulty
+    rig = Rig(mode, model_cls=cls)
+    rig.m.fault = fault
+    before = rig.snapshot()
+    x = rig.inputs(5)
+    with pytest.raises(StepFunctionError, match=msg):
+        rig.rt.step(rows=[0, 1], **x) if mode == "host" else rig.rt.step(**x)
+    rig.assert_unchanged(before)  # arena, KV state (only the scratch slot is written)... identical
+    rig.m.fault = None
+    warm(rig, 3)
+
+
+@pytest.mark.usefixtures("rig_graphs", "one_thread")  # graphs off, then emulated
+@pytest.mark.parametrize("fault,msg", [
+    (lambda x, o: {**o, "hidden": o["hidden"][:4]} if x["tokens"].shape[0] == 8 else None,
+     r"step_fn output leaf 0: expected leading dimension 8 \(the step width\), got shape \(4, 32\)"),
+    (lambda x, o: {**o, "hidden": o["hidden"].sum()} if x["tokens"].shape[0] == 8 else None,
+     r"step_fn output leaf 0: expected leading dimension 8 .*got shape \(\)"),
+    (lambda x, o: (o["hidden"], o["tok"]) if x["tokens"].shape[0] == 8 else None,
+     r"(?s)step_fn output: expected the same structure at every width .* at width 8"),
+    (lambda x, o: {"hidden": o["hidden"], "tok": o["tok"], "more": o["tok"]} if x["tokens"].shape[0] == 8 else None,
+     r"(?s)step_fn output: expected the same structure at every width .* at width 8"),
+])
+def test_output_wrong_at_one_width_only(fault, msg):
+    """A width whose output is wrong raises StepFunctionError; the other widths keep
+    working. The step function did run before its output was checked (its KV writes
+    happened), so the reference runs that step too."""
+    rig = Rig(None, model_cls=Faulty)
+    warm(rig, 2)
+    rig.m.fault = fault
+    rig.ref.fault = None
+    x = rig.inputs(6)  # width 8
+    with pytest.raises(StepFunctionError, match=msg):
+        rig.rt.step(**x)
+    rig.reference(x)  # the model ran: keep the reference's KV slots in step
+    rig.check_state()
+    for T in [3, 9, 70, 130]:  # widths 4, 16, dynamic, sliced (96 + 34 at width 64)
+        rig.step(T)
+
+
+@pytest.mark.usefixtures("rig_graphs", "one_thread")  # graphs off, then emulated
+def test_dynamic_fn_with_another_structure():
+    m, ref = SlotModel("cpu", seed=3), SlotModel("cpu", seed=3)
+
+    def dyn(x):
+        out = m(x)
+        return {"hidden": out["hidden"]}  # drops "tok": not the structure step_fn returns
+    rt = GraphRuntime(m, m.specs(), graphs=False, device="cpu", dynamic_fn=dyn)
+    x = m.random_inputs(5)
+    torch.testing.assert_close(rt.step(**x).outputs["hidden"], ref(x)["hidden"], **TOL)
+    x = m.random_inputs(80)
+    with pytest.raises(StepFunctionError, match=r"(?s)step_fn output: expected the same structure .* at width 80"):
+        rt.step(**x)
+    ref(x)
+    x = m.random_inputs(40)
+    torch.testing.assert_close(rt.step(**x).outputs["hidden"], ref(x)["hidden"], **TOL)
+    torch.testing.assert_close(m.state[:-1], ref.state[:-1], **TOL)
+
+
+@pytest.mark.usefixtures("rig_graphs", "one_thread")  # graphs off, then emulated
+@pytest.mark.parametrize("mode", MODES)
+def test_step_function_raising_propagates_unwrapped_and_touches_no_slot(mode):
+    """An exception from the step function (before it writes state) reaches the caller as
+    is; no KV slot, host slot or snapshot is written and a held handle still reads its own
+    rows; the next step matches the reference."""
+    cls = type("FaultyChooser", (Faulty, ScaleChooser), {}) if mode == "device" else Faulty
+
+    class Raises(cls):
+        def __call__(self, x):
+            if self.boom and x["tokens"].shape[0] != 64:  # the probe (width 64) passes
+                raise ZeroDivisionError("user bug at width %d" % x["tokens"].shape[0])
+            return super().__call__(x)
+    Raises.boom = False
+    rig = Rig(mode, model_cls=Raises, depth=4)
+    warm(rig, 1, hold=mode in ("host", "device"))  # ring slot 0 held
+    warm(rig, 1)                                    # slot 1, released
+    state, ring = rig.snapshot()["state"], rig.snapshot().get("ring")
+    rig.m.boom = True
+    x = rig.inputs(3)
+    with pytest.raises(ZeroDivisionError, match="user bug at width 4"):
+        rig.rt.step(rows=[0], **x) if mode == "host" else rig.rt.step(**x)
+    after = rig.snapshot()
+    assert torch.equal(after["state"], state)
+    if ring is not None:
+        assert torch.equal(after["ring"][0], ring[0]) and torch.equal(after["ring"][1], ring[1])
+    rig.check_kept()
+    rig.m.boom = False
+    warm(rig, 1)
+    rig.check_kept()
+    for h, _ in rig.kept:
+        h.release()
+    rig.kept.clear()
+    warm(rig, 3)
+
+
+class Reentrant(SlotModel):
+    """Calls its own runtime's step from inside the step function (at width 4)."""
+
+    rig = None
+    errors: list
+
+    def __call__(self, x):
+        if self.rig is not None and x["tokens"].shape[0] == 4:
+            try:
+                self.rig.rt.step(**self.rig.inputs(2))
+            except BusyError as e:
+                self.errors.append(e)
+        return super().__call__(x)
+
+
+@pytest.mark.usefixtures("rig_graphs", "one_thread")  # graphs off, then emulated
+def test_reentrant_step_from_inside_the_step_function_is_busy():
+    rig = Rig("host", model_cls=Reentrant)
+    warm(rig, 1)
+    rig.m.rig, rig.m.errors = rig, []
+    rig.step(3)  # the inner call is refused, the outer one completes and matches
+    assert len(rig.m.errors) == 1
+    assert re.search(r"GraphRuntime.step: another thread is inside step\(\) or commit\(\) of this runtime", str(rig.m.errors[0]))
+    rig.m.rig = None
+    warm(rig, 2)
 
 
 # ======================================================================================

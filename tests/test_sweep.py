@@ -573,3 +573,29 @@ def test_cuda_sweep_emulated_graphs():
     report = run_sweep(ToyAdapter(device="cuda"), graphs="emulate", **QUICK)
     assert [m.graphs for m in report.modes] == ["emulate"]
     assert report.ok, report.summary()
+
+
+# ======================================================================================
+# From the bad-input catalogue (issue 7): the harness's options.
+# Each test runs graphs off, then with emulated graphs (rig_graphs); a refused call is
+# checked for its error class and message, for nothing written (Rig.snapshot: the static
+# arena, the KV state, the host-row ring, the commit snapshots, the counters) and for a
+# valid step after it that matches the eager reference (tests.support.reliability_harness.refused).
+# ======================================================================================
+@pytest.mark.usefixtures("rig_graphs", "one_thread")  # graphs off, then emulated
+def test_harness_options_refused():
+    from cudagraph_rt.testing import harness, plans  # a renamed module or class fails here, never skips
+
+    cases = [
+        (lambda: plans.SweepOptions(repeats=0), r"repeats: expected a positive int, got 0"),
+        (lambda: plans.SweepOptions(repeats=True), r"repeats: expected a positive int, got True"),
+        (lambda: plans.SweepOptions(extras=(96, 0)), r"extras: expected positive ints"),
+        (lambda: plans.SweepOptions(extras=5), r"extras: expected a sequence of positive ints, got 5"),
+        (lambda: plans.SweepOptions(only_step=-1), r"only_step: expected None or a step index >= 0, got -1"),
+        (lambda: harness.resolve_graphs("sometimes", torch.device("cpu")), r"graphs: expected one of"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append((lambda: harness.resolve_graphs("on", torch.device("cpu")), r"graphs: expected 'off' or 'auto' here"))
+    for call, msg in cases:
+        with pytest.raises(InputError, match=msg):
+            call()

@@ -5,6 +5,7 @@ import pytest
 
 from cudagraph_rt import CapacityError, InputError, Slice, default_widths, plan_step
 from cudagraph_rt.widths import check_widths
+from tests.support.reliability_harness import Rig, refused, warm
 
 WIDTH_SETS = [default_widths(64), (1, 2, 3, 4, 8, 24, 64)]
 
@@ -85,3 +86,45 @@ def test_random_width_sets_property():
         for T in rng.sample(range(1, 400), 20):
             got = plan_step(T, ws, limit)
             assert [(s.path, s.width, s.start, s.length) for s in got] == expected_plan(T, ws, limit)
+
+
+# ======================================================================================
+# From the bad-input catalogue (issue 7): steps past the widths (slicing, one-slice
+# views, width arguments).
+# Each test runs graphs off, then with emulated graphs (rig_graphs); a refused call is
+# checked for its error class and message, for nothing written (Rig.snapshot: the static
+# arena, the KV state, the host-row ring, the commit snapshots, the counters) and for a
+# valid step after it that matches the eager reference (tests.support.reliability_harness.refused).
+# ======================================================================================
+@pytest.mark.usefixtures("rig_graphs", "one_thread")  # graphs off, then emulated
+def test_oversized_steps():
+    """The biggest step runs sliced and matches; a step over every limit with slicing off is
+    refused before writing; host_inputs/device_inputs refuse multi-slice sizes."""
+    rig = Rig("host", n_slots=2048, capacity=16)
+    warm(rig, 1)
+    rig.step(1500, rows=list(range(0, 1500, 100)))
+    assert len(rig.rt.plan(1500)) == 16
+    refused(rig, CapacityError, r"host_inputs\(T\): expected T <= 96 \(one slice\), got 97", lambda: rig.rt.host_inputs(97))
+    refused(rig, CapacityError, r"device_inputs\(T\): expected T <= 96", lambda: rig.rt.device_inputs(10**6))
+    refused(rig, InputError, r"T \(rows in the step\): expected a positive int, got 0", lambda: rig.rt.device_inputs(0))
+    refused(rig, InputError, r"T \(rows in the step\): expected a positive int, got -4", lambda: rig.rt.plan(-4))
+    refused(rig, InputError, r"width: expected one of \(1, 2, 4, 8, 16, 32, 64\) or a dynamic width, got 97",
+            lambda: rig.rt.static_inputs(97))
+    refused(rig, InputError, r"width: expected one of .*got -1", lambda: rig.rt.static_inputs(-1))
+    refused(rig, InputError, r"width: expected one of .*got 3", lambda: rig.rt.static_inputs(3))
+
+
+@pytest.mark.usefixtures("rig_graphs", "one_thread")  # graphs off, then emulated
+def test_static_inputs_with_a_non_int_width():
+    rig = Rig(None)
+    with pytest.raises(InputError, match=r"width: expected"):
+        rig.rt.static_inputs("8")
+
+
+@pytest.mark.usefixtures("rig_graphs", "one_thread")  # graphs off, then emulated
+def test_slicing_off_refuses_wide_step_in_host_mode_before_the_ring():
+    rig = Rig("host", slicing=False)
+    warm(rig, 1, hold=True)
+    x = rig.inputs(97)
+    refused(rig, CapacityError, r"T \(rows in the step\): expected at most 96 with slicing off, got 97",
+            lambda: rig.rt.step(rows=[0], **x))

@@ -31,7 +31,9 @@ class Mutation:
 
 
 PLANNER = ("tests/test_widths.py", "tests/test_sweep.py")
-INPUTS = ("tests/test_inputs.py", "tests/test_bad_input_catalogue.py")
+# the bad-input catalogue's cases live in the concept files they check: inputs, construction
+# and the step function's output (runtime), widths, host-row choices and commit (host_rows)
+INPUTS = ("tests/test_inputs.py", "tests/test_runtime.py", "tests/test_widths.py", "tests/test_host_rows.py")
 FEED = ("tests/test_staging.py", "tests/test_emulated_graphs.py", "tests/test_direct_step.py")
 SHORT = ("tests/test_direct_step.py", "tests/test_emulated_graphs.py")
 ROWS = ("tests/test_host_rows.py", "tests/test_emulated_graphs.py")
@@ -151,7 +153,7 @@ CATALOGUE: tuple[Mutation, ...] = (
       "self._gen[slot] -= 1",
       "pass",
       "a failed step gives its ring slot back without its generation: the ring is not as before the step",
-      ROWS),
+      ROWS + ("tests/test_inputs.py",)),
     # ---------------------------------------------------------------- the row gather
     M(23, "row gather", "kernels/row_gather.py",
       "n = min(max(c, 0), C, R)",

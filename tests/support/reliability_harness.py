@@ -9,6 +9,7 @@ and ``check_state`` can compare every real slot.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from cudagraph_rt import GraphRuntime, HostRows, InputSpec
@@ -16,6 +17,7 @@ from tests.support.ring_hooks import host_ring, poison_next_slot
 from tests.support.models_for_tests import SlotModel
 
 TOL = dict(rtol=1e-5, atol=1e-5)
+MODES = [None, "host", "device", "commit"]  # the host-row modes a Rig takes (None: no HostRows)
 
 
 class ScaleChooser(SlotModel):
@@ -206,3 +208,21 @@ class Rig:
         """Every held handle still reads the rows of its own step."""
         for h, exp in self.kept:
             torch.testing.assert_close(h.rows(), exp, **TOL)
+
+
+def refused(rig: Rig, exc, msg: str, call, *, then_T=None):
+    """``call()`` raises ``exc`` matching ``msg``, writes nothing, and the runtime then
+    runs a valid step that matches the reference. Held handles still read their rows."""
+    before = rig.snapshot()
+    with pytest.raises(exc, match=msg) as ei:
+        call()
+    rig.assert_unchanged(before)
+    rig.check_kept()
+    rig.step(then_T)
+    rig.check_kept()
+    return ei.value
+
+
+def warm(rig: Rig, n: int = 2, hold: bool = False) -> None:
+    for T in [int(t) for t in torch.randint(1, rig.max_T() + 1, (n,), generator=rig.gen)]:
+        rig.step(T, hold=hold)
