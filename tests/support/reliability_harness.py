@@ -2,7 +2,7 @@
 reference, byte snapshots of everything a step may write, and a checked valid step.
 
 The reference is the same model (same seed) run unpadded at exactly T rows, as in
-tests/test_runtime.py::test_stateful_model_graphs_off_matches_unpadded_reference. It is
+tests/core/test_runtime.py::test_stateful_model_graphs_off_matches_unpadded_reference. It is
 run for every step the runtime's model ran, so its state (KV slots) tracks the model's
 and ``check_state`` can compare every real slot.
 """

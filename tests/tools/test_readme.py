@@ -23,13 +23,12 @@ import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
 from cudagraph_rt.cli import build_parser
+from tests.support import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 CI = ROOT / ".ci" / "run"
 OPTIONAL = {"transformers": "hf"}  # module a block may import -> the setup.py extra that brings it

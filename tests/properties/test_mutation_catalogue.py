@@ -3,14 +3,12 @@ the tree: every planted line occurs exactly once where it says, each mutation ch
 line, ids are 1..n. The campaign itself (tests/mutations/run.py) is slow and not run here."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from tests.mutations.catalogue import CATALOGUE
 from tests.mutations.run import locate, mutate_text, parse_only, target_line
+from tests.support import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_ids_areas_and_tests_are_well_formed():

@@ -23,8 +23,9 @@ import pytest
 import torch
 
 from cudagraph_rt import CgrtError, GraphRuntime, HostRows, InputError
+from tests.support import ROOT as REPO_ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO_ROOT)
 TIMEOUT_S = 120
 
 

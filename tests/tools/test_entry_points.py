@@ -1,7 +1,7 @@
 """The ways in that the docs, CI and the tools themselves name stay true as the tree moves:
 every ``cudagraph_rt.tools...`` module they name (``python -m ...``, ``MODULE:FACTORY``)
 resolves, one run with ``-m`` has a ``__main__`` block, and every repository file a CI
-script or BENCHMARKS.md names exists (README.md and ARCHITECTURE.md: tests/test_readme.py).
+script or BENCHMARKS.md names exists (README.md and ARCHITECTURE.md: tests/tools/test_readme.py).
 """
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from tests.support import ROOT
+
 DOCS = [ROOT / "README.md", ROOT / "BENCHMARKS.md", ROOT / "ARCHITECTURE.md", *sorted((ROOT / ".ci").iterdir())]
 TOOLS = sorted((ROOT / "tools").rglob("*.py"))
 MODULE = re.compile(r"(-m\s+|[\"']-m[\"'],\s*[\"'])?\b(cudagraph_rt\.tools(?:\.\w+)+)(?::(\w+))?")

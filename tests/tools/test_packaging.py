@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support import ROOT
+
 MAPPED = {"kernels": "row_gather", "tools": "options"}  # folder -> a module inside it
 
 # Run in the child: which file each mapped name comes from, and how every other name at

@@ -5,7 +5,8 @@ import ast
 import pathlib
 import re
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from tests.support import ROOT
+
 CORE = [p for p in sorted((ROOT / "cudagraph_rt").rglob("*.py"))
         if not {"models", "testing"} & set(p.relative_to(ROOT / "cudagraph_rt").parts[:-1])]
 KERNELS = sorted((ROOT / "kernels").rglob("*.py"))

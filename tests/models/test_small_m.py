@@ -3,7 +3,7 @@ unfused model: same outputs, the same parameters, the kernel where M <= 16 and F
 past it, one opaque op per projection under torch.compile with a dynamic row dimension.
 On a CPU-only box the products run the interpreted kernel (``interpret_on_cpu=True``); on
 a GPU machine the same tests run fp32 models on CUDA through the compiled kernel. (The
-compiled step on the KV pool: tests/test_compiled_step.py's ``*-small`` model.)"""
+compiled step on the KV pool: tests/models/test_compiled_step.py's ``*-small`` model.)"""
 from __future__ import annotations
 
 import copy

@@ -3,7 +3,7 @@ addresses and recapture, destruction, a 100,000-replay soak, threads and streams
 host-row readers. Every check compares against graphs off (bit for bit, same padded width)
 or the eager reference (the model unpadded at exactly T rows, to 1e-5).
 
-Run: PYTHONPATH=. python3 -m pytest tests/test_reliability.py -m cuda -q -rxXs
+Run: PYTHONPATH=. python3 -m pytest tests/core/test_reliability.py -m cuda -q -rxXs
 (the soak tests are also marked slow: -m "cuda and not slow" leaves them out).
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Merged q/k/v and gate/up projections (cudagraph_rt.models.fused) against the unfused
 model: same outputs, the same parameters on one storage per group, no second copy.
-(The compiled step's one matmul per group: tests/test_compiled_step.py.)"""
+(The compiled step's one matmul per group: tests/models/test_compiled_step.py.)"""
 from __future__ import annotations
 
 import copy

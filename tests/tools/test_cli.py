@@ -13,7 +13,6 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,9 +20,9 @@ from rich.console import Console
 
 from cudagraph_rt import __version__
 from cudagraph_rt.cli import main
+from tests.support import ROOT
 from tests.support.cli_tables import markdown, rows, subparsers
 
-ROOT = Path(__file__).resolve().parents[1]
 QUICK_SWEEP = ["--repeats", "1", "--widths", "1,2,4", "--extras", "none", "--device", "cpu"]
 QUICK_DEMO = ["--sequences", "3", "--max-new", "6", "--device", "cpu"]
 
