@@ -34,7 +34,7 @@ class StepResult:
         """The same object as ``StepResult(...)`` with every field given, built in one dict
         update instead of the frozen ``__init__``'s six ``object.__setattr__`` calls (about
         0.8 µs on the H200's host): for the short path. A new field must be added here too
-        (tests/test_direct_step.py compares the parameters with the fields)."""
+        (tests/core/test_direct_step.py compares the parameters with the fields)."""
         r = object.__new__(cls)
         r.__dict__.update(outputs=outputs, T=T, slices=slices, host_rows=host_rows, snapshot=snapshot, owner=owner)
         return r

@@ -35,7 +35,7 @@ def one_thread():
 def rig_graphs(request):
     """Run the test twice: every Rig built without ``graphs=`` runs graphs off, then with
     emulated graphs (the graph path's feed, short path, views and static outputs, on a CPU)."""
-    import reliability_harness
+    from tests.support import reliability_harness
     reliability_harness.GRAPHS[0] = request.param
     yield request.param
     reliability_harness.GRAPHS[0] = False

@@ -1,6 +1,6 @@
 """The model surface the runner, the drafters, the sweep adapters and the tools use, as a
 :class:`typing.Protocol`: the toy decoder, its tensor-parallel split and the transformers
-wrapper all satisfy it (``tests/test_pool.py`` checks), and so may a model of your own."""
+wrapper all satisfy it (``tests/models/test_pool.py`` checks), and so may a model of your own."""
 from __future__ import annotations
 
 from typing import Protocol, Sequence, runtime_checkable

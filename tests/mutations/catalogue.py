@@ -9,7 +9,7 @@ run first (``tests``: the concept's own tests; the whole suite runs when they al
 ``graph_path``: the code runs only on the graph path (fed graphs, the short path, handed
 views, static outputs, emulated replay): graphs off never executes it.
 
-tests/test_mutation_catalogue.py checks that every entry still applies to HEAD; a change
+tests/properties/test_mutation_catalogue.py checks that every entry still applies to HEAD; a change
 to a planted line must update its entry here (or drop it, saying why in the commit).
 """
 from __future__ import annotations
@@ -30,21 +30,24 @@ class Mutation:
     anchor: str | None = None  # a unique line before the target, when the target line is not unique
 
 
-PLANNER = ("tests/test_widths.py", "tests/test_sweep.py")
-INPUTS = ("tests/test_inputs.py", "tests/test_bad_input_catalogue.py")
-FEED = ("tests/test_staging.py", "tests/test_emulated_graphs.py", "tests/test_direct_step.py")
-SHORT = ("tests/test_direct_step.py", "tests/test_emulated_graphs.py")
-ROWS = ("tests/test_host_rows.py", "tests/test_emulated_graphs.py")
-GATHER = ("tests/test_row_gather.py",)
-CAPTURE = ("tests/test_emulated_graphs.py", "tests/test_lifecycle.py", "tests/test_runtime.py")
-TP = ("tests/test_tp.py",)
-SWEEP = ("tests/test_sweep.py", "tests/test_planted_bugs.py")
-ACCEPT = ("tests/test_runner_contract.py",)
-HF = ("tests/test_hf.py",)
-POOL = ("tests/test_pool.py",)
-ATTN = ("tests/test_cell_attention.py",)
-BENCH = ("tests/test_bench.py", "tests/test_bench_timing.py", "tests/test_bench_attention.py")
-RUNNER = ("tests/test_runner_contract.py", "tests/test_fuzz_runner.py")
+PLANNER = ("tests/core/test_widths.py", "tests/tools/test_sweep.py")
+# the bad-input catalogue's cases live in the concept files they check: inputs, construction
+# and the step function's output (runtime), widths, host-row choices and commit (host_rows)
+INPUTS = ("tests/core/test_inputs.py", "tests/core/test_runtime.py", "tests/core/test_widths.py",
+          "tests/core/test_host_rows.py")
+FEED = ("tests/core/test_staging.py", "tests/core/test_emulated_graphs.py", "tests/core/test_direct_step.py")
+SHORT = ("tests/core/test_direct_step.py", "tests/core/test_emulated_graphs.py")
+ROWS = ("tests/core/test_host_rows.py", "tests/core/test_emulated_graphs.py")
+GATHER = ("tests/kernels/test_row_gather.py",)
+CAPTURE = ("tests/core/test_emulated_graphs.py", "tests/core/test_lifecycle.py", "tests/core/test_runtime.py")
+TP = ("tests/models/test_tp.py",)
+SWEEP = ("tests/tools/test_sweep.py", "tests/properties/test_planted_bugs.py")
+ACCEPT = ("tests/runner/test_runner_contract.py",)
+HF = ("tests/models/test_hf.py",)
+POOL = ("tests/models/test_pool.py",)
+ATTN = ("tests/kernels/test_cell_attention.py",)
+BENCH = ("tests/tools/test_bench.py", "tests/tools/test_bench_timing.py", "tests/tools/test_bench_attention.py")
+RUNNER = ("tests/runner/test_runner_contract.py", "tests/runner/test_fuzz_runner.py")
 
 M = Mutation
 CATALOGUE: tuple[Mutation, ...] = (
@@ -103,7 +106,7 @@ CATALOGUE: tuple[Mutation, ...] = (
       "pass  # used up (see consume)",
       "a write through a stager (a fed graph's into the feed, as every other) does not use up the handed "
       "views: kept views are taken again",
-      ("tests/test_inputs.py",) + FEED, graph_path=True,
+      ("tests/core/test_inputs.py",) + FEED, graph_path=True,
       anchor="def write_via(self, stager: Stager, prep: Prepared, start: int, length: int, width: int,"),
     # ---------------------------------------------------------------- the short path
     M(13, "short path", "cudagraph_rt/direct_step.py",
@@ -119,7 +122,7 @@ CATALOGUE: tuple[Mutation, ...] = (
       "self._inputs.consume()",
       "pass",
       "the short path does not use up the handed views: views kept past their step are accepted",
-      SHORT + ("tests/test_inputs.py",), graph_path=True),
+      SHORT + ("tests/core/test_inputs.py",), graph_path=True),
     # ---------------------------------------------------------------- handed views, static outputs
     M(16, "handed views", "cudagraph_rt/runtime.py",
       "self._inputs.unfeed()",
@@ -152,7 +155,7 @@ CATALOGUE: tuple[Mutation, ...] = (
       "self._gen[slot] -= 1",
       "pass",
       "a failed step gives its ring slot back without its generation: the ring is not as before the step",
-      ROWS),
+      ROWS + ("tests/core/test_inputs.py",)),
     # ---------------------------------------------------------------- the row gather
     M(23, "row gather", "kernels/row_gather.py",
       "n = min(max(c, 0), C, R)",
@@ -206,7 +209,7 @@ CATALOGUE: tuple[Mutation, ...] = (
       "earlier = (seq_ids[None, :] == seq_ids[:, None]) & (positions[None, :] < positions[:, None])  # [i, j]: j before i",
       "earlier = (seq_ids[None, :] == seq_ids[:, None]) & (positions[None, :] <= positions[:, None])  # [i, j]: j before i",
       "`<=` for `<`: a mismatching row blocks itself, so the correction row is never committed",
-      ACCEPT + ("tests/test_toy.py",)),
+      ACCEPT + ("tests/models/test_toy.py",)),
     # ---------------------------------------------------------------- the transformers adapter
     M(35, "transformers adapter", "cudagraph_rt/models/hf.py",
       "st.cells, d ** -0.5 if scaling is None else scaling, sliding_window)",
@@ -281,10 +284,10 @@ CATALOGUE: tuple[Mutation, ...] = (
       "self.stager = inputs.graph_stager",
       "self.stager = inputs.stager",
       "a graph slice holds the arena stager: its rows go straight into the arena, and a fed graph's "
-      "prologue then copies the feed's stale rows over them", FEED + ("tests/test_stagers.py",), graph_path=True),
+      "prologue then copies the feed's stale rows over them", FEED + ("tests/core/test_stagers.py",), graph_path=True),
     M(51, "stagers", "cudagraph_rt/inputs/stager.py",
       "if feed_event is None or layout.nbytes > ONE_COPY_BYTES:",
       "if feed_event is None:",
       "the size rule forgotten: a big arena is fed, and every replay copies all of it (bandwidth, not latency)",
-      ("tests/test_stagers.py",) + FEED, graph_path=True),
+      ("tests/core/test_stagers.py",) + FEED, graph_path=True),
 )

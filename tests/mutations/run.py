@@ -34,9 +34,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(ROOT))
 
-from mutations.catalogue import CATALOGUE, Mutation  # noqa: E402
+from tests.mutations.catalogue import CATALOGUE, Mutation  # noqa: E402
 
 _FAILED = re.compile(r"^(FAILED|ERROR) (\S+)")
 
@@ -125,7 +125,7 @@ def run_one(m: Mutation, files: dict[str, bytes], *, subset_only: bool, suite_on
         path.write_text(mutate_text(path.read_text(), m))
         stages = [] if suite_only else [("subset", list(m.tests))]
         if not subset_only:  # (the catalogue's own check would "catch" every planted line)
-            stages.append(("suite", ["--ignore=tests/test_mutation_catalogue.py"]))
+            stages.append(("suite", ["--ignore=tests/properties/test_mutation_catalogue.py"]))
         res["status"] = "escaped"
         for stage, args in stages:
             outcome, first, dt, tail = pytest(scratch, args, timeout)

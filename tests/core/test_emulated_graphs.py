@@ -1,0 +1,166 @@
+"""``GraphRuntime(graphs="emulate")``: the graph path's own code on a CPU (issue 22).
+
+What the mode promises: each width is captured into static output tensors (the same
+objects every replay) and every replay overwrites them, as a CUDA graph's replay does;
+the feed (unpinned here), its prologue, the short path, handed views and padding run as
+with fed graphs; a replay by hand through ``graphs_captured[w]`` re-runs the width; the
+results equal graphs off bit for bit at the same width. Marked cuda: the same on a GPU,
+where the emulated mode must equal real CUDA graphs bit for bit.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cudagraph_rt import CgrtError, GraphRuntime, HostRows, InputError, InputSpec
+from cudagraph_rt.graph_mode import EmulatedGraph
+from tests.support.models_for_tests import SlotModel
+from tests.support.seeds import seeded_rng
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+
+
+def gen() -> torch.Generator:
+    return torch.Generator().manual_seed(seeded_rng("CGRT_EMULATE_SEED").randrange(2**31))
+
+
+def pair(graphs_a, graphs_b, device="cpu", **kw):
+    """Two runtimes over two copies of one SlotModel (same seed)."""
+    out = []
+    for g in (graphs_a, graphs_b):
+        m = SlotModel(device, seed=9)
+        out.append((m, GraphRuntime(m, m.specs(), graphs=g, device=device, **kw)))
+    return out
+
+
+def test_the_mode_is_public_and_says_what_it_is():
+    m = SlotModel("cpu")
+    rt = GraphRuntime(m, m.specs(), graphs="emulate", device="cpu")
+    assert rt.graphs == "emulate" and rt.config.graphs == "emulate"
+    rep = rt.capture()
+    assert rep.graph_mode == "emulated" and rep.to_json()["graph_mode"] == "emulated"
+    assert rep.pool_bytes == 0 and rt.graph_pool is None
+    assert rep.step_fn_calls == len(rt.widths) * (rt.warmup + 1)  # warm-up and one capture run each
+    assert sorted(rt.graphs_captured) == list(rt.widths)
+    assert all(isinstance(g, EmulatedGraph) for g in rt.graphs_captured.values())
+    assert rt.fed_graphs and rt.pinned_bytes == 0  # the feed runs, unpinned on a CPU
+    rt.step(**m.random_inputs(3, gen=gen()))
+    s = rt.stats()
+    assert s.graph_mode == "emulated" and dict(s.graph_replays) == {4: 1} and dict(s.eager_calls) == {}
+    off = GraphRuntime(m, m.specs(), graphs=False, device="cpu")
+    assert off.capture().graph_mode == "off" and off.stats().graph_mode == "off"
+
+
+@pytest.mark.parametrize("bad", ["yes", "EMULATE", 2, None, 1.0])
+def test_other_graphs_values_are_refused(bad):
+    with pytest.raises(InputError, match=r"graphs: expected True, False or 'emulate'"):
+        GraphRuntime(lambda x: x["a"], {"a": InputSpec()}, graphs=bad, device="cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_cuda_graphs_on_a_cpu_point_at_the_emulation():
+    with pytest.raises(InputError, match=r"graphs: expected False on a CPU device .*graphs='emulate'"):
+        GraphRuntime(lambda x: x["a"], {"a": InputSpec()}, graphs=True, device="cpu")
+
+
+def test_a_kept_output_is_overwritten_by_the_next_replay_of_its_width():
+    """What the emulation is for: outputs are valid until the next step (README). With
+    graphs off each step returns fresh tensors, so code that keeps one past the next step
+    still reads its own rows there and the bug stays hidden; emulated, as on a GPU, the
+    kept view holds the next step's rows."""
+    (m_off, off), (m_emu, emu) = pair(False, "emulate")
+    g = gen()
+    x1, x2 = m_off.random_inputs(3, gen=g), m_off.random_inputs(4, gen=g)  # both at width 4
+    kept_off, kept_emu = off.step(**x1).outputs["hidden"], emu.step(**x1).outputs["hidden"]
+    first = kept_off.clone()
+    assert torch.equal(kept_emu, first)
+    second = emu.step(**x2).outputs["hidden"]
+    off.step(**x2)
+    assert torch.equal(kept_off, first)  # graphs off: fresh tensors each step
+    assert second.data_ptr() == kept_emu.data_ptr()  # the width's static outputs
+    assert torch.equal(kept_emu, second[:3]) and not torch.equal(kept_emu, first)
+
+
+def test_steps_equal_graphs_off_bit_for_bit():
+    (m_off, off), (m_emu, emu) = pair(False, "emulate", host_rows=HostRows(source="hidden", mode="host"))
+    g = gen()
+    for T in [1, 3, 8, 17, 33, 64, 65, 96, 130, 2, 5]:
+        x = m_off.random_inputs(T, gen=g)
+        rows = torch.randperm(T, generator=g)[:min(T, 9)].tolist()
+        a, b = off.step(rows=rows, **x), emu.step(rows=rows, **x)
+        assert [s.path for s in a.slices] == [s.path for s in b.slices]
+        assert torch.equal(a.outputs["hidden"], b.outputs["hidden"]), T
+        assert torch.equal(a.host_rows.rows(), b.host_rows.rows()), T
+        a.host_rows.release(), b.host_rows.release()
+    assert torch.equal(m_off.state, m_emu.state)
+
+
+def test_a_replay_by_hand_re_runs_the_width():
+    """static_inputs(w), written by hand, then graphs_captured[w].replay(): the width runs
+    on those rows and static_outputs(w) hold its outputs, as with CUDA graphs."""
+    m, rt = pair(False, "emulate")[1]
+    ref = SlotModel("cpu", seed=9)
+    rt.capture()
+    x = m.random_inputs(8, gen=gen())
+    views = rt.static_inputs(8)
+    for k, v in x.items():
+        views[k].copy_(v)
+    out = rt.static_outputs(8)
+    with torch.inference_mode():  # capture ran under it: the static outputs are inference tensors
+        out["hidden"].fill_(float("nan"))
+    rt.graphs_captured[8].replay()
+    torch.testing.assert_close(out["hidden"], ref(x)["hidden"], rtol=0, atol=0)
+    torch.testing.assert_close(m.state[:-1], ref.state[:-1], rtol=0, atol=0)  # (capture wrote the scratch slot)
+    assert rt.stats().steps == 0  # a replay by hand is no step
+    with pytest.raises(CgrtError, match=r"an emulated graph cannot be reset .*recapture\(\)"):
+        rt.graphs_captured[8].reset()
+
+
+def test_a_step_function_that_raises_at_capture_is_a_capture_error_or_runs_eagerly():
+    class Fails(SlotModel):
+        def __call__(self, x):
+            if x["tokens"].shape[0] == 16:
+                raise ZeroDivisionError("at width 16")
+            return super().__call__(x)
+    m = Fails("cpu")
+    rt = GraphRuntime(m, m.specs(), graphs="emulate", device="cpu")
+    with pytest.raises(CgrtError, match=r"width 16: the step function raised during emulated capture: "
+                                        r"ZeroDivisionError: at width 16") as ei:
+        rt.capture()
+    assert ei.value.width == 16 and isinstance(ei.value.cause, ZeroDivisionError)
+    rt2 = GraphRuntime(m, m.specs(), graphs="emulate", device="cpu", on_capture_error="eager")
+    rep = rt2.capture()
+    assert [w.width for w in rep.widths if w.error] == [16] and 16 not in rt2.graphs_captured
+    rt2.step(**m.random_inputs(3, gen=gen()))  # other widths replay
+
+
+def test_close_and_del_free_the_emulated_graphs_at_once():
+    import gc
+    import weakref
+    m = SlotModel("cpu")
+    rt = GraphRuntime(m, m.specs(), graphs="emulate", device="cpu",
+                      host_rows=HostRows(source="hidden", mode="commit"))
+    rt.step(**m.random_inputs(3, gen=gen()))
+    refs = [weakref.ref(g) for g in rt.graphs_captured.values()] + [weakref.ref(rt._inputs.arena)]
+    gc.disable()
+    try:
+        del rt
+        assert all(r() is None for r in refs), "an emulated graph keeps its runtime alive (a cycle)"
+    finally:
+        gc.enable()
+
+
+@pytest.mark.cuda
+def test_emulated_graphs_on_cuda_equal_cuda_graphs_bit_for_bit():
+    (m_cuda, real), (m_emu, emu) = pair(True, "emulate", device="cuda",
+                                        host_rows=HostRows(source="hidden", mode="host"))
+    g = gen()
+    for T in [1, 3, 8, 33, 64, 80, 130, 5]:
+        x = m_cuda.random_inputs(T, gen=g)
+        a, b = real.step(rows=[0], **x), emu.step(rows=[0], **x)
+        assert torch.equal(a.outputs["hidden"], b.outputs["hidden"]), T
+        assert torch.equal(a.host_rows.rows(), b.host_rows.rows()), T
+        a.host_rows.release(), b.host_rows.release()
+    torch.cuda.synchronize()
+    assert torch.equal(m_cuda.state, m_emu.state)
+    assert emu.stats().graph_mode == "emulated" and real.stats().graph_mode == "cuda"

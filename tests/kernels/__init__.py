@@ -1,0 +1,1 @@
+"""Tests of the Triton kernels: cell attention, row gather, small-M linear."""

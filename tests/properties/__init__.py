@@ -1,0 +1,1 @@
+"""Property tests, stateful fuzz, planted bugs and the mutation catalogue."""

@@ -1,0 +1,1 @@
+"""Tests of the speculative-decoding runner, its drafters and `cgrt demo`."""

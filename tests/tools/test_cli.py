@@ -1,0 +1,326 @@
+"""The `cgrt` commands speak one language (tools/options.py): every friction a newcomer met
+has a test here. Usage errors are one line in one style and exit 2, before anything runs;
+output paths are checked before the run and never created; ``--json`` agrees with the exit
+code; ``--version``; a local transformers checkpoint folder as ``--model``; tables stay
+readable at 80 columns; the README's option tables are the parsers' own.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import io
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from rich.console import Console
+
+from cudagraph_rt import __version__
+from cudagraph_rt.cli import main
+from tests.support import ROOT
+from tests.support.cli_tables import markdown, rows, subparsers
+
+QUICK_SWEEP = ["--repeats", "1", "--widths", "1,2,4", "--extras", "none", "--device", "cpu"]
+QUICK_DEMO = ["--sequences", "3", "--max-new", "6", "--device", "cpu"]
+
+
+def usage_error(capsys, argv: list[str], flag: str, want: str) -> str:
+    """``main(argv)`` is exit 2 with one line ``cgrt <cmd>: <flag>: expected <want>...``."""
+    assert main(argv) == 2, argv
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"cgrt {argv[0]}: {flag}: expected {want}"), err
+    return err
+
+
+@pytest.mark.parametrize("argv, flag, want", [
+    (["demo", "--sequences", "0"], "--sequences", "an int >= 1, got '0'"),
+    (["demo", "--sequences", "-3"], "--sequences", "an int >= 1, got '-3'"),
+    (["demo", "--accept-prob", "1.5"], "--accept-prob", "a number in [0, 1]"),
+    (["demo", "--graphs", "sometimes"], "--graphs", "auto | on | off | both"),
+    (["demo", "--size", "1b"], "--size", "tiny | bench for the toy"),
+    (["sweep", "--widths", "0,2"], "--widths", "comma-separated positive ints"),
+    (["sweep", "--seed", "x"], "--seed", "an int >= 0"),
+    (["sweep", "--tp", "0"], "--tp", "an int >= 1"),
+    (["sweep", "--threads", "0"], "--threads", "an int >= 1"),
+    (["sweep", "--model", "hf:bert"], "--model", "toy | hf:llama"),
+    (["bench", "--device", "tpu"], "--device", "cuda | cpu"),
+    (["bench", "--sections", "9"], "--sections", "section numbers"),
+    (["inspect", "--widths", "3"], "--widths", "widths the target captures (1,2,4,8,16,32,64)"),
+    (["inspect", "--replays", "0"], "--replays", "an int >= 1"),
+])
+def test_bad_values_are_one_line_and_exit_2(capsys, argv, flag, want):
+    usage_error(capsys, argv, flag, want)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU machine refuses graphs on")
+@pytest.mark.parametrize("command", ["sweep", "demo"])
+def test_graphs_on_without_cuda_is_a_usage_error(capsys, command):
+    usage_error(capsys, [command, "--graphs", "on"], "--graphs", "off, both or auto on a CPU")
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["sweep", *QUICK_SWEEP, "--json", "{missing}/out.json"], "--json"),
+    (["sweep", *QUICK_SWEEP, "--plot", "{missing}"], "--plot"),
+    (["demo", *QUICK_DEMO, "--json", "{missing}/out.json"], "--json"),
+    (["demo", *QUICK_DEMO, "--profile", "{missing}/profile.txt"], "--profile"),
+    (["inspect", "--json", "{missing}/out.json"], "--json"),
+    (["inspect", "--dot", "{missing}"], "--dot"),
+    (["bench", "--quick", "--sections", "5", "--json", "{missing}/bench.json"], "--json"),
+    (["bench", "--quick", "--sections", "5", "--plot", "{missing}"], "--plot"),
+])
+def test_output_paths_are_checked_before_the_run_and_never_created(capsys, tmp_path, argv, flag):
+    missing = tmp_path / "no" / "such"
+    err = usage_error(capsys, [a.format(missing=missing) for a in argv], flag, "a")
+    assert "exist" in err and not (tmp_path / "no").exists()  # "an existing folder" / "a file in an existing folder"
+
+
+def test_an_output_file_that_is_a_folder_is_refused(capsys, tmp_path):
+    usage_error(capsys, ["sweep", "--json", str(tmp_path)], "--json", "a file path, not a folder")
+
+
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and f"cudagraph_rt) {__version__}" in out and torch.__version__ in out
+    proc = subprocess.run([sys.executable, "-m", "cudagraph_rt", "--version"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0 and __version__ in proc.stdout
+
+
+def test_help_is_exit_0(capsys):
+    assert main(["demo", "--help"]) == 0
+    assert "--sequences" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ exit codes and --json
+def test_json_on_stdout_is_the_json_alone_and_agrees_with_the_exit_code(capsys, tmp_path):
+    rc = main(["sweep", *QUICK_SWEEP, "--json"])
+    cap = capsys.readouterr()
+    doc = json.loads(cap.out)  # stdout holds nothing else
+    assert rc == 0 and doc["ok"] is True and "sweep PASSED" in cap.err
+    path = tmp_path / "demo.json"
+    rc = main(["demo", *QUICK_DEMO, "--json", str(path)])
+    out = capsys.readouterr().out
+    assert rc == 0 and json.loads(path.read_text())["ok"] is True
+    assert "tokens/s" in out and f"json: {path}" in out  # a file: the tables still print
+
+
+def test_inspect_json_ok_agrees_with_the_exit_code(capsys):
+    rc = main(["inspect", "--json", "--widths", "1,2"])
+    doc = json.loads(capsys.readouterr().out)
+    assert (rc == 0) == doc["ok"] and rc in (0, 1)
+    if not torch.cuda.is_available():  # the hazard finder alone, on a clean toy: all clear
+        assert rc == 0 and doc["ok"] is True and doc["available"] is False
+
+
+def test_a_failed_check_is_exit_1_and_json_says_not_ok(capsys, monkeypatch):
+    from cudagraph_rt.tools.demo import serve as demo
+
+    real = demo.check
+
+    def wrong(model, runner):
+        out = real(model, runner)
+        return {**out, "ok": False, "token_mismatches": [0]}
+
+    monkeypatch.setattr(demo, "check", wrong)
+    assert main(["demo", *QUICK_DEMO, "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["ok"] is False
+
+
+# ------------------------------------------------------------------ bench on a CPU
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU defaults of cgrt bench")
+def test_bench_on_a_cpu_defaults_to_its_smoke_settings_and_judges_no_goal(capsys, tmp_path):
+    path = tmp_path / "b.json"
+    assert main(["bench", "--sections", "5", "--json", str(path)]) == 0  # no --quick
+    data = json.loads(path.read_text())
+    assert data["meta"]["config"]["hidden"] == 64 and data["meta"]["repeats"] == 5  # tiny, 5 repeats
+    assert data["padding"]["steps"] == 200 and data["goals"] == [] and data["ok"] is True
+    out = capsys.readouterr().out
+    assert "not GPU figures" in out and "met" not in out and "missed" not in out
+
+
+# ------------------------------------------------------------------ a local checkpoint
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from cudagraph_rt.models import hf
+
+    folder = tmp_path_factory.mktemp("ckpt")
+    torch.manual_seed(0)
+    hf.build("qwen3", "tiny", device="cpu", seed=0).model.save_pretrained(folder)
+    return folder
+
+
+def test_model_path_runs_sweep_demo_and_inspect_on_a_saved_checkpoint(capsys, checkpoint):
+    assert main(["sweep", "--model", str(checkpoint), *QUICK_SWEEP]) == 0
+    cap = capsys.readouterr()
+    assert "sweep PASSED" in cap.out and "building" in cap.err  # progress while the model builds
+    assert f"--model {checkpoint}" in cap.out  # the rerun command names the folder
+    assert main(["demo", "--model", str(checkpoint), *QUICK_DEMO, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] and doc["config"]["model"] == str(checkpoint) and doc["config"]["size"] == "local"
+    assert main(["inspect", "--model", str(checkpoint), "--widths", "1,2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] is True
+
+
+def test_model_path_that_is_not_a_checkpoint_is_refused(capsys, tmp_path, checkpoint):
+    usage_error(capsys, ["sweep", "--model", str(tmp_path)], "--model", "a transformers checkpoint folder")
+    usage_error(capsys, ["demo", "--model", str(checkpoint), "--size", "1b"], "--size", "no size with a checkpoint")
+
+
+# ------------------------------------------------------------------ 80 columns
+def _render(tables) -> str:
+    con = Console(width=80, file=io.StringIO(), highlight=False, color_system=None)
+    for t in tables:
+        con.print(t)
+    return con.file.getvalue()
+
+
+def _assert_readable(text: str, values: list[str]) -> None:
+    assert "…" not in text, text
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+    for v in values:  # every figure shows whole: not cut, not folded over two lines
+        assert v in text, (v, text)
+
+
+def test_tables_are_readable_at_80_columns(capsys, tmp_path, monkeypatch):
+    from cudagraph_rt.testing import ToyAdapter, run_sweep
+    from cudagraph_rt.testing.report import rich_tables
+    from cudagraph_rt.tools.bench import report as bench_report
+    from cudagraph_rt.tools.demo import report as demo_report
+    from cudagraph_rt.tools import console as console_mod
+
+    rep = run_sweep(ToyAdapter(device="cpu", widths=(1, 2, 4)), graphs="off", repeats=1, extras=())
+    _assert_readable(_render(rich_tables(rep)), [f"{w.mean_ms:.3f}" for m in rep.modes for w in m.widths])
+
+    assert main(["demo", *QUICK_DEMO, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    con = Console(width=80, file=io.StringIO(), highlight=False, color_system=None)
+    monkeypatch.setattr(console_mod, "make_console", lambda stderr=False, markup=True: con)
+    demo_report._print(doc)
+    run = doc["runs"][0]
+    _assert_readable(con.file.getvalue(), [f"{run['tokens_per_s']:.1f}", f"{run['steps_per_s']:.1f}",
+                                           *(f"{v:.1f}" for v in run["host_phases_us_per_step"].values())])
+
+    path = tmp_path / "b.json"
+    assert main(["bench", "--quick", "--sections", "1,2,5", "--json", str(path)]) == 0
+    res = json.loads(path.read_text())
+    for key in ("step_time", "mixed_trace", "padding"):
+        tables = bench_report.tables(key, res[key])
+        _assert_readable(_render(tables), [w for t in tables for r in t.rows for c in r for w in str(c).split()])
+
+
+def test_a_wide_table_splits_its_columns_at_80_and_cuts_no_figure():
+    from cudagraph_rt.tools.console import SplitTable
+
+    cols = ["T"] + [f"variant {i} µs" for i in range(13)]
+    rows = [[str(T)] + [f"{1000 * T + i + 0.5:.1f}" for i in range(13)] for T in (1, 2, 64)]
+    t = SplitTable("a 14-column table", cols, rows, caption="the caption")
+    text = _render([t])
+    _assert_readable(text, [c for r in rows for c in r])
+    assert text.count("a 14-column table (continued)") >= 1 and text.count("the caption") == 1
+    wide = Console(width=200, file=io.StringIO(), color_system=None)
+    wide.print(t)
+    assert "(continued)" not in wide.file.getvalue()  # one table where it fits
+
+
+# ------------------------------------------------------------------ the README's tables
+def test_readme_option_tables_are_the_parsers_own():
+    text = (ROOT / "README.md").read_text()
+    for name, parser in subparsers().items():
+        want = markdown(name, parser)
+        assert want in text, f"README.md's options of cgrt {name} differ from --help; they should read:\n\n{want}"
+        help_text = parser.format_help()
+        for option, _, _ in rows(parser):  # and --help itself lists each option the table names
+            assert re.search(rf"(^|\s){re.escape(option)}\b", help_text), option
+
+
+def test_every_command_takes_the_shared_arguments_with_one_meaning():
+    """The shared flags read the same in every command that has them."""
+    seen: dict[str, dict[str, str]] = {}
+    for name, parser in subparsers().items():
+        for option, value, meaning in rows(parser):
+            seen.setdefault(option, {})[name] = value
+    for flag in ("--model", "--size", "--json", "--threads", "--seed", "--tp", "--device", "--graphs", "--plot",
+                 "--widths"):
+        assert flag in seen, flag
+        assert len(set(seen[flag].values())) == 1, (flag, seen[flag])  # one value syntax everywhere
+    assert set(seen["--json"].values()) == {"[FILE]"} and set(seen["--plot"].values()) == {"DIR"}
+    assert set(seen["--threads"]) >= {"sweep", "demo", "bench", "inspect"}  # every command that times
+    assert importlib.util.find_spec("cudagraph_rt.tools.options") is not None
+
+
+# ======================================================================================
+# From the bad-input catalogue (issue 7): the CLI's arguments; every tool it
+# lists must import.
+# Each test runs graphs off, then with emulated graphs (rig_graphs); a refused call is
+# checked for its error class and message, for nothing written (Rig.snapshot: the static
+# arena, the KV state, the host-row ring, the commit snapshots, the counters) and for a
+# valid step after it that matches the eager reference (tests.support.reliability_harness.refused).
+# ======================================================================================
+@pytest.fixture
+def cli():
+    """cudagraph_rt.cli as installed: every tool it lists must import (a deleted or broken
+    tool fails the tests below, it is never stubbed or skipped)."""
+    from cudagraph_rt import cli as cli_mod
+    for name, (module, _help) in cli_mod.COMMANDS.items():
+        importlib.import_module(f"cudagraph_rt.tools.{module}")
+    return cli_mod
+
+
+@pytest.mark.usefixtures("rig_graphs", "one_thread")  # graphs off, then emulated
+def test_cli_no_command_prints_help_and_returns_2(cli, capsys):
+    assert cli.main([]) == 2
+    assert "usage: cgrt" in capsys.readouterr().out
+
+
+@pytest.mark.usefixtures("rig_graphs", "one_thread")  # graphs off, then emulated
+@pytest.mark.parametrize("argv,msg", [
+    (["no-such-command"], r"invalid choice: 'no-such-command'"),
+    (["--no-such-flag"], r"unrecognized arguments: --no-such-flag"),
+])
+def test_cli_bad_top_level_arguments_exit_2(cli, capsys, argv, msg):
+    assert cli.main(argv) == 2  # main returns every exit code, usage errors included
+    err = capsys.readouterr().err
+    assert re.search(msg, err) and err.startswith("cgrt: ") and err.count("\n") == 1
+
+
+def _subparser(cli, name):
+    p = cli.build_parser()
+    sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def _commands():
+    from cudagraph_rt import cli as cli_mod
+    return list(cli_mod.COMMANDS.items())
+
+
+@pytest.mark.usefixtures("rig_graphs", "one_thread")  # graphs off, then emulated
+@pytest.mark.parametrize("name,module", [(n, m) for n, (m, _h) in _commands()], ids=[n for n, _ in _commands()])
+def test_cli_tool_rejects_bad_flags(cli, capsys, name, module):
+    assert cli.main([name, "--definitely-not-a-flag"]) == 2
+    assert "unrecognized arguments: --definitely-not-a-flag" in capsys.readouterr().err
+    sp = _subparser(cli, name)
+    checked = 0
+    for act in sp._actions:  # every flag whose value is checked while parsing
+        if not act.option_strings or act.nargs == 0 or act.type is None:
+            continue
+        flag = act.option_strings[-1]
+        assert cli.main([name, flag, "__bogus__/x"]) == 2, flag
+        err = capsys.readouterr().err
+        assert err.startswith(f"cgrt {name}: {flag}: expected ") and err.count("\n") == 1, (flag, err)
+        checked += 1
+    assert checked >= 3, name
+    assert cli.main([name, "--help"]) == 0
+    assert f"usage: cgrt {name}" in capsys.readouterr().out
+
+
+@pytest.mark.usefixtures("rig_graphs", "one_thread")  # graphs off, then emulated
+def test_cli_survives_one_missing_tool(cli, monkeypatch, capsys):
+    monkeypatch.setitem(cli.COMMANDS, "ghost", ("ghost_tool_not_written", "a tool that does not exist"))
+    assert cli.main([]) == 2
+    assert "usage: cgrt" in capsys.readouterr().out
