@@ -48,6 +48,7 @@ POOL = ("tests/models/test_pool.py",)
 ATTN = ("tests/kernels/test_cell_attention.py",)
 BENCH = ("tests/tools/test_bench.py", "tests/tools/test_bench_timing.py", "tests/tools/test_bench_attention.py")
 RUNNER = ("tests/runner/test_runner_contract.py", "tests/runner/test_fuzz_runner.py")
+BOUND = ("tests/core/test_bound_calls.py",)
 
 M = Mutation
 CATALOGUE: tuple[Mutation, ...] = (
@@ -290,4 +291,21 @@ CATALOGUE: tuple[Mutation, ...] = (
       "if feed_event is None:",
       "the size rule forgotten: a big arena is fed, and every replay copies all of it (bandwidth, not latency)",
       ("tests/core/test_stagers.py",) + FEED, graph_path=True),
+    # ---------------------------------------------------------------- bound replays of marked calls
+    M(52, "bound replays", "cudagraph_rt/pieces.py",
+      "self._run = bind(*args, **kwargs) if bind is not None else functools.partial(fn, *args, **kwargs)",
+      "self._run = functools.partial(fn, *args, **kwargs)",
+      "the bind forgotten: replays run the call's host work again (right numbers, none of the saving)",
+      BOUND + ("tests/core/test_pieces.py",), graph_path=True),
+    M(53, "bound replays", "cudagraph_rt/models/pool.py",
+      "write_cells_reference(k, v, kc, vc, cells)",
+      "pass",
+      "the bound attention of a CPU pool forgets the step's K/V write: its rows attend to stale cells",
+      BOUND + ("tests/core/test_pieces.py",), graph_path=True,
+      anchor="def attend_reference() -> Tensor:"),
+    M(54, "bound replays", "kernels/cell_attention.py",
+      "block_size, scale, bias_shift, window)",
+      "block_size, scale, bias_shift, None)",
+      "the bound attention drops its sliding window: every bound launch attends the whole context",
+      BOUND + ATTN),
 )
