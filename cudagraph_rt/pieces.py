@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import functools
 import threading
-import weakref
+import types
 from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator, Mapping
 
@@ -62,7 +62,10 @@ _NOW = _Now()
 _PLAIN = nullcontext()
 
 
-def eager(fn: Callable | None = None, *, bind: Callable[..., Callable[[], Any]] | None = None) -> Callable:
+_DECORATE: Any = object()  # eager() / eager(bind=...): a decorator (eager(None) is refused)
+
+
+def eager(fn: Callable = _DECORATE, *, bind: Callable[..., Callable[[], Any]] | None = None) -> Callable:
     """Mark ``fn`` as a call that runs outside the graphs (a decorator, ``@eager(bind=...)``,
     or ``eager(fn)``).
 
@@ -77,15 +80,18 @@ def eager(fn: Callable | None = None, *, bind: Callable[..., Callable[[], Any]] 
     outputs. It is called once, when the call is recorded at capture, and the replays run
     what it returned instead of ``fn``: the host work that depends only on the arguments'
     shapes and addresses (checks, planning, scratch, packing a kernel's arguments) is done
-    once, not at every step. An exception from it fails the capture of that piece."""
-    if fn is None:
+    once, not at every step. An exception from it fails the capture of that piece. The
+    bind belongs to this marking: marking the same ``fn`` again (with another bind or
+    none) leaves it alone; ``fn`` may be any callable."""
+    if bind is not None and not callable(bind):
+        from .errors import InputError, expected
+        raise InputError(expected("eager(bind=)", "None or a callable", type(bind).__name__))
+    if fn is _DECORATE:
         return lambda f: eager(f, bind=bind)
     if not callable(fn):
         from .errors import InputError, expected
         raise InputError(expected("eager(fn)", "a callable", type(fn).__name__))
-    if bind is not None and not callable(bind):
-        from .errors import InputError, expected
-        raise InputError(expected("eager(bind=)", "None or a callable", type(bind).__name__))
+    recorded = fn if bind is None else _with_bind(fn, bind)
 
     @functools.wraps(fn)
     def marked(*args, **kwargs):
@@ -94,18 +100,25 @@ def eager(fn: Callable | None = None, *, bind: Callable[..., Callable[[], Any]] 
             return fn(*args, **kwargs)
         _NOW.marked += 1
         try:
-            return h(fn, args, kwargs)
+            return h(recorded, args, kwargs)
         finally:
             _NOW.marked -= 1
 
     out = torch.compiler.disable(marked)  # dynamo runs it as it is (about 0.5 us a call)
     out._cgrt_eager = fn  # type: ignore[attr-defined]
-    if bind is not None:
-        _BINDS[fn] = bind
     return out
 
 
-_BINDS: "weakref.WeakKeyDictionary[Callable, Callable]" = weakref.WeakKeyDictionary()
+def _with_bind(fn: Callable, bind: Callable) -> Callable:
+    """What a marking with ``bind`` records: its own function calling ``fn``, named as
+    ``fn``, carrying ``bind`` (never stored on or keyed by ``fn``: the same function
+    marked twice keeps each marking's bind, and callables that cannot be weakly
+    referenced or hashed work)."""
+    def call(*args, **kwargs):
+        return fn(*args, **kwargs)
+    call.__name__ = call.__qualname__ = _name(fn)
+    call._cgrt_bind = bind  # type: ignore[attr-defined]
+    return call
 
 
 def is_marked(fn: Any) -> bool:
@@ -230,7 +243,7 @@ class EagerCall:
         self.name = _name(fn)
         self._static = [t for t in tree_flatten(out)[0]]
         self._arg_leaves, self._arg_spec = tree_flatten((args, kwargs))
-        bind = _BINDS.get(fn)
+        bind = getattr(fn, "_cgrt_bind", None) if isinstance(fn, types.FunctionType) else None
         self.bound = bind is not None  # replays run what eager(bind=) made of these arguments
         self._run = bind(*args, **kwargs) if bind is not None else functools.partial(fn, *args, **kwargs)
 

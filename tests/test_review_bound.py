@@ -1,0 +1,135 @@
+"""Review of the bound replays of marked calls (``cudagraph_rt.eager(fn, bind=...)``, the
+kernels' bound launches, ``KVPool.bind_attend``): the cases their first tests left out.
+CPU only: ``graphs="emulate"`` replays and the Triton interpreter."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # normally tests/conftest.py's job; must precede triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+import cudagraph_rt  # noqa: E402
+from cudagraph_rt import GraphRuntime, InputError, InputSpec  # noqa: E402
+from cudagraph_rt.pieces import is_marked  # noqa: E402
+
+NAN = float("nan")
+
+
+def tripled(x, out):
+    return torch.mul(x, 3.0, out=out)
+
+
+def _binder(log: list, tag: str):
+    def bind(x, out):
+        def run():
+            log.append(tag)
+            return torch.mul(x, 3.0, out=out)
+        return run
+    return bind
+
+
+def _runtime(marked):
+    def step(x):
+        h = x["x"] + 1.0
+        return {"y": marked(h, torch.empty_like(h)) * 2.0}
+    return GraphRuntime(step, {"x": InputSpec((), torch.float32, 0.0)}, widths=(1, 4), graphs="emulate",
+                        pieces=True, device="cpu")
+
+
+def _steps(rt):
+    for x in ([1.0], [1.0, 2.0, 3.0]):
+        y = rt.step(x=x).outputs["y"]
+        assert y.tolist() == [(v + 1.0) * 6.0 for v in x]
+
+
+# -- a bind belongs to its marking, not to the raw function -----------------------------------
+def test_a_marking_without_bind_does_not_inherit_another_markings_bind():
+    log: list = []
+    cudagraph_rt.eager(tripled, bind=_binder(log, "other"))
+    rt = _runtime(cudagraph_rt.eager(tripled))
+    rt.capture()
+    _steps(rt)
+    assert log == [] and not any(c.bound for w in rt.widths for c in rt.graphs_captured[w].calls)
+
+
+def test_marking_a_function_again_keeps_the_first_markings_bind():
+    log: list = []
+    first = cudagraph_rt.eager(tripled, bind=_binder(log, "first"))
+    cudagraph_rt.eager(tripled, bind=_binder(log, "second"))
+    rt = _runtime(first)
+    rt.capture()
+    _steps(rt)
+    assert log == ["first", "first"]
+
+
+class SlotCall:
+    """A callable object that cannot be weakly referenced."""
+    __slots__ = ()
+
+    def __call__(self, x, out):
+        return tripled(x, out)
+
+
+class EqCall:
+    """A callable object that cannot be hashed (``__eq__`` without ``__hash__``)."""
+
+    def __eq__(self, other):
+        return isinstance(other, EqCall)
+
+    def __call__(self, x, out):
+        return tripled(x, out)
+
+
+@pytest.mark.parametrize("make", [SlotCall, EqCall], ids=["no-weakref", "unhashable"])
+def test_any_callable_can_be_marked_with_a_bind(make):
+    log: list = []
+    rt = _runtime(cudagraph_rt.eager(make(), bind=_binder(log, "bound")))
+    rt.capture()
+    _steps(rt)
+    assert log == ["bound", "bound"]
+    assert [rt.graphs_captured[w].layout[1] for w in rt.widths] == [f"eager {make.__name__}"] * 2
+
+
+def test_bind_names_the_marked_function_in_layouts_and_errors():
+    rt = _runtime(cudagraph_rt.eager(tripled, bind=_binder([], "bound")))
+    rt.capture()
+    assert rt.graphs_captured[1].layout == ("piece 1", "eager tripled", "piece 2")
+
+
+# -- decorator forms and marking a marked function ------------------------------------------
+def test_decorator_forms():
+    log: list = []
+
+    @cudagraph_rt.eager
+    def a(x, out):
+        return tripled(x, out)
+
+    @cudagraph_rt.eager()
+    def b(x, out):
+        return tripled(x, out)
+
+    @cudagraph_rt.eager(bind=_binder(log, "c"))
+    def c(x, out):
+        return tripled(x, out)
+
+    d = cudagraph_rt.eager(tripled, bind=_binder(log, "d"))
+    assert all(is_marked(f) for f in (a, b, c, d))
+    for f in (a, b, c, d):
+        rt = _runtime(f)
+        rt.capture()
+        _steps(rt)
+    assert log == ["c", "c", "d", "d"]
+
+
+def test_eager_of_none_is_refused():
+    with pytest.raises(InputError, match=r"eager\(fn\): expected a callable, got NoneType"):
+        cudagraph_rt.eager(None)
+
+
+def test_a_bad_bind_is_refused_in_the_decorator_form_too():
+    with pytest.raises(InputError, match=r"eager\(bind=\): expected None or a callable, got int"):
+        cudagraph_rt.eager(bind=3)
