@@ -72,8 +72,10 @@ def eager(fn: Callable = _DECORATE, *, bind: Callable[..., Callable[[], Any]] | 
     In a width captured in pieces, each call of the marked function ends a piece: it runs
     eagerly between two graphs at every replay, on the tensors it was given at capture
     (see the module docstring for what it may rely on and what it costs). Everywhere else
-    it is a plain call. The hazard finder skips what runs inside it (it may sync: that is
-    why it is marked). torch.compile does not trace into it (a graph break).
+    it is a plain call, and so is a marked call made inside another (``eager(eager(f),
+    bind=b)`` adds a bind to a marked ``f``). The hazard finder skips what runs inside it
+    (it may sync: that is why it is marked). torch.compile does not trace into it (a
+    graph break).
 
     ``bind`` (optional): ``bind(*args, **kwargs)`` returns a zero-argument callable that
     does what ``fn(*args, **kwargs)`` does on those very arguments and returns the same
@@ -96,7 +98,7 @@ def eager(fn: Callable = _DECORATE, *, bind: Callable[..., Callable[[], Any]] | 
     @functools.wraps(fn)
     def marked(*args, **kwargs):
         h = _NOW.handler
-        if h is None:
+        if h is None or _NOW.marked:  # inside another marked call: part of that one
             return fn(*args, **kwargs)
         _NOW.marked += 1
         try:

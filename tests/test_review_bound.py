@@ -133,3 +133,28 @@ def test_eager_of_none_is_refused():
 def test_a_bad_bind_is_refused_in_the_decorator_form_too():
     with pytest.raises(InputError, match=r"eager\(bind=\): expected None or a callable, got int"):
         cudagraph_rt.eager(bind=3)
+
+
+def test_a_bind_added_to_a_marked_function():
+    """``eager(eager(f), bind=b)``: one marked call per call (the inner marking runs as a
+    plain call inside the outer one), replayed through ``b``."""
+    log: list = []
+    rt = _runtime(cudagraph_rt.eager(cudagraph_rt.eager(tripled), bind=_binder(log, "outer")))
+    rt.capture()
+    assert len(rt.graphs_captured[1].calls) == 1
+    _steps(rt)
+    assert log == ["outer", "outer"]
+
+
+def test_a_marked_call_inside_a_marked_call_is_a_plain_call():
+    inner = cudagraph_rt.eager(tripled)
+
+    @cudagraph_rt.eager
+    def outer(x, out):
+        return inner(x, out)
+
+    rt = _runtime(outer)
+    rt.capture()
+    assert rt.graphs_captured[4].layout == ("piece 1", "eager test_a_marked_call_inside_a_marked_call_is_a_plain_call."
+                                            "<locals>.outer", "piece 2")
+    _steps(rt)
