@@ -238,7 +238,9 @@ class EagerCall:
     """One marked call recorded at capture: the function, its arguments (the capture's
     tensors and constants) and its outputs there (the static tensors the next piece
     reads). ``replay()`` runs it again on the same arguments and puts what it returns into
-    those outputs (a copy per output tensor it did not write in place)."""
+    those outputs (a copy per output tensor it did not write in place); CgrtError when
+    it returns another structure or an output tensor of another shape. A ``bind`` that
+    raises or returns no callable fails here, at record."""
 
     def __init__(self, fn: Callable, args: tuple, kwargs: dict, out: Any):
         self.fn, self.args, self.kwargs, self.out = fn, args, kwargs, out
@@ -248,6 +250,10 @@ class EagerCall:
         bind = getattr(fn, "_cgrt_bind", None) if isinstance(fn, types.FunctionType) else None
         self.bound = bind is not None  # replays run what eager(bind=) made of these arguments
         self._run = bind(*args, **kwargs) if bind is not None else functools.partial(fn, *args, **kwargs)
+        if not callable(self._run):  # refused at capture, not at the first replay's call
+            from .errors import InputError, expected
+            raise InputError(expected(f"eager(bind=) of {self.name}", "a zero-argument callable as its result",
+                                      type(self._run).__name__))
 
     def replay(self) -> Any:
         now = _NOW
@@ -263,8 +269,12 @@ class EagerCall:
         if len(leaves) != len(static):
             raise CgrtError(f"marked call {self.name}: returned {len(leaves)} leaves at replay, "
                             f"{len(static)} at capture (its output structure must not change)")
-        for dst, src in zip(static, leaves):
+        for i, (dst, src) in enumerate(zip(static, leaves)):
             if isinstance(dst, torch.Tensor) and src is not dst and not _same_memory(dst, src):
+                if not isinstance(src, torch.Tensor) or src.shape != dst.shape:  # copy_ would broadcast
+                    raise CgrtError(f"marked call {self.name}: output {i} is "
+                                    f"{tuple(src.shape) if isinstance(src, torch.Tensor) else type(src).__name__} "
+                                    f"at replay, {tuple(dst.shape)} at capture (its outputs must not change)")
                 dst.copy_(src)
         return self.out
 

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():  # normally tests/conftest.py's job; must prec
 import pytest  # noqa: E402
 
 import cudagraph_rt  # noqa: E402
-from cudagraph_rt import GraphRuntime, InputError, InputSpec  # noqa: E402
+from cudagraph_rt import CaptureError, CgrtError, GraphRuntime, InputError, InputSpec  # noqa: E402
 from cudagraph_rt.pieces import is_marked  # noqa: E402
 
 NAN = float("nan")
@@ -158,3 +158,21 @@ def test_a_marked_call_inside_a_marked_call_is_a_plain_call():
     assert rt.graphs_captured[4].layout == ("piece 1", "eager test_a_marked_call_inside_a_marked_call_is_a_plain_call."
                                             "<locals>.outer", "piece 2")
     _steps(rt)
+
+
+# -- what bind returns ----------------------------------------------------------------------
+def test_a_bind_returning_a_non_callable_fails_the_capture():
+    rt = _runtime(cudagraph_rt.eager(tripled, bind=lambda x, out: out))
+    with pytest.raises(CaptureError, match=r"marked call 1 \(tripled\) raised: InputError: eager\(bind=\) of "
+                                           r"tripled: expected a zero-argument callable as its result, got Tensor"):
+        rt.capture()
+
+
+def test_a_bound_call_returning_another_shape_is_refused_not_broadcast():
+    def bind(x, out):
+        return lambda: torch.zeros(1)  # one element where the call returned x's rows
+
+    rt = _runtime(cudagraph_rt.eager(tripled, bind=bind))
+    rt.capture()
+    with pytest.raises(CgrtError, match=r"marked call tripled: output 0 is \(1,\) at replay, \(4,\) at capture"):
+        rt.step(x=[1.0, 2.0])
