@@ -14,6 +14,7 @@ import pytest  # noqa: E402
 
 import cudagraph_rt  # noqa: E402
 from cudagraph_rt import CaptureError, CgrtError, GraphRuntime, InputError, InputSpec  # noqa: E402
+from cudagraph_rt.kernels import cell_attention as ca  # noqa: E402
 from cudagraph_rt.pieces import is_marked  # noqa: E402
 
 NAN = float("nan")
@@ -176,3 +177,46 @@ def test_a_bound_call_returning_another_shape_is_refused_not_broadcast():
     rt.capture()
     with pytest.raises(CgrtError, match=r"marked call tripled: output 0 is \(1,\) at replay, \(4,\) at capture"):
         rt.step(x=[1.0, 2.0])
+
+
+# -- the kernels' bound launches ------------------------------------------------------------
+def _problem(device="cpu", rows=((0, 9), (1, 5), (-1, 0)), Hq=4, Hkv=2, D=16, bs=4, S=3, MB=6):
+    g = torch.Generator().manual_seed(5)
+    blocks = S * MB + 2
+    table = torch.randperm(blocks, generator=g)[: S * MB].view(S, MB).int()
+    k = torch.randn(blocks * bs, Hkv, D, generator=g)
+    v = torch.randn(blocks * bs, Hkv, D, generator=g)
+    q = torch.randn(len(rows), Hq, D, generator=g)
+    seq = torch.tensor([s for s, _ in rows])
+    pos = torch.tensor([p for _, p in rows])
+    return q, k, v, table, seq, pos
+
+
+PLAN = ca.AttentionPlan(4, 1, 2, ca.AttentionConfig(tile_n=16, min_chunk=16))  # two splits: the scratch is used
+interpreter_only = pytest.mark.skipif(ca.kernel_mode() != "interpreter", reason="the Triton interpreter")
+
+
+@interpreter_only
+@pytest.mark.parametrize("bad, got", [
+    ("small", r"torch.float32 \(23,\) on cpu, torch.float32 \(384,\) on cpu"),
+    ("dtype", r"torch.float16 \(24,\) on cpu, torch.float32 \(384,\) on cpu"),
+    ("strided", r"torch.float32 \(24,\) on cpu strides \(2,\), torch.float32 \(384,\) on cpu"),
+    ("tuple", r"torch.float32 \(24,\) on cpu"),
+])
+def test_a_bad_shared_scratch_is_refused_at_bind_time(bad, got, monkeypatch):
+    monkeypatch.setattr(ca, "CPU_RUNS_KERNELS", True)
+    q, k, v, table, seq, pos = _problem()
+
+    def scratch(lse, part, dtype):
+        if bad == "small":
+            return torch.empty(lse - 1), torch.empty(part)
+        if bad == "dtype":
+            return torch.empty(lse, dtype=torch.float16), torch.empty(part)
+        if bad == "strided":
+            return torch.empty(2 * lse)[::2], torch.empty(part)
+        return torch.empty(lse)
+    out = torch.full_like(q, NAN)
+    with pytest.raises(InputError, match=r"^scratch: expected two flat contiguous tensors on cpu of at least 24 "
+                                         rf"float32 and 384 float32 elements, got {got}$"):
+        ca.bind_cell_attention(q, k, v, table, seq, pos, block_size=4, scale=0.3, out=out, plan=PLAN, scratch=scratch)
+    assert out.isnan().all()
