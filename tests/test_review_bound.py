@@ -220,3 +220,15 @@ def test_a_bad_shared_scratch_is_refused_at_bind_time(bad, got, monkeypatch):
                                          rf"float32 and 384 float32 elements, got {got}$"):
         ca.bind_cell_attention(q, k, v, table, seq, pos, block_size=4, scale=0.3, out=out, plan=PLAN, scratch=scratch)
     assert out.isnan().all()
+
+
+def test_bind_attend_refuses_a_layer_outside_the_pool():
+    from cudagraph_rt.models.pool import KVPool
+    pool = KVPool(layers=2, kv_heads=2, head_dim=16, dtype=torch.float32, device="cpu", cells=64, max_seqs=3,
+                  max_seq_len=24, block_size=4)
+    q = torch.randn(3, 4, 16)
+    k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    seq, pos, cells = torch.tensor([0, 1, -1]), torch.tensor([0, 0, 0]), torch.tensor([0, 4, pool.scratch_cell])
+    for layer in (2, -1, 1.0):
+        with pytest.raises(InputError, match=r"^layer: expected an int in \[0, 2\)"):
+            pool.bind_attend(layer, q, k, v, seq, pos, cells, scale=0.25, out=torch.empty_like(q))
