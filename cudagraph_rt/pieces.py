@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import functools
 import threading
-import weakref
+import types
 from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator, Mapping
 
@@ -62,50 +62,65 @@ _NOW = _Now()
 _PLAIN = nullcontext()
 
 
-def eager(fn: Callable | None = None, *, bind: Callable[..., Callable[[], Any]] | None = None) -> Callable:
+_DECORATE: Any = object()  # eager() / eager(bind=...): a decorator (eager(None) is refused)
+
+
+def eager(fn: Callable = _DECORATE, *, bind: Callable[..., Callable[[], Any]] | None = None) -> Callable:
     """Mark ``fn`` as a call that runs outside the graphs (a decorator, ``@eager(bind=...)``,
     or ``eager(fn)``).
 
     In a width captured in pieces, each call of the marked function ends a piece: it runs
     eagerly between two graphs at every replay, on the tensors it was given at capture
     (see the module docstring for what it may rely on and what it costs). Everywhere else
-    it is a plain call. The hazard finder skips what runs inside it (it may sync: that is
-    why it is marked). torch.compile does not trace into it (a graph break).
+    it is a plain call, and so is a marked call made inside another (``eager(eager(f),
+    bind=b)`` adds a bind to a marked ``f``). The hazard finder skips what runs inside it
+    (it may sync: that is why it is marked). torch.compile does not trace into it (a
+    graph break).
 
     ``bind`` (optional): ``bind(*args, **kwargs)`` returns a zero-argument callable that
     does what ``fn(*args, **kwargs)`` does on those very arguments and returns the same
     outputs. It is called once, when the call is recorded at capture, and the replays run
     what it returned instead of ``fn``: the host work that depends only on the arguments'
     shapes and addresses (checks, planning, scratch, packing a kernel's arguments) is done
-    once, not at every step. An exception from it fails the capture of that piece."""
-    if fn is None:
+    once, not at every step. An exception from it fails the capture of that piece. The
+    bind belongs to this marking: marking the same ``fn`` again (with another bind or
+    none) leaves it alone; ``fn`` may be any callable."""
+    if bind is not None and not callable(bind):
+        from .errors import InputError, expected
+        raise InputError(expected("eager(bind=)", "None or a callable", type(bind).__name__))
+    if fn is _DECORATE:
         return lambda f: eager(f, bind=bind)
     if not callable(fn):
         from .errors import InputError, expected
         raise InputError(expected("eager(fn)", "a callable", type(fn).__name__))
-    if bind is not None and not callable(bind):
-        from .errors import InputError, expected
-        raise InputError(expected("eager(bind=)", "None or a callable", type(bind).__name__))
+    recorded = fn if bind is None else _with_bind(fn, bind)
 
     @functools.wraps(fn)
     def marked(*args, **kwargs):
         h = _NOW.handler
-        if h is None:
+        if h is None or _NOW.marked:  # inside another marked call: part of that one
             return fn(*args, **kwargs)
         _NOW.marked += 1
         try:
-            return h(fn, args, kwargs)
+            return h(recorded, args, kwargs)
         finally:
             _NOW.marked -= 1
 
     out = torch.compiler.disable(marked)  # dynamo runs it as it is (about 0.5 us a call)
     out._cgrt_eager = fn  # type: ignore[attr-defined]
-    if bind is not None:
-        _BINDS[fn] = bind
     return out
 
 
-_BINDS: "weakref.WeakKeyDictionary[Callable, Callable]" = weakref.WeakKeyDictionary()
+def _with_bind(fn: Callable, bind: Callable) -> Callable:
+    """What a marking with ``bind`` records: its own function calling ``fn``, named as
+    ``fn``, carrying ``bind`` (never stored on or keyed by ``fn``: the same function
+    marked twice keeps each marking's bind, and callables that cannot be weakly
+    referenced or hashed work)."""
+    def call(*args, **kwargs):
+        return fn(*args, **kwargs)
+    call.__name__ = call.__qualname__ = _name(fn)
+    call._cgrt_bind = bind  # type: ignore[attr-defined]
+    return call
 
 
 def is_marked(fn: Any) -> bool:
@@ -223,16 +238,22 @@ class EagerCall:
     """One marked call recorded at capture: the function, its arguments (the capture's
     tensors and constants) and its outputs there (the static tensors the next piece
     reads). ``replay()`` runs it again on the same arguments and puts what it returns into
-    those outputs (a copy per output tensor it did not write in place)."""
+    those outputs (a copy per output tensor it did not write in place); CgrtError when
+    it returns another structure or an output tensor of another shape. A ``bind`` that
+    raises or returns no callable fails here, at record."""
 
     def __init__(self, fn: Callable, args: tuple, kwargs: dict, out: Any):
         self.fn, self.args, self.kwargs, self.out = fn, args, kwargs, out
         self.name = _name(fn)
         self._static = [t for t in tree_flatten(out)[0]]
         self._arg_leaves, self._arg_spec = tree_flatten((args, kwargs))
-        bind = _BINDS.get(fn)
+        bind = getattr(fn, "_cgrt_bind", None) if isinstance(fn, types.FunctionType) else None
         self.bound = bind is not None  # replays run what eager(bind=) made of these arguments
         self._run = bind(*args, **kwargs) if bind is not None else functools.partial(fn, *args, **kwargs)
+        if not callable(self._run):  # refused at capture, not at the first replay's call
+            from .errors import InputError, expected
+            raise InputError(expected(f"eager(bind=) of {self.name}", "a zero-argument callable as its result",
+                                      type(self._run).__name__))
 
     def replay(self) -> Any:
         now = _NOW
@@ -248,8 +269,12 @@ class EagerCall:
         if len(leaves) != len(static):
             raise CgrtError(f"marked call {self.name}: returned {len(leaves)} leaves at replay, "
                             f"{len(static)} at capture (its output structure must not change)")
-        for dst, src in zip(static, leaves):
+        for i, (dst, src) in enumerate(zip(static, leaves)):
             if isinstance(dst, torch.Tensor) and src is not dst and not _same_memory(dst, src):
+                if not isinstance(src, torch.Tensor) or src.shape != dst.shape:  # copy_ would broadcast
+                    raise CgrtError(f"marked call {self.name}: output {i} is "
+                                    f"{tuple(src.shape) if isinstance(src, torch.Tensor) else type(src).__name__} "
+                                    f"at replay, {tuple(dst.shape)} at capture (its outputs must not change)")
                 dst.copy_(src)
         return self.out
 

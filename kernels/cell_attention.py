@@ -826,9 +826,10 @@ def bind_cell_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
     Where :func:`cell_attention` would run the reference, each call runs the reference.
 
     ``scratch`` (optional): ``scratch(lse_elements, out_elements, dtype)`` returns two flat
-    contiguous buffers (float32 and ``dtype``) of at least that many elements for the
-    split partials, shared by bound launches that never run at the same time (one
-    model's layers: :meth:`KVPool.bind_attend`); None: this launch's own.
+    contiguous buffers (float32 and ``dtype``, on q's device) of at least that many
+    elements for the split partials, shared by bound launches that never run at the same
+    time (one model's layers: :meth:`KVPool.bind_attend`); None: this launch's own.
+    Buffers that cannot hold them are an InputError, here.
 
     Raises InputError here, before anything runs, when an argument breaks the contract.
     Lifetime: as long as its tensors; their contents may change between calls (they are
@@ -850,8 +851,7 @@ def bind_cell_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
     with _device_scope(q):
         pm, pacc, cnt = _scratch(q, out, plan, counters, grid[0] * grid[1])
         if scratch is not None and plan.splits > 1:  # the same layout in shared memory
-            lse, part = scratch(pm.numel(), pacc.numel(), out.dtype)
-            pm, pacc = lse[:pm.numel()].view(pm.shape), part[:pacc.numel()].view(pacc.shape)
+            pm, pacc = _in_shared_scratch(scratch, pm, pacc)
     meta = kernel_constants(plan, Hq, Hkv, D, block_size, k_cache.dtype, window is not None, slopes is not None)
     args = _attention_args(q, k_cache, v_cache, block_table, seq_ids, positions, slopes, out, (pm, pacc, cnt), plan,
                            block_size, scale, bias_shift, window)
@@ -863,6 +863,23 @@ def bind_cell_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
         return out
     attend.launch = launch  # type: ignore[attr-defined]
     return attend
+
+
+def _in_shared_scratch(scratch, pm: Tensor, pacc: Tensor) -> tuple[Tensor, Tensor]:
+    """``pm`` and ``pacc``'s layouts at the start of the buffers ``scratch`` gives (the
+    kernel indexes them as contiguous), or InputError when they cannot hold them."""
+    got = scratch(pm.numel(), pacc.numel(), pacc.dtype)
+    want = (f"two flat contiguous tensors on {pm.device} of at least {pm.numel()} float32 and {pacc.numel()} "
+            f"{str(pacc.dtype).replace('torch.', '')} elements")
+    if not isinstance(got, (tuple, list)) or len(got) != 2 or not all(
+            isinstance(b, Tensor) and b.dim() == 1 and b.is_contiguous() and b.device == pm.device
+            and b.dtype == a.dtype and b.numel() >= a.numel() for a, b in zip((pm, pacc), got)):
+        what = ", ".join(_desc(b) + ("" if not isinstance(b, Tensor) or b.is_contiguous()
+                                     else f" strides {b.stride()}")
+                         for b in (got if isinstance(got, (tuple, list)) else (got,)))
+        raise InputError(expected("scratch", want, what))
+    lse, part = got
+    return lse[:pm.numel()].view(pm.shape), part[:pacc.numel()].view(pacc.shape)
 
 
 def bind_write_cells(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, cells: Tensor):

@@ -301,7 +301,10 @@ class KVPool:
         launches the two kernels and nothing else on the host (on CUDA; the references
         elsewhere, as :meth:`attend`). What a piecewise replay runs between two graphs for
         a call marked eager (:func:`cudagraph_rt.eager`'s ``bind``). Raises InputError
-        here, before anything is written. Lifetime: as long as its tensors and this pool."""
+        here, before anything is written (``layer`` included: an int in ``[0, layers)``, where
+        :meth:`attend` indexes the caches as given). Lifetime: as long as its tensors and
+        this pool."""
+        layer = self._layer(layer)
         kc, vc = self.k[layer], self.v[layer]
         if not q.is_cuda:
             def attend_reference() -> Tensor:
@@ -336,6 +339,17 @@ class KVPool:
                     torch.empty(part, dtype=dtype, device=self.device))
             self._scratch[dtype] = have
         return have
+
+    def _layer(self, layer) -> int:
+        """``layer`` as an index in ``[0, layers)``, else InputError (a negative one would
+        silently pick a layer from the end)."""
+        try:
+            i = None if isinstance(layer, bool) else operator.index(layer)
+        except TypeError:
+            i = None
+        if i is None or not 0 <= i < self.k.shape[0]:
+            raise InputError(expected("layer", f"an int in [0, {self.k.shape[0]})", repr(layer)))
+        return i
 
     def _seq(self, seq, name: str) -> int:
         """``seq`` as a sequence id in ``[0, max_seqs)``, else InputError naming ``name``."""
