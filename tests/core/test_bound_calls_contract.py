@@ -1,6 +1,8 @@
-"""Review of the bound replays of marked calls (``cudagraph_rt.eager(fn, bind=...)``, the
-kernels' bound launches, ``KVPool.bind_attend``): the cases their first tests left out.
-CPU only: ``graphs="emulate"`` replays and the Triton interpreter."""
+"""The edges of the bound replays' contract (``cudagraph_rt.eager(fn, bind=...)``, the
+kernels' bound launches, ``KVPool.bind_attend``; the main cases are in test_bound_calls.py):
+which marking a bind belongs to, nested marked calls, bad binds and bad scratch refused at
+capture or bind time, replayed outputs of another shape refused, layers checked. CPU only:
+``graphs="emulate"`` replays and the Triton interpreter."""
 from __future__ import annotations
 
 import os
