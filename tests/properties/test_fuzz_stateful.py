@@ -16,8 +16,9 @@ model run unpadded at exactly T rows, through random sequences of
   the rows whose scale > 0.5; commit: rows after the step), handles held and released,
   commits fresh and stale, ``reset_stats``, ``recapture``; ``close`` at the end;
 - a piecewise runtime (``pieces=True`` over MarkedSlotModel: its first line and its state
-  write/read run as marked eager calls between three pieces per width), graphs off or
-  emulated, against the same plain reference.
+  write/read run as marked eager calls between three pieces per width; ``"bound"``: the
+  state write/read marked with a ``bind``, so replays run the bound callable), graphs off
+  or emulated, against the same plain reference.
 
 After every rule: valid steps match the reference (outputs, real KV slots, shipped rows),
 every held handle still reads its own step's rows, ``stats()`` equals an independent count,
@@ -43,7 +44,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from cudagraph_rt import (BusyError, CapacityError, CaptureError, CgrtError, GraphRuntime, HostRows, InputError,
                           StaleRowsError)
 from tests.support.ring_hooks import poison_next_slot
-from tests.support.models_for_tests import Boom, MarkedSlotModel, SlotModel, failing
+from tests.support.models_for_tests import BoundMarkedSlotModel, Boom, MarkedSlotModel, SlotModel, failing
 from tests.support.reliability_harness import ScaleChooser, bits, chosen_by_scale, commit_turn
 
 
@@ -136,14 +137,16 @@ class RuntimeMachine(RuleBasedStateMachine):
     # -- set-up ----------------------------------------------------------------------------
     @initialize(mode=st.sampled_from([None, "host", "device", "commit"]), depth=st.integers(2, 3),
                 seed=st.integers(0, 2**31 - 1), capacity=st.sampled_from([None, 140]),
-                graphs=st.sampled_from([False, "emulate"]), rows=st.sampled_from([ROWS, 64]), pieces=st.booleans(),
+                graphs=st.sampled_from([False, "emulate"]), rows=st.sampled_from([ROWS, 64]),
+                pieces=st.sampled_from([False, True, "bound"]),
                 chooser=st.sampled_from([(torch.int32, torch.int32), (torch.int64, torch.int32),
                                          (torch.int32, torch.int64), (torch.int64, torch.int64)]))
     def build(self, mode, depth, seed, capacity, graphs, rows, chooser, pieces):
         print(f"fuzz: mode={mode} depth={depth} capacity={capacity} graphs={graphs} rows={rows} "
               f"chooser={chooser} pieces={pieces} seed={seed}")
         cls = ScaleChooser if mode == "device" else SlotModel
-        stepped = (MarkedChooser if mode == "device" else MarkedSlotModel) if pieces else cls
+        marked = BoundMarkedSlotModel if pieces == "bound" else MarkedSlotModel  # "bound": eager(bind=) replays
+        stepped = (MarkedChooser if mode == "device" else marked) if pieces else cls
         kw = dict(rows_dtype=chooser[0], count_dtype=chooser[1]) if mode == "device" else {}
         self.m = failing(stepped)("cpu", H=16, n_slots=160, seed=seed % 1000, **kw)
         self.ref = cls("cpu", H=16, n_slots=160, seed=seed % 1000, **kw)
@@ -152,7 +155,7 @@ class RuntimeMachine(RuleBasedStateMachine):
         self.capacity = capacity or rows
         hr = HostRows(source="hidden", mode=mode, depth=depth, capacity=capacity) if mode else None
         self.rt = GraphRuntime(self.m, self.m.specs(), graphs=graphs, device="cpu", host_rows=hr,
-                               dynamic_limit=rows, pieces=pieces)
+                               dynamic_limit=rows, pieces=bool(pieces))
         self.graphs, self.pieces = graphs, pieces
         # the model of what the runtime should have done
         self.counts = dict(steps=0, slices=0, padding=0, commits=0)

@@ -124,6 +124,17 @@ def _state_rw(state, h, slot, read, out):
     return torch.add(h, state[read], alpha=0.5, out=out)
 
 
+def _bind_state_rw(state, h, slot, read, out):
+    """_state_rw's bind: the same ops on the recorded tensors, as a zero-argument callable."""
+    def state_rw():
+        state.index_copy_(0, slot, h)
+        return torch.add(h, state[read], alpha=0.5, out=out)
+    return state_rw
+
+
+_bound_state_rw = eager(_state_rw._cgrt_eager, bind=_bind_state_rw)  # the same call, bound at record
+
+
 class MarkedSlotModel(SlotModel):
     """SlotModel with its first line and its state write/read in calls marked
     ``cudagraph_rt.eager``: captured in pieces it runs three pieces (the feed's prologue;
@@ -131,9 +142,18 @@ class MarkedSlotModel(SlotModel):
     tensor (copied into the static one) and one writing its ``out`` in place. The same
     math, op for op, as SlotModel: the same outputs bit for bit."""
 
+    state_rw = staticmethod(_state_rw)
+
     def __call__(self, x):
         h = _scaled_rows(self.emb, x["tokens"], x["scale"])
         for w in self.ws:
             h = torch.tanh(h @ w)
-        out = _state_rw(self.state, h, x["slot"], x["read"], torch.empty_like(h))
+        out = self.state_rw(self.state, h, x["slot"], x["read"], torch.empty_like(h))
         return {"hidden": out, "tok": out.argmax(-1)}
+
+
+class BoundMarkedSlotModel(MarkedSlotModel):
+    """MarkedSlotModel whose state write/read is marked with a ``bind``: piecewise replays
+    run the bound callable, not the function (the same ops: the same outputs)."""
+
+    state_rw = staticmethod(_bound_state_rw)
