@@ -58,6 +58,7 @@ the blocks asked and free), a table update while the current stream captures a g
 """
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
@@ -306,16 +307,12 @@ class KVPool:
         this pool."""
         layer = self._layer(layer)
         kc, vc = self.k[layer], self.v[layer]
-        if not q.is_cuda:
-            def attend_reference() -> Tensor:
-                write_cells_reference(k, v, kc, vc, cells)
-                return cell_attention_reference(q, kc, vc, self.block_table, seq_ids, positions,
-                                                block_size=self.block_size, scale=scale, window=window,
-                                                slopes=slopes, bias_shift=bias_shift, out=out)
-            bind_write_cells(k, v, kc, vc, cells)  # the checks only (a reference "launch" is a plain call)
+        if not q.is_cuda:  # the checks once, then attend itself: its references are plain calls
+            bind_write_cells(k, v, kc, vc, cells)
             bind_cell_attention(q, kc, vc, self.block_table, seq_ids, positions, block_size=self.block_size,
                                 scale=scale, out=out, window=window, slopes=slopes, bias_shift=bias_shift)
-            return attend_reference
+            return functools.partial(self.attend, layer, q, k, v, seq_ids, positions, cells, scale=scale,
+                                     window=window, slopes=slopes, bias_shift=bias_shift, out=out)
         write = bind_write_cells(k, v, kc, vc, cells)
         attention = bind_cell_attention(q, kc, vc, self.block_table, seq_ids, positions, block_size=self.block_size,
                                         scale=scale, out=out, window=window, slopes=slopes, bias_shift=bias_shift,
