@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch.utils._pytree import tree_flatten
 
-from .errors import CaptureError, CgrtError
+from .errors import CaptureError, CgrtError, InputError, expected
 
 __all__ = ["eager", "step_values", "is_marked", "EagerCall", "PiecewiseGraph", "PieceLaunch", "EmulatedPieces",
            "StepValues"]
@@ -86,12 +86,10 @@ def eager(fn: Callable = _DECORATE, *, bind: Callable[..., Callable[[], Any]] | 
     bind belongs to this marking: marking the same ``fn`` again (with another bind or
     none) leaves it alone; ``fn`` may be any callable."""
     if bind is not None and not callable(bind):
-        from .errors import InputError, expected
         raise InputError(expected("eager(bind=)", "None or a callable", type(bind).__name__))
     if fn is _DECORATE:
         return lambda f: eager(f, bind=bind)
     if not callable(fn):
-        from .errors import InputError, expected
         raise InputError(expected("eager(fn)", "a callable", type(fn).__name__))
     recorded = fn if bind is None else _with_bind(fn, bind)
 
@@ -251,8 +249,7 @@ class EagerCall:
         self.bound = bind is not None  # replays run what eager(bind=) made of these arguments
         self._run = bind(*args, **kwargs) if bind is not None else functools.partial(fn, *args, **kwargs)
         if not callable(self._run):  # refused at capture, not at the first replay's call
-            from .errors import InputError, expected
-            raise InputError(expected(f"eager(bind=) of {self.name}", "a zero-argument callable as its result",
+                raise InputError(expected(f"eager(bind=) of {self.name}", "a zero-argument callable as its result",
                                       type(self._run).__name__))
 
     def replay(self) -> Any:
