@@ -9,8 +9,6 @@ seeds are printed and can be replayed with CGRT_TEST_SEED.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import torch
 
@@ -21,7 +19,7 @@ import pytest  # noqa: E402
 
 from cudagraph_rt.errors import CaptureError, InputError  # noqa: E402
 from cudagraph_rt.kernels import cell_attention as ca  # noqa: E402
-from tests.support import ROOT, SUPPORT  # noqa: E402
+from tests.support import run_compile_script  # noqa: E402
 from tests.support.seeds import seeded_rng  # noqa: E402
 
 MODE = ca.kernel_mode()
@@ -482,10 +480,7 @@ def test_kernels_compile_for_sm90_and_pipeline_their_loads():
     if torch.cuda.is_available():
         pytest.skip("the cuda tests compile the kernels for real here")
     pytest.importorskip("triton.backends.nvidia.compiler")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, str(SUPPORT / "compile_cell_attention.py")], env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = run_compile_script("compile_cell_attention.py")
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert done.stdout.count("pipelined") >= 5 and "not pipelined" not in done.stdout, done.stdout
 

@@ -11,16 +11,13 @@ in bf16 and fp32 and replay a captured launch with new x. SMALL_LINEAR_SEED=<n> 
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from cudagraph_rt.errors import CaptureError, InputError
 from cudagraph_rt.kernels import small_linear as sl
-from tests.support import ROOT, SUPPORT
+from tests.support import run_compile_script
 from tests.support.seeds import seeded_rng
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
@@ -171,10 +168,7 @@ def test_the_launches_compile_for_sm90_with_16_byte_loads():
     if torch.cuda.is_available():
         pytest.skip("the cuda tests compile the kernel for real here")
     pytest.importorskip("triton.backends.nvidia.compiler")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, str(SUPPORT / "compile_small_linear.py")], env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = run_compile_script("compile_small_linear.py")
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert done.stdout.count("ok ") >= 18 and "FAILED" not in done.stdout, done.stdout
 

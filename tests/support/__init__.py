@@ -6,7 +6,19 @@ reliability tests), ``ring_hooks`` (the host-row ring's private state), ``seeds`
 option tables), ``compile_stand_ins``; the ``compile_*`` scripts here run as child
 processes (``SUPPORT / "compile_x.py"``, ``PYTHONPATH=ROOT``).
 """
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 SUPPORT = Path(__file__).resolve().parent
 ROOT = SUPPORT.parents[1]  # the repository root
+
+
+def run_compile_script(name: str) -> subprocess.CompletedProcess:
+    """``SUPPORT / name`` in a child Python that compiles Triton kernels for real (no
+    ``TRITON_INTERPRET``), with this checkout on its path; its output as text."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, str(SUPPORT / name)], env=env, capture_output=True, text=True,
+                          timeout=300)
