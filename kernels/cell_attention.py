@@ -902,8 +902,8 @@ def bind_write_cells(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, cel
 # --------------------------------------------------------------------------------------
 def write_cells_reference(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, cells: Tensor) -> None:
     """``k_cache[cells] = k``, ``v_cache[cells] = v`` (in the caches' dtype)."""
-    k_cache.index_copy_(0, cells, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, cells, v.to(v_cache.dtype))
+    k_cache.index_copy_(0, cells.long(), k.to(k_cache.dtype))  # (index_copy_ takes int64 indices only)
+    v_cache.index_copy_(0, cells.long(), v.to(v_cache.dtype))
 
 
 def cell_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_ids: Tensor,

@@ -391,6 +391,20 @@ def test_write_cells_matches_its_reference(rng):
         assert got[untouched.to(DEV)].isnan().all(), "write_cells wrote cells it was not given"
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_write_cells_reference_takes_either_index_dtype(rng, dtype):
+    """The contract's cells are int32 or int64; the reference (the models' CPU path) takes
+    both, as the kernel does."""
+    k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    kc, vc = torch.full((6, 2, 8), float("nan")), torch.full((6, 2, 8), float("nan"))
+    cells = torch.tensor(rng.sample(range(6), 3), dtype=dtype)
+    ca.write_cells_reference(k, v, kc, vc, cells)
+    assert torch.equal(kc[cells.long()], k) and torch.equal(vc[cells.long()], v)
+    rest = torch.ones(6, dtype=torch.bool)
+    rest[cells.long()] = False
+    assert kc[rest].isnan().all() and vc[rest].isnan().all()
+
+
 @needs_kernel
 def test_write_cells_casts_to_the_cache_dtype(rng):
     k, v = torch.randn(3, 2, 16, device=DEV), torch.randn(3, 2, 16, device=DEV)
