@@ -16,12 +16,17 @@ def test_quick_writes_every_section(tmp_path, capsys):
     assert {r["width"] for r in res["extents"]} == {1, 4}
     assert all(k["status"] == "ok" and k["max_err"] < 1e-4 for k in kernels if "max_err" in k), kernels
     assert all("us" in k for k in kernels)
+    assert [(b["width"], b["extent"]) for b in res["batch"]] == [(3, 12)]
+    assert res["batch"][0]["kernel"]["status"] == "ok" and res["batch"][0]["one_sequence"]["status"] == "ok"
+    ceiling = res["ceiling"][0]
+    assert ceiling["extent"] == 24 and ceiling["status"] == "ok" and ceiling["us"] > 0
+    assert ceiling["floor_us"] == res["extents"][0]["floor_us"]  # the same live bytes as the kernel's extent
     tried = res["candidates"][0]["tried"]
     assert {t["knob"] for t in tried} >= {"default", "splits", "min_chunk", "tile_n"}
     assert all(t["status"] == "ok" and t["max_err"] < 1e-4 for t in tried), tried
     assert {t["plan"]["splits"] for t in tried} >= {1, 3}  # the one-split kernel and the merging one
     out = capsys.readouterr().out
-    assert "cell attention, 16-layer loop" in out
+    assert "cell attention, 16-layer loop" in out and "ceiling at 24 cells" in out
     goals = out[out.index("== goals"):].splitlines()
     assert any(line.split()[0] == "w4@24" and ("pass" in line or "MISS" in line) for line in goals[2:]), goals
 
@@ -47,3 +52,24 @@ def test_the_kv_floor_counts_k_and_v_of_every_layer():
         itemsize = torch.empty((), dtype=dtype).element_size()
         live_bytes = layers * seqs * extent * hkv * d * itemsize * 2  # K and V
         assert wl.floor_us() == live_bytes / HBM_BYTES_PER_S * 1e6
+
+
+def test_quick_without_the_interpreter_says_what_to_set():
+    """Started without TRITON_INTERPRET on a machine without a GPU, Triton has chosen
+    compiled kernels before main() runs: the bench says so and exits 2, instead of every
+    kernel failing to launch."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+    import pytest
+
+    from tests.support import ROOT
+    if torch.cuda.is_available():
+        pytest.skip("a GPU machine runs the full bench")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    p = subprocess.run([sys.executable, "-m", "cudagraph_rt.tools.bench.attention", "--quick"], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and "TRITON_INTERPRET=1" in p.stderr, (p.returncode, p.stderr[-500:])

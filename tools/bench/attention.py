@@ -2,7 +2,7 @@
 device time of the 16-layer loop against the KV-read floor and torch SDPA (issue 23).
 
     PYTHONPATH=. python3 -m cudagraph_rt.tools.bench.attention --json OUT.json [--budget 60]
-    PYTHONPATH=. python3 -m cudagraph_rt.tools.bench.attention --quick --json OUT.json   # CPU smoke run
+    TRITON_INTERPRET=1 PYTHONPATH=. python3 -m cudagraph_rt.tools.bench.attention --quick --json OUT.json  # CPU
 
 Sections (all in the JSON; the tables last on stdout):
 
@@ -12,6 +12,12 @@ Sections (all in the JSON; the tables last on stdout):
   exactly the live cells (contiguous K/V, the best case), each relative to the faster.
 * ``many``: width 64 = 64 sequences of one row at 1k cells each, against its floor (and
   SDPA over the 64 contiguous contexts).
+* ``batch``: small decode batches, widths 4 and 8 = that many sequences of one row at
+  128 and 1k cells each (the steps of an engine serving a few sequences), beside the
+  same widths as one sequence's verify rows.
+* ``ceiling``: what the floor leaves to a kernel at all: a plain streaming read of the
+  same live K and V bytes of each layer, laid out contiguously (no block table, no
+  arithmetic), in the same 16-layer loop and timer, at the goal extents (8k, 32k).
 * ``pool``: one sequence of 128 live cells in a 4,096-cell and a 262,144-cell pool
   (16 x 256 and 64 x 4,096), widths 1 and 8: the times should match.
 * ``candidates``: the goal cases (widths 1 and 8 at 8k and 32k, width 64 at 1k), each
@@ -76,6 +82,8 @@ class Sizes:
     pools: tuple[tuple[int, int], ...]  # (max sequences, max length) per pool
     pool_live: int
     cases: tuple[Case, ...]
+    batch: tuple[tuple[int, int], ...] = ((4, 128), (8, 128), (4, 1024), (8, 1024))  # (sequences, cells each)
+    ceiling: tuple[int, ...] = (8192, 32768)  # extents of the streaming read
     block_size: int = 16
     pool_widths: tuple[int, ...] = (1, 8)
     reps: int = 15
@@ -93,7 +101,7 @@ FULL = Sizes(
 QUICK = Sizes(
     Shape(1, 4, 2, 16, torch.float32), (24,), (1, 4), (3, 16), ((2, 16), (4, 64)), 12,
     (Case("w4@24", 4, 1, 24, (("splits", 1), ("splits", 3), ("min_chunk", 16), ("tile_n", 32))),),
-    block_size=4, pool_widths=(1,), reps=1, splits=2,
+    batch=((3, 12),), ceiling=(24,), block_size=4, pool_widths=(1,), reps=1, splits=2,
 )
 
 
@@ -302,6 +310,40 @@ class Bench:
         seqs, extent = self.sizes.many
         return {"width": seqs, "extent": extent, **self.against_sdpa(self.workload(seqs, seqs, extent))}
 
+    def batch(self) -> list[dict]:
+        rows = []
+        for seqs, extent in self.sizes.batch:
+            spread = self.against_sdpa(self.workload(seqs, seqs, extent))
+            one = self.kernel(self.workload(seqs, 1, extent))
+            rows.append({"width": seqs, "extent": extent, **spread, "one_sequence": one,
+                         "over_one_sequence": spread["kernel"].get("us", 0) / max(one.get("us", 1e-9), 1e-9)})
+        return rows
+
+    def ceiling(self) -> list[dict]:
+        """The streaming read of each goal extent's live K and V bytes (see the module
+        docstring): time and x floor, per extent."""
+        from .stream_read import stream_read
+
+        s = self.sizes.shape
+        rows = []
+        for extent in self.sizes.ceiling:
+            n = extent * s.Hkv * s.D * 2  # K and V of one layer
+            layers = [torch.randn(n, device=self.device).to(s.dtype) for _ in range(s.layers)]
+            out = torch.zeros(n, dtype=s.dtype, device=self.device)
+            block = 8192
+            warps = {"num_warps": 8} if self.device.type == "cuda" else {}
+
+            def run(layers=layers, out=out, n=n):
+                for x in layers:
+                    stream_read[(-(-n // block),)](x, out, n, 1e4, BLOCK=block, **warps)  # randn never reaches 1e4
+            us = self.timer(run)
+            ok = not out.any()  # and out is where a lost mask would show
+            floor = n * torch.finfo(s.dtype).bits // 8 * s.layers / HBM_BYTES_PER_S * 1e6
+            rows.append({"extent": extent, "us": us, "floor_us": floor, "x_floor": us / floor,
+                         "status": "ok" if ok else "WRONG"})
+            del layers
+        return rows
+
     def pool(self) -> list[dict]:
         rows = []
         for width in self.sizes.pool_widths:
@@ -380,6 +422,13 @@ def print_extents(res: dict) -> None:
     if m:
         print(f"width {m['width']} ({m['width']} seqs x {m['extent']}): kernel {_us(m['kernel'])} us, floor "
               f"{m['floor_us']:.1f} us ({m['kernel_over_floor']:.2f}x), sdpa {m['sdpa_us']:.1f} us")
+    for b in res.get("batch", []):
+        print(f"batch of {b['width']} sequences x {b['extent']}: kernel {_us(b['kernel'])} us "
+              f"({b['kernel_over_floor']:.1f}x floor, {b['over_one_sequence']:.2f}x one sequence's {b['width']} rows), "
+              f"sdpa {b['sdpa_us']:.1f} us")
+    for c in res.get("ceiling", []):
+        print(f"ceiling at {c['extent']} cells: a streaming read of the live K/V bytes {c['us']:.1f} us = "
+              f"{c['x_floor']:.2f}x the floor ({c['status']})")
     for p in res.get("pool", []):
         print(f"pool scaling, width {p['width']}: " + ", ".join(f"{c} cells {_us(k)} us" for c, k in
                                                               zip(p["pools"], p["kernel"])) + f" ({p['ratio']:.2f}x)")
@@ -438,7 +487,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="write every number here")
     p.add_argument("--quick", action="store_true", help="tiny shapes (the interpreter without a GPU), for CI")
     p.add_argument("--budget", type=float, default=60.0, help="seconds for the candidates (from their start)")
-    p.add_argument("--sections", default="extents,many,pool,candidates")
+    p.add_argument("--sections", default="extents,many,batch,pool,ceiling,candidates")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         if not a.quick:
@@ -448,6 +497,12 @@ def main(argv=None) -> int:
     from cudagraph_rt.kernels import cell_attention as ca
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and ca.kernel_mode() != "interpreter":
+        # Triton chose compiled kernels when the bench package imported it, before main():
+        # without a GPU every kernel would fail to launch.
+        print("bench_attention --quick: expected TRITON_INTERPRET=1 in the environment when Python starts "
+              f"(the Triton interpreter on a CPU), got kernel mode {ca.kernel_mode()!r}", file=sys.stderr)
+        return 2
     sizes = QUICK if a.quick else FULL
     bench = Bench(ca, sizes, device, a.budget)
     res = {"meta": {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
