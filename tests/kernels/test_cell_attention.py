@@ -16,6 +16,8 @@ if not torch.cuda.is_available():  # normally tests/conftest.py's job; must prec
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 from cudagraph_rt.errors import CaptureError, InputError  # noqa: E402
 from cudagraph_rt.kernels import cell_attention as ca  # noqa: E402
@@ -166,6 +168,38 @@ def count_tile_steps(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(ca, "_attend_tile", counting)
     return steps
+
+
+@needs_kernel
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+          phases=[Phase.explicit, Phase.reuse, Phase.generate])
+@given(data=st.data())
+def test_random_tiles_and_plans(data):
+    """Random steps against the reference and the float64 loop: up to 8 rows of up to 4
+    sequences (runs of consecutive positions, any order, padding rows), in tiles of 1 to
+    8 rows served by 1 to R programs, 1 to 12 splits, GQA, windows and position biases,
+    shared blocks (fresh seeds each example); the split counters end zero."""
+    import random
+
+    rng = random.Random(data.draw(st.integers(0, 2**31 - 1), label="seed"))
+    rows = []
+    for _ in range(data.draw(st.integers(1, 8), label="rows")):
+        s = data.draw(st.integers(-1, 3), label="seq")
+        mine = [p for t, p in rows if t == s]
+        p = mine[-1] + 1 if mine and s >= 0 else data.draw(st.integers(0, 31), label="position")
+        rows.append((s, min(p, 31)))
+    rng.shuffle(rows)
+    G = data.draw(st.sampled_from([1, 2, 4]), label="G")
+    pb = Problem(rng, rows, Hq=2 * G, Hkv=2, fork=data.draw(st.sampled_from([0, 3]), label="shared blocks"))
+    R = data.draw(st.sampled_from([1, 2, 4, 8]), label="rows per tile")
+    plan = small(rows=R, programs=data.draw(st.integers(1, R), label="programs"),
+                 splits=data.draw(st.integers(1, 12), label="splits"), min_chunk=data.draw(st.sampled_from([1, 16])))
+    kw = dict(scale=0.3, window=data.draw(st.sampled_from([None, 1, 3, 20]), label="window"))
+    if data.draw(st.booleans(), label="bias"):
+        kw.update(slopes=torch.rand(pb.Hq, device=DEV), bias_shift=data.draw(st.sampled_from([0, 1])))
+    counters = ca.new_attention_counters(DEV, 256)
+    check(pb, plan, counters=counters, **kw)
+    assert not counters.any(), "the counters must be zero after the launch"
 
 
 @needs_kernel
