@@ -311,12 +311,13 @@ class Bench:
         return {"width": seqs, "extent": extent, **self.against_sdpa(self.workload(seqs, seqs, extent))}
 
     def batch(self) -> list[dict]:
+        """Small decode batches (see the module docstring) beside one sequence's rows."""
         rows = []
         for seqs, extent in self.sizes.batch:
-            spread = self.against_sdpa(self.workload(seqs, seqs, extent))
-            one = self.kernel(self.workload(seqs, 1, extent))
-            rows.append({"width": seqs, "extent": extent, **spread, "one_sequence": one,
-                         "over_one_sequence": spread["kernel"].get("us", 0) / max(one.get("us", 1e-9), 1e-9)})
+            res = self.against_sdpa(self.workload(seqs, seqs, extent))  # seqs sequences, a row each
+            one = self.kernel(self.workload(seqs, 1, extent))  # as many rows of one sequence
+            rows.append({"width": seqs, "extent": extent, **res, "one_sequence": one,
+                         "over_one_sequence": res["kernel"].get("us", 0) / max(one.get("us", 1e-9), 1e-9)})
         return rows
 
     def ceiling(self) -> list[dict]:
@@ -337,7 +338,7 @@ class Bench:
                 for x in layers:
                     stream_read[(-(-n // block),)](x, out, n, 1e4, BLOCK=block, **warps)  # randn never reaches 1e4
             us = self.timer(run)
-            ok = not out.any()  # and out is where a lost mask would show
+            ok = not out.any()  # nothing equals 1e4: a store that lost its mask would show here
             floor = n * torch.finfo(s.dtype).bits // 8 * s.layers / HBM_BYTES_PER_S * 1e6
             rows.append({"extent": extent, "us": us, "floor_us": floor, "x_floor": us / floor,
                          "status": "ok" if ok else "WRONG"})
@@ -500,8 +501,8 @@ def main(argv=None) -> int:
     if device.type == "cpu" and ca.kernel_mode() != "interpreter":
         # Triton chose compiled kernels when the bench package imported it, before main():
         # without a GPU every kernel would fail to launch.
-        print("bench_attention --quick: expected TRITON_INTERPRET=1 in the environment when Python starts "
-              f"(the Triton interpreter on a CPU), got kernel mode {ca.kernel_mode()!r}", file=sys.stderr)
+        print("bench_attention --quick: expected the Triton interpreter on a CPU (triton installed and "
+              f"TRITON_INTERPRET=1 set when Python starts), got kernel mode {ca.kernel_mode()!r}", file=sys.stderr)
         return 2
     sizes = QUICK if a.quick else FULL
     bench = Bench(ca, sizes, device, a.budget)
