@@ -2,8 +2,15 @@
 kernels in the interpreter) and writes every section, each kernel result checked against
 SDPA by the bench itself; the goal table names each goal case with pass or miss."""
 import json
+import os
+import subprocess
+import sys
 
-from cudagraph_rt.tools.bench.attention import FULL, main
+import pytest
+import torch
+
+from cudagraph_rt.tools.bench.attention import FULL, HBM_BYTES_PER_S, Shape, Workload, main
+from tests.support import ROOT
 
 
 def test_quick_writes_every_section(tmp_path, capsys):
@@ -43,9 +50,6 @@ def test_the_kv_floor_counts_k_and_v_of_every_layer():
     """The floor (module docstring): live K and V bytes of all layers at the nominal HBM
     bandwidth. A floor that counts K only halves it, and every kernel would look twice as
     far from it as it is."""
-    import torch
-
-    from cudagraph_rt.tools.bench.attention import HBM_BYTES_PER_S, Shape, Workload
     for layers, hkv, d, dtype, seqs, extent in [(1, 2, 16, torch.float32, 1, 24), (3, 1, 8, torch.float16, 2, 40)]:
         wl = Workload(Shape(layers, 2 * hkv, hkv, d, dtype), width=2 * seqs, seqs=seqs, extent=extent,
                       max_seqs=seqs, max_len=64, block_size=8, device="cpu")
@@ -58,14 +62,6 @@ def test_quick_without_the_interpreter_says_what_to_set():
     """Started without TRITON_INTERPRET on a machine without a GPU, Triton has chosen
     compiled kernels before main() runs: the bench says so and exits 2, instead of every
     kernel failing to launch."""
-    import os
-    import subprocess
-    import sys
-
-    import torch
-    import pytest
-
-    from tests.support import ROOT
     if torch.cuda.is_available():
         pytest.skip("a GPU machine runs the full bench")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
