@@ -307,4 +307,14 @@ CATALOGUE: tuple[Mutation, ...] = (
       "block_size, scale, bias_shift, None)",
       "the bound attention drops its sliding window: every bound launch attends the whole context",
       BOUND + ATTN),
+    # ---------------------------------------------------------------- references and benches
+    M(55, "attention reference", "kernels/cell_attention.py",
+      "k_cache.index_copy_(0, cells.long(), k.to(k_cache.dtype))  # (index_copy_ takes int64 indices only)",
+      "k_cache.index_copy_(0, cells, k.to(k_cache.dtype))  # (index_copy_ takes int64 indices only)",
+      "the index passed as given: int32 cells, which the contract allows, fail on the CPU path", ATTN),
+    M(56, "bench statistics", "tools/bench/attention.py",
+      'if device.type == "cpu" and ca.kernel_mode() != "interpreter":',
+      'if False:',
+      "the interpreter check dropped: --quick started without TRITON_INTERPRET fails in every kernel "
+      "and still exits 0", BENCH),
 )
