@@ -19,6 +19,7 @@ setup(
         "cudagraph_rt.kernels",
         "cudagraph_rt.tools",
         "cudagraph_rt.tools.bench",
+        "cudagraph_rt.tools.bench.experiments",
         "cudagraph_rt.tools.demo",
         "cudagraph_rt.tools.sweep",
     ],
