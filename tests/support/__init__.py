@@ -15,10 +15,14 @@ SUPPORT = Path(__file__).resolve().parent
 ROOT = SUPPORT.parents[1]  # the repository root
 
 
-def run_compile_script(name: str) -> subprocess.CompletedProcess:
-    """``SUPPORT / name`` in a child Python that compiles Triton kernels for real (no
+def run_compiled(*args: str) -> subprocess.CompletedProcess:
+    """``python args...`` in a child whose Triton compiles kernels for real (no
     ``TRITON_INTERPRET``), with this checkout on its path; its output as text."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, str(SUPPORT / name)], env=env, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=300)
+
+
+def run_compile_script(name: str) -> subprocess.CompletedProcess:
+    """``SUPPORT / name`` through :func:`run_compiled`."""
+    return run_compiled(str(SUPPORT / name))

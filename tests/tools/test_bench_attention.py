@@ -2,15 +2,12 @@
 kernels in the interpreter) and writes every section, each kernel result checked against
 SDPA by the bench itself; the goal table names each goal case with pass or miss."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from cudagraph_rt.tools.bench.attention import FULL, HBM_BYTES_PER_S, Shape, Workload, main
-from tests.support import ROOT
+from tests.support import run_compiled
 
 
 def test_quick_writes_every_section(tmp_path, capsys):
@@ -64,8 +61,5 @@ def test_quick_without_the_interpreter_says_what_to_set():
     kernel failing to launch."""
     if torch.cuda.is_available():
         pytest.skip("a GPU machine runs the full bench")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    p = subprocess.run([sys.executable, "-m", "cudagraph_rt.tools.bench.attention", "--quick"], env=env,
-                       capture_output=True, text=True, timeout=300)
+    p = run_compiled("-m", "cudagraph_rt.tools.bench.attention", "--quick")
     assert p.returncode == 2 and "TRITON_INTERPRET=1" in p.stderr, (p.returncode, p.stderr[-500:])
