@@ -112,6 +112,13 @@ def _cdiv(a: int, b: int) -> int:
 # --------------------------------------------------------------------------------------
 # Workloads and timing
 # --------------------------------------------------------------------------------------
+def kv_floor_us(shape: Shape, cells: int) -> float:
+    """The KV-read floor: the K and V bytes of ``cells`` live cells in every layer at the
+    nominal HBM bandwidth, in microseconds."""
+    live = cells * shape.Hkv * shape.D * torch.finfo(shape.dtype).bits // 8 * 2
+    return live * shape.layers / HBM_BYTES_PER_S * 1e6
+
+
 class Workload:
     """``layers`` layers of one pool of ``max_seqs`` x ``max_len`` cells (+ the scratch
     block), every block of the table a distinct random block; ``seqs`` sequences of
@@ -137,9 +144,7 @@ class Workload:
         self.scale = shape.D ** -0.5
 
     def floor_us(self) -> float:
-        s = self.shape
-        live = self.seqs * self.extent * s.Hkv * s.D * torch.finfo(s.dtype).bits // 8 * 2
-        return live * s.layers / HBM_BYTES_PER_S * 1e6
+        return kv_floor_us(self.shape, self.seqs * self.extent)
 
     def kernel_fn(self, ca, plan):
         def run():
@@ -339,7 +344,7 @@ class Bench:
                     stream_read[(-(-n // block),)](x, out, n, 1e4, BLOCK=block, **warps)  # randn never reaches 1e4
             us = self.timer(run)
             ok = not out.any()  # nothing equals 1e4: a store that lost its mask would show here
-            floor = n * torch.finfo(s.dtype).bits // 8 * s.layers / HBM_BYTES_PER_S * 1e6
+            floor = kv_floor_us(s, extent)
             rows.append({"extent": extent, "us": us, "floor_us": floor, "x_floor": us / floor,
                          "status": "ok" if ok else "WRONG"})
             del layers
