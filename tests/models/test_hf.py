@@ -430,6 +430,7 @@ def test_bench_quick_runs_every_section(tmp_path):
     import json
 
     from cudagraph_rt import cli
+    from cudagraph_rt.tools.bench import hf as bench_hf
 
     out = tmp_path / "b.json"
     assert cli.main(["bench", "--model", "hf:llama", "--quick", "--json", str(out)]) in (0, 1)
@@ -437,6 +438,10 @@ def test_bench_quick_runs_every_section(tmp_path):
     assert r["greedy"]["status"] == "ok" and r["spec"]["status"] == "ok" and r["compiled"]["status"] == "skipped"
     assert "floor" in r["compiled"]["reason"] and "floor" not in r["compiled"]
     assert r["spec"]["spec"]["check_ok"] and r["spec"]["greedy"]["check_ok"]
+    # the timed spec run follows plans from untimed spec runs: each pass is reported, and on
+    # fp32 (no near-ties) the plans hold, so the timed run re-plans nothing
+    assert len(r["spec"]["plan_passes"]) == bench_hf.SPEC_PLAN_PASSES and r["spec"]["spec"]["replans"] == 0
+    assert 0 < r["spec"]["draft_acceptance"] < 1 and r["spec"]["spec"]["accepted"] > 0
     assert r["greedy"]["rows"][0]["agree_with_eager"] == r["meta"]["new"]  # fp32: the same tokens as generate
     assert r["goals"] == []
     assert cli.main(["bench", "--model", "hf:gpt2"]) == 2
