@@ -58,9 +58,9 @@ How the kernel does it (ONE launch: the splits of a context merge inside it):
   increments the counter of (tile, program, KV head, group) (acq_rel, after a barrier);
   the one that sees ``arrivals - 1`` resets the counter to 0 and merges every sub-split
   of its lanes: the largest log-sum-exp, every sub-split weighted by ``exp2(lse - max)``,
-  in order (the result does not depend on which came last). The counters are zero again when the launch ends, so a
-  captured graph replays them as they are. Program 0, split 0 of a tile writes the
-  padding rows' zeros.
+  in order (the result does not depend on which came last). The counters are zero again
+  when the launch ends, so a captured graph replays them as they are. Program 0, split 0
+  of a tile writes the padding rows' zeros.
 * Offsets into the caches are 64-bit (cells * Hkv * D passes 2**31 in big pools); D is
   padded to a power of two >= 16 with masks.
 
