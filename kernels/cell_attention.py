@@ -32,7 +32,12 @@ How the kernel does it (ONE launch: the splits of a context merge inside it):
   A group's rows and the G query heads of the program's KV head are the ``R * G`` lanes
   of one tile, so a verify step (k+1 rows of one sequence) reads each K/V cell once per
   KV head. Padding rows (seq -1) join no group and read nothing.
-* A group reads the positions ``[min lo, max p]`` of its rows. Split ``k`` takes the k-th
+* The ``splits`` programs of a (tile, program, KV head) are shared out among that
+  program's groups on the device: with n groups and W = min(splits, n), split s serves
+  groups s mod W, s mod W + W, ..., each in sub-split s div W of ceil((splits - s mod W)
+  / W). One sequence's rows (a verify step) get all the splits; a few sequences' decode
+  rows in one tile each get their share instead of waiting for one program in turn.
+* A group reads the positions ``[min lo, max p]`` of its rows. Sub-split ``k`` takes the k-th
   share of that range, computed on the device from the group's own length (at least
   ``min_chunk`` positions, whole tiles of ``tile_n``), so a short context leaves the
   later splits without work: those programs exit after one look at the tile's rows. A
@@ -45,17 +50,17 @@ How the kernel does it (ONE launch: the splits of a context merge inside it):
   the pipeline a stage: one tile in flight, the loop latency-bound). V is loaded beside
   K, before the softmax math.
 * Online softmax in base 2 (fp32 running max and sum, guarded for all-masked lanes).
-* The splits merge in the kernel. Each (tile, program, KV head) triple counts the splits
-  with work for any of its groups (``arrivals``, the same number in every program of the
-  triple, computed from the rows). With one, that split writes the output directly (no
-  scratch, no counter). Otherwise each such split stores its lanes' log-sum-exp (fp32)
-  and normalised output (in the output's dtype, fp32 for fp32) and increments the
-  triple's counter (acq_rel, after a barrier); the one that sees ``arrivals - 1`` resets
-  the counter to 0 and merges every split of its lanes: the largest log-sum-exp, every
-  split weighted by ``exp2(lse - max)``, in split order (the result does not depend on
-  which split came last). The counters are zero again when the launch ends, so a
-  captured graph replays them as they are. Program 0, split 0 of a tile writes the
-  padding rows' zeros.
+* The sub-splits merge in the kernel. The programs serving a group count its sub-splits
+  with work (``arrivals``, the same number in each of them, computed from the rows; more
+  than one only when a program serves that one group). With one, that program writes
+  the output directly (no scratch, no counter). Otherwise each stores its lanes'
+  log-sum-exp (fp32) and normalised output (in the output's dtype, fp32 for fp32) and
+  increments the counter of (tile, program, KV head, group) (acq_rel, after a barrier);
+  the one that sees ``arrivals - 1`` resets the counter to 0 and merges every sub-split
+  of its lanes: the largest log-sum-exp, every sub-split weighted by ``exp2(lse - max)``,
+  in order (the result does not depend on which came last). The counters are zero again
+  when the launch ends, so a captured graph replays them as they are. Program 0, split 0
+  of a tile writes the padding rows' zeros.
 * Offsets into the caches are 64-bit (cells * Hkv * D passes 2**31 in big pools); D is
   padded to a power of two >= 16 with masks.
 
@@ -141,7 +146,7 @@ MAX_SPLITS = 64
 TARGET_PROGRAMS = 256  # programs per launch: one wave at the 3 per SM that fit (142 registers, 70 KB)
 MERGE_LANE_SPLITS = 1024  # lanes x splits the last split reads at most (its merge is one program's)
 MERGE_ELEMENTS_PER_THREAD = 128  # of one merge step (lanes x splits x D over the threads), at most 16 splits
-COUNTERS = 1 << 16  # arrival counters per buffer: grids of up to 65,536 (tile, program, KV head)
+COUNTERS = 1 << 16  # arrival counters per buffer: (tile, program, KV head, row slot) of grids up to 65,536
 
 
 def _next_pow2(n: int) -> int:
@@ -235,13 +240,16 @@ if triton is not None:
         return start, end, tl.maximum(tl.cdiv(span, chunk), 0)
 
     @triton.jit
-    def _owned(seq, s_row, leader, rank, p, P: tl.constexpr):
+    def _served(seq, s_row, leader, rank, p, W, i0, P: tl.constexpr, BLOCK_R: tl.constexpr):
         """Per element of ``seq`` (the sequences of rows or lanes of the tile): whether
-        program p serves it (its group's rank - 1 is p modulo P; never for padding)."""
+        this program serves it: its group k (the leader's rank - 1) is program p's
+        (k = p modulo P) and, of p's groups, one of those this split takes (index i0
+        modulo W, see :func:`_tile_rows`); never for padding."""
         own = seq >= 0
-        if P > 1:
+        if BLOCK_R > 1:  # one row slot: one group at most, always this program's
             grp = tl.max(tl.where((s_row[None, :] == seq[:, None]) & leader[None, :], rank[None, :], 0), 1)
-            own = own & ((grp - 1) % P == p)
+            k = grp - 1
+            own = own & (grp > 0) & (k % P == p) & ((k // P) % W == i0)
         return own
 
     @triton.jit
@@ -251,8 +259,16 @@ if triton is not None:
         """The tile's rows grouped by sequence, per row slot: its sequence (-1 outside N,
         for padding and for ids past the block table), whether it leads its group (the
         group's first row in the tile), the leaders' running count (group k's leader has
-        rank k + 1), its group's positions [lo, hi] (0, -1 for padding). And the
-        arrivals: how many splits have work for the groups program p serves (0: none)."""
+        rank k + 1), its group's positions [lo, hi] (0, -1 for padding).
+
+        And this split's share: program p's groups (k = p, p + P, ...: n of them) take
+        the ``splits`` programs of (tile, p, KV head) between them, on the device: with
+        W = min(splits, n), split s serves p's groups i0, i0 + W, ... (i0 = s mod W), each
+        in sub-split j = s div W of S = ceil((splits - i0) / W). So several sequences'
+        rows in one tile (a small decode batch) spread over the splits, and a tile of
+        one sequence's rows (a verify step) splits its context ``splits`` ways. The
+        arrivals: how many of the S sub-splits have work for the groups served (0: none;
+        more than 1 only when one group is served, W = n)."""
         ri = tl.arange(0, BLOCK_R)
         rows = tile * R + ri
         ok = (ri < R) & (rows < N)
@@ -265,9 +281,14 @@ if triton is not None:
         rank = tl.cumsum(leader.to(tl.int32), 0)
         hi = tl.where(s >= 0, tl.max(tl.where(same, pos[None, :], -1), 1), -1)
         lo = tl.where(s >= 0, tl.min(tl.where(same, lo[None, :], 2147483647), 1), 0)
-        _, _, count = _split_range(lo, hi, split, splits, min_chunk, TILE_N)
-        arrivals = tl.max(tl.where(_owned(s, s, leader, rank, p, P), count, 0), 0)
-        return s, leader, rank, lo, hi, arrivals
+        groups = tl.max(rank, 0)
+        n = tl.where(groups > p, (groups - p + P - 1) // P, 0)
+        W = tl.maximum(tl.minimum(splits, n), 1)
+        i0, j = split % W, split // W
+        S = (splits - i0 + W - 1) // W
+        _, _, count = _split_range(lo, hi, j, S, min_chunk, TILE_N)
+        arrivals = tl.max(tl.where(leader & _served(s, s, leader, rank, p, W, i0, P, BLOCK_R), count, 0), 0)
+        return s, leader, rank, lo, hi, arrivals, W, i0, j, S
 
     @triton.jit
     def _tile_lanes(seq_ptr, pos_ptr, s_seq, s_pos, tile, kvh, N, num_seqs, window, G: tl.constexpr,
@@ -341,13 +362,14 @@ if triton is not None:
 
     @triton.jit
     def _serve_groups(q_ptr, k_ptr, v_ptr, bt_ptr, slope_ptr, rows, heads, lanes, seq, pos, lo, s_row, leader, rank,
-                      g_lo, g_hi, p, kvh, split, splits, min_chunk, num_blocks, table_width, scale2, bias_shift,
+                      g_lo, g_hi, p, kvh, W, i0, j, S, min_chunk, num_blocks, table_width, scale2, bias_shift,
                       s_qn, s_qh, s_kc, s_kh, s_vc, s_vh, s_bt,
                       D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, P: tl.constexpr,
                       TILE_N: tl.constexpr, CHUNK_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                       HAS_WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr):
-        """Groups p, p + P, ... of the tile, one after the other, into one set of lanes:
-        this split's share of each group's range, read once for all its lanes."""
+        """The groups this split serves (:func:`_tile_rows`: p + P (i0 + W t) for t = 0, 1,
+        ...), one after the other, into one set of lanes: sub-split j of S of each
+        group's range, read once for all its lanes."""
         d = tl.arange(0, BLOCK_D)
         q = tl.load(q_ptr + rows.to(tl.int64)[:, None] * s_qn + heads[:, None] * s_qh + d[None, :],
                     mask=(lanes & (seq >= 0))[:, None] & (d < D)[None, :], other=0.0).to(k_ptr.dtype.element_ty)
@@ -358,11 +380,11 @@ if triton is not None:
         l = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         k_head, v_head = k_ptr + kvh.to(tl.int64) * s_kh, v_ptr + kvh.to(tl.int64) * s_vh
-        for k in range(p, tl.max(rank, 0), P):
+        for k in range(p + P * i0, tl.max(rank, 0), P * W):
             first = leader & (rank == k + 1)
             seq_k = tl.max(tl.where(first, s_row, -1), 0)  # group k's sequence and range
             lo_k, hi_k = tl.max(tl.where(first, g_lo, 0), 0), tl.max(tl.where(first, g_hi, -1), 0)
-            start, end, _ = _split_range(lo_k, hi_k, split, splits, min_chunk, TILE_N)
+            start, end, _ = _split_range(lo_k, hi_k, j, S, min_chunk, TILE_N)
             pos_g = tl.where(lanes & (seq == seq_k), pos, -1)
             m, l, acc = _attend_share(q, m, l, acc, k_head, v_head, bt_ptr + seq_k.to(tl.int64) * s_bt, start, end,
                                       lo_k, hi_k, pos_g, lo, slope2, bias_shift, scale2, num_blocks, table_width,
@@ -419,20 +441,22 @@ if triton is not None:
 
     @triton.jit
     def _arrive_and_merge(out_ptr, pm_ptr, pacc_ptr, cnt_ptr, seq_ptr, pos_ptr, s_seq, s_pos, s_row, leader, rank,
-                          tile, p, kvh, arrivals, N, Hq, splits, num_seqs, s_on, s_oh,
+                          tile, p, kvh, W, i0, arrivals, N, Hq, splits, num_seqs, s_on, s_oh,
                           G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
-                          BLOCK_G: tl.constexpr, R: tl.constexpr, P: tl.constexpr, MERGE_CHUNK: tl.constexpr):
-        """After this split's partials are stored: count it in (tile, program, KV head)'s
-        counter; the last of the ``arrivals`` resets the counter to 0 and merges the
-        triple's lanes (the barrier first: every thread's stores precede the release)."""
+                          BLOCK_G: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, P: tl.constexpr,
+                          MERGE_CHUNK: tl.constexpr):
+        """After this sub-split's partials are stored: count it in the counter of (tile,
+        program, KV head, the one group served: i0); the last of the ``arrivals`` resets
+        the counter to 0 and merges the group's lanes (the barrier first: every thread's
+        stores precede the release)."""
         tl.debug_barrier()
-        counter = cnt_ptr + tl.program_id(0) * tl.num_programs(1) + kvh
+        counter = cnt_ptr + (tl.program_id(0) * tl.num_programs(1) + kvh) * BLOCK_R + i0
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == arrivals - 1:
             tl.atomic_xchg(counter, 0)
             tl.debug_barrier()
             rows, lanes, seq, heads, _, _ = _tile_lanes(seq_ptr, pos_ptr, s_seq, s_pos, tile, kvh, N, num_seqs, 0, G,
                                                         R, BLOCK_L, BLOCK_G, False)
-            own = lanes & _owned(seq, s_row, leader, rank, p, P)
+            own = lanes & _served(seq, s_row, leader, rank, p, W, i0, P, BLOCK_R)
             _merge_splits(out_ptr, pm_ptr, pacc_ptr, rows, heads, own, arrivals, splits, Hq, s_on, s_oh, D, BLOCK_D,
                           BLOCK_L, MERGE_CHUNK)
 
@@ -458,30 +482,30 @@ if triton is not None:
     ):
         tile, p = tl.program_id(0) // P, tl.program_id(0) % P
         kvh, split = tl.program_id(1), tl.program_id(2)
-        s_row, leader, rank, g_lo, g_hi, arrivals = _tile_rows(seq_ptr, pos_ptr, s_seq, s_pos, tile, p, N, num_seqs,
-                                                               window, split, splits, min_chunk, R, BLOCK_R, P,
-                                                               TILE_N, HAS_WINDOW)
+        s_row, leader, rank, g_lo, g_hi, arrivals, W, i0, j, S = _tile_rows(seq_ptr, pos_ptr, s_seq, s_pos, tile, p, N,
+                                                                            num_seqs, window, split, splits, min_chunk,
+                                                                            R, BLOCK_R, P, TILE_N, HAS_WINDOW)
         if (p == 0) & (split == 0):
             _store_padding(out_ptr, seq_ptr, pos_ptr, s_seq, s_pos, tile, kvh, N, num_seqs, s_on, s_oh, G, D, BLOCK_D,
                            BLOCK_L, BLOCK_G, R)
-        if split < arrivals:  # a program without work reads nothing more
+        if j < arrivals:  # a program without work reads nothing more
             rows, lanes, seq, heads, pos, lo = _tile_lanes(seq_ptr, pos_ptr, s_seq, s_pos, tile, kvh, N, num_seqs,
                                                            window, G, R, BLOCK_M, BLOCK_G, HAS_WINDOW)
             m, l, acc = _serve_groups(q_ptr, k_ptr, v_ptr, bt_ptr, slope_ptr, rows, heads, lanes, seq, pos, lo, s_row,
-                                      leader, rank, g_lo, g_hi, p, kvh, split, splits, min_chunk, num_blocks,
+                                      leader, rank, g_lo, g_hi, p, kvh, W, i0, j, S, min_chunk, num_blocks,
                                       table_width, scale2, bias_shift, s_qn, s_qh, s_kc, s_kh, s_vc, s_vh, s_bt, D,
                                       BLOCK_D, BLOCK_M, P, TILE_N, CHUNK_TILES, BLOCK_SIZE, HAS_WINDOW, HAS_BIAS,
                                       DOT_PREC)
-            mine = lanes & _owned(seq, s_row, leader, rank, p, P)
+            mine = lanes & _served(seq, s_row, leader, rank, p, W, i0, P, BLOCK_R)
             o = acc / tl.where(l > 0, l, 1.0)[:, None]
             if SPLIT:
                 if arrivals == 1:  # the only split with work: no scratch, no counter
                     _store_rows(out_ptr, o, rows, heads, mine, s_on, s_oh, D, BLOCK_D)
                 else:
-                    _store_split(pm_ptr, pacc_ptr, m, l, acc, rows, heads, mine, split, splits, Hq, D, BLOCK_D)
+                    _store_split(pm_ptr, pacc_ptr, m, l, acc, rows, heads, mine, j, splits, Hq, D, BLOCK_D)
                     _arrive_and_merge(out_ptr, pm_ptr, pacc_ptr, cnt_ptr, seq_ptr, pos_ptr, s_seq, s_pos, s_row,
-                                      leader, rank, tile, p, kvh, arrivals, N, Hq, splits, num_seqs, s_on, s_oh, G, D,
-                                      BLOCK_D, BLOCK_L, BLOCK_G, R, P, MERGE_CHUNK)
+                                      leader, rank, tile, p, kvh, W, i0, arrivals, N, Hq, splits, num_seqs, s_on,
+                                      s_oh, G, D, BLOCK_D, BLOCK_L, BLOCK_G, R, BLOCK_R, P, MERGE_CHUNK)
             else:
                 _store_rows(out_ptr, o, rows, heads, mine, s_on, s_oh, D, BLOCK_D)
 
@@ -638,7 +662,8 @@ def _launch_options(config: AttentionConfig, device: torch.device) -> dict:
 def new_attention_counters(device, entries: int = COUNTERS) -> Tensor:
     """A zeroed arrival-counter buffer for :func:`cell_attention_triton`'s ``counters``:
     ``entries`` int32 counters, enough for launches of up to that many (tile, program,
-    KV head) triples. The kernel leaves it zero after every launch. Keep it alive (and
+    KV head, row slot of a tile: the power of two >= rows per tile) counters. The kernel
+    leaves it zero after every launch. Keep it alive (and
     at its address) as long as any graph that captured a launch with it; launches that
     may run at the same time (other streams) each need their own."""
     return torch.zeros(entries, dtype=torch.int32, device=device)
@@ -667,15 +692,15 @@ def attention_counters(device, need: int = 1) -> Tensor:
     return bufs[-1]
 
 
-def _scratch(q: Tensor, out: Tensor, plan: AttentionPlan, counters: Tensor | None, triples: int):
+def _scratch(q: Tensor, out: Tensor, plan: AttentionPlan, counters: Tensor | None, need: int):
     """The split partials (log-sum-exp fp32, outputs in out's dtype) and the counters; for
     one split, dummies the kernel never touches."""
     if plan.splits == 1:
         return out, out, out
     if counters is None:
-        counters = attention_counters(q.device, triples)
-    elif counters.numel() < triples:
-        raise InputError(expected("counters", f"at least {triples} entries (tiles x programs x KV heads)",
+        counters = attention_counters(q.device, need)
+    elif counters.numel() < need:
+        raise InputError(expected("counters", f"at least {need} entries (tiles x programs x KV heads x row slots)",
                                   counters.numel()))
     N, Hq, D = q.shape
     pm = torch.empty((N, Hq, plan.splits), dtype=torch.float32, device=q.device)
@@ -737,7 +762,7 @@ def cell_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tab
         out = torch.empty_like(q) if out is None else out
         if N == 0:
             return out
-        pm, pacc, cnt = _scratch(q, out, plan, counters, grid[0] * grid[1])
+        pm, pacc, cnt = _scratch(q, out, plan, counters, grid[0] * grid[1] * _next_pow2(plan.rows_per_tile))
         meta = kernel_constants(plan, Hq, Hkv, D, block_size, k_cache.dtype, window is not None, slopes is not None)
         _cell_attention_kernel[grid](
             *_attention_args(q, k_cache, v_cache, block_table, seq_ids, positions, slopes, out, (pm, pacc, cnt), plan,
@@ -849,7 +874,7 @@ def bind_cell_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
         return lambda: out
     grid = (-(-N // plan.rows_per_tile) * plan.programs_per_tile, Hkv, plan.splits)
     with _device_scope(q):
-        pm, pacc, cnt = _scratch(q, out, plan, counters, grid[0] * grid[1])
+        pm, pacc, cnt = _scratch(q, out, plan, counters, grid[0] * grid[1] * _next_pow2(plan.rows_per_tile))
         if scratch is not None and plan.splits > 1:  # the same layout in shared memory
             pm, pacc = _in_shared_scratch(scratch, pm, pacc)
     meta = kernel_constants(plan, Hq, Hkv, D, block_size, k_cache.dtype, window is not None, slopes is not None)

@@ -170,6 +170,51 @@ def count_tile_steps(monkeypatch) -> list[int]:
     return steps
 
 
+def record_programs(monkeypatch) -> list[list[tuple]]:
+    """Per program that serves groups (interpreter only, as count_tile_steps): the tile
+    steps it makes, as (first position, the lanes of its group) pairs."""
+    if MODE != "interpreter":
+        pytest.skip("records the programs through the interpreter")
+    programs, serve, tile = [], ca._serve_groups, ca._attend_tile
+
+    def serving(*args, **kwargs):
+        programs.append([])
+        return serve(*args, **kwargs)
+
+    def stepping(*args, **kwargs):
+        lanes = tuple(int(i) for i in (args[9].handle.data >= 0).nonzero()[0])  # pos_g: -1 off the group
+        programs[-1].append((int(args[7]), lanes))
+        return tile(*args, **kwargs)
+
+    monkeypatch.setattr(ca, "_serve_groups", serving)
+    monkeypatch.setattr(ca, "_attend_tile", stepping)
+    return programs
+
+
+@needs_kernel
+@pytest.mark.parametrize("splits, per_program", [(8, 1), (2, 2), (1, 4)])
+def test_the_splits_are_shared_among_a_tiles_sequences(rng, monkeypatch, splits, per_program):
+    """Four sequences' decode rows and padding in one tile (a small decode batch): with
+    as many splits as sequences each program serves one sequence's rows (8 splits: each
+    group's context in 2 sub-splits, read by 2 programs), with fewer each serves its share
+    of the groups in turn; every group's positions read once per KV head all the same."""
+    ctx = [rng.randrange(17, 31) for _ in range(4)]
+    rows = [(s, ctx[s]) for s in range(4)] + [(-1, 0)] * 2
+    rng.shuffle(rows)
+    pb = Problem(rng, rows, Hq=4, Hkv=2)
+    programs = record_programs(monkeypatch)
+    check(pb, small(rows=8, splits=splits), scale=0.3)
+    assert len(programs) == pb.Hkv * min(splits, 8), "every split with work serves"
+    for steps in programs:
+        assert len({lanes for _, lanes in steps}) == per_program, steps
+    for s in range(4):  # each group: its tiles once per KV head, split or not
+        lanes = {lanes for steps in programs for _, lanes in steps
+                 if [r for r, (t, _) in enumerate(rows) if t == s][0] * 2 in lanes}
+        assert len(lanes) == 1
+        got = sorted(t for steps in programs for t, ln in steps if ln in lanes)
+        assert got == sorted(list(range(0, ctx[s] + 1, 16)) * pb.Hkv), (s, got)
+
+
 @needs_kernel
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow],
           phases=[Phase.explicit, Phase.reuse, Phase.generate])
@@ -177,8 +222,8 @@ def count_tile_steps(monkeypatch) -> list[int]:
 def test_random_tiles_and_plans(data):
     """Random steps against the reference and the float64 loop: up to 8 rows of up to 4
     sequences (runs of consecutive positions, any order, padding rows), in tiles of 1 to
-    8 rows served by 1 to R programs, 1 to 12 splits, GQA, windows and position biases,
-    shared blocks (fresh seeds each example); the split counters end zero."""
+    8 rows served by 1 to R programs, 1 to 12 splits shared out among the groups, GQA,
+    windows and position biases, shared blocks (fresh seeds each example)."""
     import random
 
     rng = random.Random(data.draw(st.integers(0, 2**31 - 1), label="seed"))
@@ -367,7 +412,7 @@ def test_groups_of_one_tile_with_different_split_counts(rng, programs):
     own groups."""
     rows = [(0, 126), (1, 2), (0, 127), (-1, 0), (2, 40), (1, 3)]
     pb = Problem(rng, rows, S=4, MB=32)
-    counters = ca.new_attention_counters(DEV, 16)
+    counters = ca.new_attention_counters(DEV, 32)  # tile x 2 programs x 2 KV heads x 8 row slots
     for window in (None, 50):
         check(pb, small(rows=8, programs=programs, splits=8), scale=0.3, window=window, counters=counters)
         assert not counters.any()
