@@ -369,7 +369,7 @@ if triton is not None:
                       HAS_WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr):
         """The groups this split serves (:func:`_tile_rows`: p + P (i0 + W t) for t = 0, 1,
         ...), one after the other, into one set of lanes: sub-split j of S of each
-        group's range, read once for all its lanes."""
+        group's range, read once for all its lanes (and folded into those lanes only)."""
         d = tl.arange(0, BLOCK_D)
         q = tl.load(q_ptr + rows.to(tl.int64)[:, None] * s_qn + heads[:, None] * s_qh + d[None, :],
                     mask=(lanes & (seq >= 0))[:, None] & (d < D)[None, :], other=0.0).to(k_ptr.dtype.element_ty)
@@ -386,11 +386,19 @@ if triton is not None:
             lo_k, hi_k = tl.max(tl.where(first, g_lo, 0), 0), tl.max(tl.where(first, g_hi, -1), 0)
             start, end, _ = _split_range(lo_k, hi_k, j, S, min_chunk, TILE_N)
             pos_g = tl.where(lanes & (seq == seq_k), pos, -1)
-            m, l, acc = _attend_share(q, m, l, acc, k_head, v_head, bt_ptr + seq_k.to(tl.int64) * s_bt, start, end,
-                                      lo_k, hi_k, pos_g, lo, slope2, bias_shift, scale2, num_blocks, table_width,
-                                      s_kc, s_vc, D, BLOCK_D, TILE_N, CHUNK_TILES, BLOCK_SIZE, HAS_WINDOW, HAS_BIAS,
-                                      DOT_PREC)
+            m_k, l_k, acc_k = _attend_share(q, m, l, acc, k_head, v_head, bt_ptr + seq_k.to(tl.int64) * s_bt, start,
+                                            end, lo_k, hi_k, pos_g, lo, slope2, bias_shift, scale2, num_blocks,
+                                            table_width, s_kc, s_vc, D, BLOCK_D, TILE_N, CHUNK_TILES, BLOCK_SIZE,
+                                            HAS_WINDOW, HAS_BIAS, DOT_PREC)
+            m, l, acc = _group_only(pos_g >= 0, m_k, l_k, acc_k, m, l, acc)
         return m, l, acc
+
+    @triton.jit
+    def _group_only(g, m_k, l_k, acc_k, m, l, acc):
+        """(m, l, acc) updated by one group's step on the lanes ``g`` of that group only: the
+        others' probability 0 times a non-finite V of this group (a NaN in its cells) is
+        NaN, and their rows never see this group's cells."""
+        return tl.where(g, m_k, m), tl.where(g, l_k, l), tl.where(g[:, None], acc_k, acc)
 
     @triton.jit
     def _store_rows(out_ptr, o, rows, heads, mask, s_on, s_oh, D: tl.constexpr, BLOCK_D: tl.constexpr):

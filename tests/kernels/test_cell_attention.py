@@ -261,6 +261,22 @@ def test_a_tile_with_rows_of_several_sequences(rng, programs):
 
 
 @needs_kernel
+@pytest.mark.parametrize("plan", [small(rows=4), small(rows=4, splits=2), small(rows=4, programs=2, splits=3)])
+def test_a_non_finite_cached_value_spoils_its_own_sequence_only(rng, plan):
+    """Each row attends to its own sequence's cells, so a NaN V in one sequence's cache
+    leaves the other sequences' rows finite (as the reference does); one program serving
+    several groups of a tile must keep their lanes apart (a NaN row of V times another
+    group's probability 0 is NaN)."""
+    rows = [(0, 20), (2, 9), (3, 14), (0, 21)]
+    pb = Problem(rng, rows)
+    c = int(pb.block_table[0, 1]) * pb.bs + 2  # position 6 of sequence 0
+    pb.v[c] = float("nan")
+    got, want = pb.kernel(plan, scale=0.3), pb.reference(scale=0.3)
+    assert torch.isnan(want[[0, 3]]).all() and torch.isfinite(want[[1, 2]]).all()
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5, equal_nan=True)
+
+
+@needs_kernel
 def test_forked_sequences_share_blocks(rng):
     """Sequence 1 shares sequence 0's first three blocks (a fork); rows of both in one tile."""
     rows = [(0, 20), (1, 18), (1, 19), (0, 21), (1, 30)]
