@@ -115,9 +115,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, metavar="MODULE:FACTORY",
                    help=f"runtime factory (default: {DEFAULT_TARGET}); see the module docstring")
     options.add_model(p, model_note="; not toy: replaces --target")
-    p.add_argument("--compile", default=None, metavar="MODE", type=options.one_of("default", "max-autotune-no-cudagraphs"),
-                   help="hf models: capture the decoder through torch.compile(mode=MODE), MODE default | "
-                        "max-autotune-no-cudagraphs (inductor kernels in the graphs; the graphs-off reference stays eager)")
+    options.add_compile(p, "capture", " (inductor kernels in the graphs; the graphs-off reference stays eager)")
     options.add_widths(p, "inspect only these of the widths the target captures (default: all)")
     p.add_argument("--replays", type=options.int_at_least(1), default=20, metavar="N",
                    help="event-timed replays per width (median; default 20)")

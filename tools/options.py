@@ -151,6 +151,14 @@ def add_model(p: argparse.ArgumentParser, *, size_default: str = "tiny", size_no
                         f"hf: models (default {size_default}{size_note})")
 
 
+def add_compile(p: argparse.ArgumentParser, does: str, note: str) -> None:
+    """``--compile MODE``: hf models only (the caller refuses it for the toy)."""
+    from cudagraph_rt.models.compiled import MODES
+
+    p.add_argument("--compile", default=None, metavar="MODE", type=one_of(*MODES),
+                   help=f"hf models: {does} the decoder through torch.compile(mode=MODE), MODE {' | '.join(MODES)}{note}")
+
+
 def add_device(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", type=one_of("cuda", "cpu"), metavar="DEV",
                    help="cuda | cpu (default: cuda where torch sees one)")

@@ -302,12 +302,15 @@ class HFAdapter(PoolAdapter):
     more than a few ulps of the row's largest logit); a token that differs elsewhere is
     counted as a near-tie, not a failure. Graphs on and off must still agree bit for bit
     (the sweep's own comparison of each mode against the same reference, and the GPU tests,
-    check it). Cells and the model-state check: :class:`PoolAdapter`.
+    check it). ``compile``: ``model.compile_decoder(compile)`` first, so every mode steps the
+    compiled rows (compiled at the runtime's warm-up) while :meth:`reference` stays eager.
+    Cells and the model-state check: :class:`PoolAdapter`.
     """
 
     def __init__(self, family: str = "llama", size: str = "tiny", dtype: torch.dtype | None = None,
                  device: str | torch.device | None = None, widths: Sequence[int] | None = None, *,
-                 model=None, seed: int = 0, path: str | None = None, attention: str = "cells", pieces: bool = False):
+                 model=None, seed: int = 0, path: str | None = None, attention: str = "cells", pieces: bool = False,
+                 compile: str | None = None):
         from ..models import hf
 
         self._rebuildable = model is None  # a model passed in: the CLI cannot rebuild it
@@ -322,7 +325,9 @@ class HFAdapter(PoolAdapter):
                     raise InputError(expected("device", "a device this machine has", f"{device} (no CUDA here)"))
             model = hf.build(family, size, dtype=dtype, device=device, seed=seed, path=path, attention=attention)
         self.model, self.family, self.size, self.path = model, model.config.family, model.config.size, path
-        self.pieces = pieces
+        self.pieces, self.compile = pieces, compile
+        if compile is not None:  # every mode then steps the compiled rows; reference() stays eager
+            model.compile_decoder(compile)
         self.device = model.device
         self.widths = tuple(widths) if widths is not None else None
         c = model.config
@@ -371,4 +376,4 @@ class HFAdapter(PoolAdapter):
         default = torch.float32 if self.size in ("tiny", "local") else torch.bfloat16
         if self.model.config.dtype != default:
             args += ["--dtype", str(self.model.config.dtype).replace("torch.", "")]
-        return args + self._piece_args() + self._machine_args()
+        return args + (["--compile", self.compile] if self.compile else []) + self._piece_args() + self._machine_args()

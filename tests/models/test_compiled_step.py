@@ -314,6 +314,32 @@ def test_hfdecoder_compiles_its_rows_and_refuses_modes_with_cuda_graphs():
     assert m.compile_decoder(None) is None and m._rows == m._step_rows
 
 
+@pytest.mark.skipif(not HAVE_HF, reason="needs transformers")
+def test_sweep_of_the_compiled_decoder_through_the_graph_path(tmp_path):
+    """``cgrt sweep --model hf:qwen3 --compile default``: the adapter compiles the decoder,
+    every width of the sweep (graph path emulated on a CPU, and graphs off) steps the
+    compiled rows and matches the eager reference; the rerun line keeps --compile; the toy
+    refuses it (exit 2). qwen3: its q/k norms go through inductor too."""
+    import json
+
+    from cudagraph_rt import cli
+    from cudagraph_rt.testing import HFAdapter, run_sweep
+
+    rng = seeded_rng("COMPILE_TEST_SEED")
+    adapter = HFAdapter("qwen3", "tiny", device="cpu", widths=(1, 2, 4), compile="default")
+    rows = adapter.model._rows
+    assert isinstance(rows, CompiledRows) and rows.graphs == 0
+    rep = run_sweep(adapter, graphs="emulate", seed=rng.randrange(2**30), repeats=1, extras=(6,))
+    assert rep.ok, rep.summary(3)
+    assert rows.graphs == 2  # the dynamic graph and width 1's: every step went through them
+    assert "--compile default" in " ".join(adapter.cli_args())
+    out = tmp_path / "s.json"
+    assert cli.main(["sweep", "--model", "hf:llama", "--compile", "default", "--graphs", "off", "--widths", "1,2",
+                     "--extras", "3", "--repeats", "1", "--seed", "5", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["ok"]
+    assert cli.main(["sweep", "--compile", "default", "--graphs", "off"]) == 2
+
+
 def test_compiling_is_lazy_and_per_width_when_asked():
     """Nothing compiles when built; ``dynamic=False`` compiles each width once."""
     def rows(x, y):

@@ -39,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", type=options.one_of("cells", "eager-piece", "varlen"), default="cells", metavar="A",
                    help="the model's attention: cells (captured with the step; default) | eager-piece (the same, "
                         "marked cudagraph_rt.eager) | varlen (hf models: torch's varlen_attn, per-step host ints)")
+    options.add_compile(p, "run", " (graphs on and off both run the compiled step; the reference stays eager)")
     p.add_argument("--pieces", action="store_true",
                    help="capture every width in pieces, split at the calls marked eager (GraphRuntime(pieces=True))")
     p.add_argument("--repeats", type=options.int_at_least(1), default=d.repeats, metavar="R",
@@ -63,7 +64,10 @@ def _adapter(args, choice: options.ModelChoice) -> ToyAdapter | HFAdapter:
     dtype = _DTYPES[args.dtype] if args.dtype is not None else None
     if choice.kind != "toy":
         return HFAdapter(choice.family, "tiny" if choice.kind == "path" else choice.size, dtype, args.device,
-                         args.widths, path=choice.path, attention=args.attention, pieces=args.pieces)
+                         args.widths, path=choice.path, attention=args.attention, pieces=args.pieces,
+                         compile=args.compile)
+    if args.compile:
+        raise InputError(expected("--compile", "an hf model (--model hf:... or a checkpoint folder)", repr(args.model)))
     make = ToyConfig.bench if choice.size == "bench" else ToyConfig.tiny
     config = make(dtype=dtype) if dtype is not None else make()
     if getattr(args, "tp", 1) > 1:
