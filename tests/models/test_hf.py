@@ -447,6 +447,34 @@ def test_bench_quick_runs_every_section(tmp_path):
     assert cli.main(["bench", "--model", "hf:gpt2"]) == 2
 
 
+def test_bench_spec_plans_each_run_by_the_one_before(monkeypatch):
+    """The spec section serves greedy, then SPEC_PLAN_PASSES untimed spec runs, then the
+    timed one; each run after greedy is planned by exactly the previous run's finished
+    sequences, and only greedy's and the timed run's figures are reported."""
+    from types import SimpleNamespace
+
+    from cudagraph_rt.tools.bench import hf as bench_hf
+    from cudagraph_rt.tools.demo import serve as serving
+
+    calls, real = [], serving.serve
+
+    def recording(model, requests, graphs, args, plans=None):
+        r = real(model, requests, graphs, args, plans=plans)
+        calls.append((args.k, plans, r["finished_seqs"], r["tokens_per_s"]))
+        return r
+
+    monkeypatch.setattr(serving, "serve", recording)
+    ctx = SimpleNamespace(model=model_for("llama"), spec_sequences=2, new=6, seed=random.randrange(1 << 20),
+                          graphs=False)
+    out = bench_hf.sec_spec(ctx)
+    assert [k for k, *_ in calls] == [0] + [4] * (bench_hf.SPEC_PLAN_PASSES + 1)
+    assert calls[0][1] is None
+    for before, after in zip(calls, calls[1:]):
+        assert after[1] is before[2] and len(after[1]) == 2
+    assert out["greedy"]["tokens_per_s"] == calls[0][3] and out["spec"]["tokens_per_s"] == calls[-1][3]
+    assert len(out["plan_passes"]) == bench_hf.SPEC_PLAN_PASSES
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_registered_attention_equals_sdpa_over_the_live_cells(dtype):
     """The registered attention function (one ``pool.attend``) against torch's SDPA over

@@ -317,4 +317,19 @@ CATALOGUE: tuple[Mutation, ...] = (
       'if False:',
       "the interpreter check dropped: --quick started without TRITON_INTERPRET fails in every kernel "
       "and still exits 0", BENCH),
+    M(57, "attention kernel", "kernels/cell_attention.py",
+      "m, l, acc = _group_only(pos_g >= 0, m_k, l_k, acc_k, m, l, acc)",
+      "m, l, acc = m_k, l_k, acc_k",
+      "a program serving several groups folds every group's step into all its lanes: the others' "
+      "probability 0 hides the wrong cells until one holds a NaN", ATTN),
+    M(58, "bench statistics", "tools/bench/hf.py",
+      'plans = r.pop("finished_seqs")',
+      'r.pop("finished_seqs")',
+      "the spec section's plan passes chained to nothing: the timed run plans by eager generate() "
+      "again (the realized acceptance falls below the nominal one on near-ties)", HF),
+    M(59, "sweep harness", "cudagraph_rt/testing/adapter.py",
+      "model.compile_decoder(compile)",
+      "pass",
+      "cgrt sweep --compile accepted and ignored: the sweep passes on the eager step it always ran",
+      ("tests/models/test_compiled_step.py",)),
 )
