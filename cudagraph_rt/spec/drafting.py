@@ -246,8 +246,9 @@ class ReferenceDrafter:
     the plan (a near-tie that rounded the other way: rare, and the runtime's own greedy
     token always wins, so the output stays plain greedy decoding whatever is drafted).
     Every plan made inside ``propose`` (that one, or a prompt with no plan long enough)
-    counts in ``replans`` and ``replan_seconds``. A wrong draft is the truth plus a random non-zero offset. ``observe`` checks one finite
-    host row per committed token; ``propose`` refuses to draft before they were observed.
+    counts in ``replans`` and ``replan_seconds``. A wrong draft is the truth plus a random
+    non-zero offset. ``observe`` checks one finite host row per committed token;
+    ``propose`` refuses to draft before they were observed.
     Deterministic: one RNG per sequence, seeded by ``(seed, uid)``.
     """
 
