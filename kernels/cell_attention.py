@@ -15,6 +15,10 @@ Contract (shared by :func:`cell_attention`, :func:`cell_attention_triton` and
   None; ALiBi is ``bias_shift=0``, the toy decoder's previous-token head ``1``); softmax
   in fp32; the probabilities are rounded to the cache dtype for the product with V, as a
   flash kernel does; the output is in ``q``'s dtype (written into ``out`` when given).
+* A NaN or inf in a K or V cell that a row sees reaches its output; one it does not see
+  does not. One exception, the kernel's: rows of one sequence in one tile share the
+  product of probabilities and V, so a non-finite V that one of them sees (a later
+  position of a verify step) also spoils the ones that do not (probability 0 x NaN).
 
 ``write_cells`` puts a step's K/V rows into their cells: ``k``/``v`` ``[N, Hkv, D]`` into
 rows ``cells`` ``[N]`` of the caches. Only padding rows share a cell (the scratch cell,
@@ -965,7 +969,10 @@ def cell_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_
         dist = (pos[:, None] - bias_shift - j[None, :]).abs().float()  # [N, span]
         s = s - slopes.float()[None, :, None] * dist[:, None, :]
     s = s.masked_fill(~visible[:, None, :], float("-inf"))
-    p = torch.softmax(s, -1).nan_to_num(0.0)  # a padding row sees nothing: all -inf -> 0
+    # A row that sees nothing (padding) is 0; a NaN or inf the row sees stays in its output,
+    # one it does not see (probability 0) is no part of it, V's included: 0 x NaN is NaN.
+    p = torch.where(visible.any(-1)[:, None, None], torch.softmax(s, -1), 0.0)
+    v = torch.where(visible[:, :, None, None], v, 0)
     o = torch.einsum("nhs,nshd->nhd", p.to(v.dtype).float(), v.float()).to(q.dtype)
     if out is None:
         return o

@@ -245,8 +245,10 @@ class ReferenceDrafter:
     before timing) and re-planned from the sequence's tokens when the served output leaves
     the plan (a near-tie that rounded the other way: rare, and the runtime's own greedy
     token always wins, so the output stays plain greedy decoding whatever is drafted).
-    A wrong draft is the truth plus a random non-zero offset. ``observe`` checks one finite
-    host row per committed token; ``propose`` refuses to draft before they were observed.
+    Every plan made inside ``propose`` (that one, or a prompt with no plan long enough)
+    counts in ``replans`` and ``replan_seconds``. A wrong draft is the truth plus a random
+    non-zero offset. ``observe`` checks one finite host row per committed token;
+    ``propose`` refuses to draft before they were observed.
     Deterministic: one RNG per sequence, seeded by ``(seed, uid)``.
     """
 
@@ -260,6 +262,7 @@ class ReferenceDrafter:
         self._cur: dict[int, list[int]] = {}  # uid -> the plan its drafts follow
         self.replans = 0
         self.replan_seconds = 0.0  # time spent re-planning inside propose (a stand-in's cost)
+        self._made = 0  # plans made by _plan (greedy_generate calls), to count the ones propose makes
 
     def prepare(self, requests) -> None:
         """Plan every request's greedy continuation now (outside any timed run)."""
@@ -269,9 +272,14 @@ class ReferenceDrafter:
     def prepare_from(self, sequences) -> None:
         """Take served sequences' tokens (e.g. a plain greedy run through the same runtime)
         as the plans of their prompts: drafts then follow the runtime's own rounding, so
-        near-ties rarely send the output off the plan."""
-        for s in sequences:
-            self._plans[tuple(s.prompt)] = list(s.tokens)
+        near-ties rarely send the output off the plan. A prompt served more than once keeps
+        its longest plan (a shorter one would be planned again inside propose)."""
+        taken: dict[tuple[int, ...], list[int]] = {}
+        for s in sequences:  # one prompt served twice: the longer plan (it covers the shorter request)
+            key, toks = tuple(s.prompt), list(s.tokens)
+            if len(toks) >= len(taken.get(key, ())):
+                taken[key] = toks
+        self._plans.update(taken)
 
     def _plan(self, tokens: list[int], n: int) -> list[int]:
         """``tokens`` and at least ``n`` greedy tokens after them (within ``max_len``): a
@@ -281,6 +289,7 @@ class ReferenceDrafter:
         plan = self._plans.get(key)
         if plan is None or len(plan) < len(tokens) + n:
             plan = self._plans[key] = list(tokens) + (self.model.greedy_generate(list(tokens), n) if n else [])
+            self._made += 1
         return plan
 
     def observe(self, c: CommittedRows) -> None:
@@ -299,7 +308,13 @@ class ReferenceDrafter:
     def _propose_one(self, seq, k: int) -> list[int]:
         rng = self._rng.setdefault(seq.uid, np.random.default_rng([self.seed & (2**64 - 1), seq.uid]))
         toks = seq.tokens
-        plan = self._cur.get(seq.uid) or self._plan(list(seq.prompt), seq.max_new)
+        plan = self._cur.get(seq.uid)
+        if plan is None:  # a plan made here (none prepared, or one too short) is a re-plan too
+            made, t0 = self._made, time.perf_counter()
+            plan = self._plan(list(seq.prompt), seq.max_new)
+            if self._made != made:
+                self.replans += 1
+                self.replan_seconds += time.perf_counter() - t0
         if plan[:len(toks)] != toks or len(plan) < min(len(toks) + k, len(seq.prompt) + seq.max_new):
             # the output left the plan (or outgrew it): plan again from here
             self.replans += 1

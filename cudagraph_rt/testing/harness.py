@@ -11,6 +11,7 @@ anywhere else (adapter.build, capture, the reference) propagates.
 from __future__ import annotations
 
 import random
+import shlex
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -79,7 +80,7 @@ def default_repro(adapter: Any, options: SweepOptions) -> Repro:
             parts = ["cgrt sweep", f"--seed {seed}"]
             parts += [f"--only-step {step}"] if step is not None else []
             parts += [f"--graphs {g}"] if g else []
-            parts += list(cli)
+            parts += [shlex.quote(str(a)) for a in cli]  # a checkpoint path may hold spaces
             parts += [f"--repeats {options.repeats}"] if options.repeats != base.repeats else []
             if options.extras != base.extras:
                 parts.append(f"--extras {','.join(map(str, options.extras)) or 'none'}")

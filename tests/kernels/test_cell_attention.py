@@ -276,6 +276,31 @@ def test_a_non_finite_cached_value_spoils_its_own_sequence_only(rng, plan):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5, equal_nan=True)
 
 
+@pytest.mark.parametrize("case", ["nan k seen", "inf k seen", "nan v past the row", "inf v before the window"])
+def test_non_finite_cells_matter_where_the_row_attends_only(rng, case):
+    """Row r attends to the positions [lo, p] of its sequence and to nothing else, non-finite
+    values included (the loop, the kernel). The reference zeroed every row whose softmax came
+    out NaN (``nan_to_num``, meant for rows that see nothing), so a NaN or +inf K that a row
+    sees gave exact 0 instead of NaN (the models' CPU path hid a NaN step), and it multiplied
+    probability 0 by every cell of the row's block table, so a NaN or inf V that the row
+    does not see (past its position: a stale cell of a reused block; before its window)
+    made the row NaN while the kernel and the loop stay finite."""
+    rows = [(0, 10), (1, 5), (-1, 0), (0, 12)]
+    pb = Problem(rng, rows)
+    cell = lambda pos: int(pb.block_table[0, pos // pb.bs]) * pb.bs + pos % pb.bs  # noqa: E731
+    kw = dict(scale=0.3, window=5 if "window" in case else None)
+    bad, what = case.split()[:2]
+    (pb.k if what == "k" else pb.v)[cell({"seen": 3, "past": 20, "before": 2}[case.split()[2]])] = float(bad)
+    want, oracle = pb.reference(**kw), loop_attention(pb, **kw).float()
+    spoiled = case.endswith("seen")
+    assert torch.isnan(oracle[[0, 3]]).all() == spoiled and torch.isfinite(oracle[[1, 2]]).all()
+    torch.testing.assert_close(want, oracle, atol=1e-5, rtol=1e-5, equal_nan=True)
+    assert (want[2] == 0).all()
+    if MODE != "unavailable":
+        for plan in (small(rows=4), small(rows=4, programs=2, splits=3)):
+            torch.testing.assert_close(pb.kernel(plan, **kw), want, atol=2e-5, rtol=2e-5, equal_nan=True)
+
+
 @needs_kernel
 def test_forked_sequences_share_blocks(rng):
     """Sequence 1 shares sequence 0's first three blocks (a fork); rows of both in one tile."""

@@ -204,6 +204,36 @@ def test_demo_serve_reports_replans_of_the_timed_run_only(monkeypatch):
     assert r["replans"] == seen["d"].replans - seen["before"]
 
 
+def test_plans_from_served_runs_keep_the_longer_plan_of_a_shared_prompt():
+    """prepare_from(sequences): served sequences' tokens become the plans of their prompts
+    (bench spec: each untimed spec run plans the next). Two served requests of one prompt
+    with different max_new: the one served last replaced the other's plan, so the longer
+    request found its plan too short and propose ran an eager greedy_generate inside the
+    timed run, counted neither in replans nor in replan_seconds (the bench's "re-plans timed
+    apart"). The longer plan covers both (the shorter is its prefix): keep it; and a plan
+    made inside propose is a re-plan (counted and timed)."""
+    MODEL.reset_cache()
+    prompt = (3, 17, 42)
+    long = list(prompt) + MODEL.greedy_generate(list(prompt), 20)
+    served = [SimpleNamespace(prompt=prompt, tokens=long), SimpleNamespace(prompt=prompt, tokens=long[:6])]
+    calls = []
+    model = _NotAToy(MODEL)
+    model.__dict__["greedy_generate"] = lambda toks, n: calls.append(n) or MODEL.greedy_generate(toks, n)
+    d = ReferenceDrafter(model, 1.0)
+    d.prepare_from(served)
+    runner = SpecRunner(MODEL, d, k=3)
+    runner.submit([Request(prompt, 20), Request(prompt, 3)])
+    rep = runner.run()
+    assert _greedy_ok(runner) and rep.accepted == rep.proposed
+    assert calls == [] and d.replans == 0  # the plans covered both requests
+    d2 = ReferenceDrafter(model, 1.0)  # no plan at all: planned inside propose, a counted re-plan
+    MODEL.reset_cache()
+    runner = SpecRunner(MODEL, d2, k=3)
+    runner.submit([Request(prompt, 20)])
+    runner.run()
+    assert _greedy_ok(runner) and len(calls) == 1 and d2.replans == 1 and d2.replan_seconds > 0
+
+
 # ----------------------------------------------------------------------------- configuration errors
 def test_slots_zero_is_refused():
     """SpecRunner's contract: InputError unless 1 <= lanes <= slots <= max_seqs. slots=0 is

@@ -55,6 +55,30 @@ def test_bad_values_are_one_line_and_exit_2(capsys, argv, flag, want):
     usage_error(capsys, argv, flag, want)
 
 
+def test_sweep_tp_refuses_compile_before_asking_for_torchrun(capsys):
+    """``cgrt sweep --tp 2 --compile default``: the toy under TP compiles nothing, which the
+    ranks only found out after torchrun had started them all (outside torchrun the answer
+    was "launch with torchrun", and doing so got the --compile refusal). Refused up front."""
+    usage_error(capsys, ["sweep", "--tp", "2", "--compile", "default"], "--compile", "an hf model")
+
+
+def test_sweep_rerun_line_quotes_a_checkpoint_path(checkpoint, tmp_path):
+    """The rerun line is pasted into a shell: a checkpoint folder with a space (or any shell
+    character) in its path was joined unquoted, so the line named another folder."""
+    import shlex
+    import shutil
+
+    from cudagraph_rt.testing import HFAdapter, SweepOptions
+    from cudagraph_rt.testing.harness import default_repro
+
+    odd = tmp_path / "my ckpt's"
+    shutil.copytree(checkpoint, odd)
+    adapter = HFAdapter("qwen3", "tiny", device="cpu", widths=(1, 2), path=str(odd), compile="default")
+    line = default_repro(adapter, SweepOptions())(7, None, False)
+    argv = shlex.split(line)
+    assert argv[argv.index("--model") + 1] == str(odd) and argv[argv.index("--compile") + 1] == "default", line
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU machine refuses graphs on")
 @pytest.mark.parametrize("command", ["sweep", "demo"])
 def test_graphs_on_without_cuda_is_a_usage_error(capsys, command):

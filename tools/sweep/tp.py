@@ -53,6 +53,10 @@ def run_tp(args, run: Callable) -> int:
     if getattr(args, "model", "toy") != "toy":
         print(f"cgrt sweep: {expected('--tp', '--model toy (the tensor-parallel toy)', args.model)}", file=sys.stderr)
         return 2
+    if getattr(args, "compile", None):  # before the launch: the ranks would each refuse it
+        want = "an hf model (--model hf:... or a checkpoint folder)"
+        print(f"cgrt sweep: {expected('--compile', want, repr(args.model))}", file=sys.stderr)
+        return 2
 
     def body(device: torch.device) -> int:
         args.device = device.type
