@@ -332,4 +332,9 @@ CATALOGUE: tuple[Mutation, ...] = (
       "pass",
       "cgrt sweep --compile accepted and ignored: the sweep passes on the eager step it always ran",
       ("tests/models/test_compiled_step.py",)),
+    M(60, "attention reference", "kernels/cell_attention.py",
+      "v = torch.where(visible[:, :, None, None], v, 0)",
+      "pass",
+      "the reference multiplies probability 0 by every cell of the row's table: a NaN in a stale cell "
+      "past the row's position spoils it (the models' CPU path runs the reference)", ATTN),
 )
