@@ -63,3 +63,27 @@ def test_quick_without_the_interpreter_says_what_to_set():
         pytest.skip("a GPU machine runs the full bench")
     p = run_compiled("-m", "cudagraph_rt.tools.bench.attention", "--quick")
     assert p.returncode == 2 and "TRITON_INTERPRET=1" in p.stderr, (p.returncode, p.stderr[-500:])
+
+
+def test_kernel_versions_times_two_copies_of_the_kernel_side_by_side(tmp_path, monkeypatch, capsys):
+    """tools/bench/experiments/kernel_versions.py --quick (the interpreter): the tree's
+    kernel against a copy of its own file, loaded as a module of its own, every case
+    timed for both and their outputs written and equal; a bad command line exits 2."""
+    from cudagraph_rt.kernels import cell_attention as ca
+    from cudagraph_rt.tools.bench.experiments import kernel_versions as kv
+
+    if ca.kernel_mode() != "interpreter":
+        pytest.skip("the --quick run is the interpreter's")
+    copy = tmp_path / "cell_attention_copy.py"
+    copy.write_text(open(ca.__file__).read())
+    other = kv.load(str(copy))
+    assert other is not ca and other.cell_attention_triton is not ca.cell_attention_triton
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert kv.main(["--quick", str(copy)]) == 0
+    res = json.loads((tmp_path / "kernel_versions.json").read_text())
+    assert len(res) == len(kv.QUICK_CASES)
+    for case in res.values():
+        assert case["written"] and case["max_diff"] == 0.0, case
+        assert len(case["times_us"]["this"]) == len(case["times_us"]["other"]) == 2 and case["other_us"] > 0
+    assert "this" in capsys.readouterr().out
+    assert kv.main(["--quick"]) == 2
