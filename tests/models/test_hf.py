@@ -442,6 +442,10 @@ def test_bench_quick_runs_every_section(tmp_path):
     # fp32 (no near-ties) the plans hold, so the timed run re-plans nothing
     assert len(r["spec"]["plan_passes"]) == bench_hf.SPEC_PLAN_PASSES and r["spec"]["spec"]["replans"] == 0
     assert 0 < r["spec"]["draft_acceptance"] < 1 and r["spec"]["spec"]["accepted"] > 0
+    for name in ("greedy", "spec"):  # where a step's host time goes (the runner's phases, summing to the wall time)
+        phases = r["spec"][name]["host_phases_us_per_step"]
+        assert phases and abs(sum(phases.values()) * r["spec"][name]["steps"] / 1e6 - r["spec"][name]["seconds"]) \
+            < 0.05 * r["spec"][name]["seconds"], (name, phases)
     assert r["greedy"]["rows"][0]["agree_with_eager"] == r["meta"]["new"]  # fp32: the same tokens as generate
     assert r["goals"] == []
     assert cli.main(["bench", "--model", "hf:gpt2"]) == 2

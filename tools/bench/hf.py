@@ -193,8 +193,10 @@ def sec_spec(ctx) -> dict:
         if name == "plan":
             passes.append({"replans": r["replans"], "accepted": r["accepted"], "proposed": r["proposed"]})
             continue
+        # the host phases and GPU busy: the ratio moves with the runner's host time a step
         out[name] = {key: r[key] for key in ("tokens", "seconds", "tokens_per_s", "steps", "proposed", "accepted",
-                                             "capture_s", "replans", "replan_seconds")}
+                                             "capture_s", "replans", "replan_seconds", "host_phases_us_per_step",
+                                             "device_seconds", "gpu_busy")}
         out[name]["check_ok"] = r["check"]["ok"]
         out[name]["check"] = r["check"]
         out[name]["near_ties"] = r["check"].get("near_ties", 0)
