@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from cudagraph_rt.kernels import cell_attention as ca
-from cudagraph_rt.tools.bench.attention import FULL, Timer, Workload
+from cudagraph_rt.tools.bench.attention import FULL, Timer, Workload, kv_floor_us
 
 OUT = os.environ.get("OUT", "/tmp")
 DEV = torch.device("cuda")
@@ -51,7 +51,7 @@ def stream(timer):
                         stream_sum[(triton.cdiv(n, block),)](x, sums, n, BLOCK=block, PDL=pdl, launch_pdl=pdl,
                                                              num_warps=8)
                 us = timer(run)
-                rec(f"stream {ext} block {block} pdl {pdl}", {"us": us, "floor_us": n * 2 * 16 / 4.8e12 * 1e6})
+                rec(f"stream {ext} block {block} pdl {pdl}", {"us": us, "floor_us": kv_floor_us(FULL.shape, ext)})
 
 
 class Fresh:
