@@ -150,8 +150,7 @@ def _factory(args: argparse.Namespace, choice: options.ModelChoice) -> Callable:
     if choice.kind == "toy" and choice.size != "tiny":
         raise options.UsageError(expected("--size", "tiny for the toy target", repr(choice.size)))
     if choice.kind == "toy" and args.compile:
-        raise options.UsageError(expected("--compile", "an hf model (--model hf:... or a checkpoint folder)",
-                                          repr(args.model)))
+        raise options.UsageError(expected("--compile", options.COMPILE_WANTS, repr(args.model)))
     if choice.kind == "toy":
         try:
             return _load(args.target)

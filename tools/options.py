@@ -151,8 +151,12 @@ def add_model(p: argparse.ArgumentParser, *, size_default: str = "tiny", size_no
                         f"hf: models (default {size_default}{size_note})")
 
 
+COMPILE_WANTS = "an hf model (--model hf:... or a checkpoint folder)"  # what --compile needs
+
+
 def add_compile(p: argparse.ArgumentParser, does: str, note: str) -> None:
-    """``--compile MODE``: hf models only (the caller refuses it for the toy)."""
+    """``--compile MODE``: hf models only (the caller refuses it for the toy with
+    :data:`COMPILE_WANTS`)."""
     from cudagraph_rt.models.compiled import MODES
 
     p.add_argument("--compile", default=None, metavar="MODE", type=one_of(*MODES),

@@ -67,7 +67,7 @@ def _adapter(args, choice: options.ModelChoice) -> ToyAdapter | HFAdapter:
                          args.widths, path=choice.path, attention=args.attention, pieces=args.pieces,
                          compile=args.compile)
     if args.compile:
-        raise InputError(expected("--compile", "an hf model (--model hf:... or a checkpoint folder)", repr(args.model)))
+        raise InputError(expected("--compile", options.COMPILE_WANTS, repr(args.model)))
     make = ToyConfig.bench if choice.size == "bench" else ToyConfig.tiny
     config = make(dtype=dtype) if dtype is not None else make()
     if getattr(args, "tp", 1) > 1:

@@ -17,7 +17,7 @@ from cudagraph_rt.models.toy import ToyConfig
 from cudagraph_rt.models.tp import TPToyDecoder
 from cudagraph_rt.testing import ToyAdapter
 from cudagraph_rt.testing.harness import fresh_seed
-from .. import tp_launch
+from .. import options, tp_launch
 
 
 class TPAdapter(ToyAdapter):
@@ -54,8 +54,7 @@ def run_tp(args, run: Callable) -> int:
         print(f"cgrt sweep: {expected('--tp', '--model toy (the tensor-parallel toy)', args.model)}", file=sys.stderr)
         return 2
     if getattr(args, "compile", None):  # before the launch: the ranks would each refuse it
-        want = "an hf model (--model hf:... or a checkpoint folder)"
-        print(f"cgrt sweep: {expected('--compile', want, repr(args.model))}", file=sys.stderr)
+        print(f"cgrt sweep: {expected('--compile', options.COMPILE_WANTS, repr(args.model))}", file=sys.stderr)
         return 2
 
     def body(device: torch.device) -> int:
