@@ -47,12 +47,14 @@ How the kernel does it (ONE launch: the splits of a context merge inside it):
   later splits without work: those programs exit after one look at the tile's rows. A
   window raises the range's lower bound: blocks wholly outside it are never loaded.
   Causality and each row's window are masks inside the tile.
-* A split's positions go through the block table in chunks of up to ``CHUNK_TILES``
-  tiles: the chunk's cells are gathered into registers once, so the K/V loads of the
-  tile loop depend on no load inside the loop and Triton's pipeliner keeps
+* A split's positions go through the block table in chunks of ``chunk_n`` positions
+  (``CHUNK_TILES`` tiles): the chunk's cells are gathered into registers once, so the K/V
+  loads of the tile loop depend on no load inside the loop and Triton's pipeliner keeps
   ``num_stages - 1`` tiles of K and V in flight (a table load inside the loop would cost
-  the pipeline a stage: one tile in flight, the loop latency-bound). V is loaded beside
-  K, before the softmax math.
+  the pipeline a stage: one tile in flight, the loop latency-bound). Each tile picks its
+  row of the chunk with a masked sum over the chunk's tiles, so a long chunk costs every
+  tile that much more: two tiles of 128 is the measured best (BENCHMARKS.md run H). V is
+  loaded beside K, before the softmax math.
 * Online softmax in base 2 (fp32 running max and sum, guarded for all-masked lanes).
 * The sub-splits merge in the kernel. The programs serving a group count its sub-splits
   with work (``arrivals``, the same number in each of them, computed from the rows; more
@@ -107,13 +109,15 @@ MAX_CELLS = 2**31 - 1  # a chunk's cells are gathered as int32
 @dataclass(frozen=True)
 class AttentionConfig:
     """Tile shape of the attention kernel: ``tile_n`` cells per loop step, Triton's
-    ``num_warps`` / ``num_stages`` (``num_stages - 1`` tiles of K and V in flight), and
-    ``min_chunk``, the fewest positions a split takes."""
+    ``num_warps`` / ``num_stages`` (``num_stages - 1`` tiles of K and V in flight),
+    ``min_chunk``, the fewest positions a split takes, and ``chunk_n``, the positions whose
+    cells are gathered from the block table at once (at least one tile)."""
 
     tile_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
     min_chunk: int = 128
+    chunk_n: int = 256
 
 
 @dataclass(frozen=True)
@@ -134,7 +138,8 @@ class AttentionPlan:
 # with the merge, which needs more registers), from H200 runs of tools/bench/attention.py
 # (Llama-3.2-1B shapes, bf16, 16 layers) and scratch sweeps around them (BENCHMARKS.md).
 # Width 1: tiles of 128 cells (429 us against 446 with 64 at 32k; 64 is 8% faster at 8k
-# but not at 32k), splits of at least 128 positions. Width 8 (a verify step, 32 lanes):
+# but not at 32k), splits of at least 128 positions; cells gathered two tiles at a time (run
+# H: 74.9 us against 95.6 with 16 at 128 cells, 205 against 232 at 8k). Width 8 (a verify step, 32 lanes):
 # 4 warps and tiles of 128 (612 us against 1078 with 2 warps and 64 at 32k, 306 against
 # 414 at 8k, 113 against 139 at 128 cells), splits of at least 512 positions (16 splits
 # at 8k, 32 at 32k: the best of each). Other shapes take the rule in _default_config.
@@ -211,8 +216,8 @@ def kernel_constants(plan: AttentionPlan, Hq: int, Hkv: int, D: int, block_size:
     merge_chunk = _prev_pow2(max(1, min(16, MERGE_ELEMENTS_PER_THREAD * threads // (block_l * block_d))))
     return dict(G=Hq // Hkv, D=D, BLOCK_D=block_d, BLOCK_G=block_g, BLOCK_M=max(16, block_l), BLOCK_L=block_l,
                 R=plan.rows_per_tile, BLOCK_R=block_r, P=plan.programs_per_tile, TILE_N=tile_n,
-                CHUNK_TILES=max(1, min(16, 2048 // tile_n)), BLOCK_SIZE=block_size, HAS_WINDOW=has_window,
-                HAS_BIAS=has_bias, SPLIT=plan.splits > 1, MERGE_CHUNK=merge_chunk,
+                CHUNK_TILES=max(1, min(16, plan.config.chunk_n // tile_n)), BLOCK_SIZE=block_size,
+                HAS_WINDOW=has_window, HAS_BIAS=has_bias, SPLIT=plan.splits > 1, MERGE_CHUNK=merge_chunk,
                 DOT_PREC="ieee" if cache_dtype == torch.float32 else "tf32")
 
 
@@ -637,9 +642,9 @@ def _check_plan(plan) -> None:
     c = getattr(plan, "config", None)
     if not isinstance(plan, AttentionPlan) or not isinstance(c, AttentionConfig) or plan.rows_per_tile < 1 \
             or not 1 <= plan.programs_per_tile <= plan.rows_per_tile or plan.splits < 1 or c.tile_n < 16 \
-            or c.tile_n & (c.tile_n - 1) or c.num_warps < 1 or c.num_stages < 1:
+            or c.tile_n & (c.tile_n - 1) or c.num_warps < 1 or c.num_stages < 1 or c.chunk_n < 1:
         raise InputError(expected("plan", "None or an AttentionPlan with 1 <= programs <= rows, splits >= 1, a "
-                                  "power-of-two tile_n >= 16, warps and stages >= 1", plan))
+                                  "power-of-two tile_n >= 16, warps, stages and chunk_n >= 1", plan))
 
 
 def _check_write_args(k, v, k_cache, v_cache, cells) -> None:

@@ -68,7 +68,8 @@ class Case:
     width: int
     seqs: int
     extent: int
-    tries: tuple[tuple[str, object], ...]  # (knob, value): splits, min_chunk, tile_n, num_warps, num_stages; "a+b"
+    # (knob, value): splits, min_chunk, tile_n, num_warps, num_stages, chunk_n; "a+b"
+    tries: tuple[tuple[str, object], ...]
 
 
 @dataclass(frozen=True)
@@ -92,10 +93,10 @@ class Sizes:
 
 FULL = Sizes(
     Shape(16, 32, 8, 64, torch.bfloat16), (128, 1024, 8192, 32768), (1, 8), (64, 1024), ((16, 256), (64, 4096)), 128,
-    (Case("w1@8k", 1, 1, 8192, (("splits", 16), ("splits", 64), ("min_chunk", 256), ("tile_n", 64))),
+    (Case("w1@8k", 1, 1, 8192, (("splits", 16), ("splits", 64), ("min_chunk", 256), ("tile_n", 64), ("chunk_n", 512))),
      Case("w1@32k", 1, 1, 32768, (("splits", 16), ("splits", 64), ("tile_n", 64), ("num_stages", 4))),
      Case("w8@8k", 8, 1, 8192, (("splits", 8), ("splits", 32), ("min_chunk", 128), ("tile_n+num_warps", (128, 4)))),
-     Case("w8@32k", 8, 1, 32768, (("splits", 8), ("splits", 32), ("num_warps", 4), ("tile_n+num_warps", (128, 4)))),
+     Case("w8@32k", 8, 1, 32768, (("splits", 8), ("splits", 32), ("chunk_n", 128), ("chunk_n", 512))),
      Case("w64@1k", 64, 64, 1024, (("splits", 2), ("splits", 4), ("tile_n", 128), ("num_stages", 4)))),
 )
 QUICK = Sizes(
@@ -241,7 +242,7 @@ def sdpa_reference(wl: Workload) -> torch.Tensor:
 # Sections
 # --------------------------------------------------------------------------------------
 PLAN_KNOBS = ("splits",)
-CONFIG_KNOBS = ("min_chunk", "tile_n", "num_warps", "num_stages")
+CONFIG_KNOBS = ("min_chunk", "tile_n", "num_warps", "num_stages", "chunk_n")
 
 
 def with_knob(plan, knob: str, value):
@@ -473,8 +474,8 @@ def suggestions(res: dict) -> list[str]:
             continue
         p, c = best["plan"], best["plan"]["config"]
         lines.append(f"{case['case']}: {_label(best)}; splits {p['splits']}; ({p['rows_per_tile']}, {block_d}, "
-                     f"{block_g}, {p['splits'] > 1}): AttentionConfig(tile_n={c['tile_n']}, num_warps={c['num_warps']}, "
-                     f"num_stages={c['num_stages']}, min_chunk={c['min_chunk']})")
+                     f"{block_g}, {p['splits'] > 1}): AttentionConfig(tile_n={c['tile_n']}, "
+                     f"num_warps={c['num_warps']}, num_stages={c['num_stages']}, min_chunk={c['min_chunk']}, chunk_n={c['chunk_n']})")
     return lines
 
 
