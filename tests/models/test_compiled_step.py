@@ -298,6 +298,17 @@ def test_modes_with_their_own_cuda_graphs_are_refused(mode, options):
         CompiledRows(lambda x: x, mode=mode, options=options)
 
 
+def test_step_options_sit_between_the_mode_and_the_callers_options():
+    """The mode's settings, then the step's defaults (combo kernels on), then the caller's."""
+    from cudagraph_rt.models.compiled import STEP_OPTIONS, inductor_options
+
+    assert STEP_OPTIONS == {"combo_kernels": True}
+    assert inductor_options("default")["combo_kernels"] is True
+    assert inductor_options("default", {"combo_kernels": False})["combo_kernels"] is False
+    tuned = inductor_options("max-autotune-no-cudagraphs")
+    assert tuned["combo_kernels"] is True and tuned["max_autotune"] is True
+
+
 @pytest.mark.skipif(not HAVE_HF, reason="needs transformers")
 def test_hfdecoder_compiles_its_rows_and_refuses_modes_with_cuda_graphs():
     """HFDecoder.compile_decoder: InputError before anything changes; a CompiledRows
