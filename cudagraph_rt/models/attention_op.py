@@ -6,7 +6,8 @@ old pool with rows replaced" plus a copy back, so every layer copies its whole c
 (``triton_poi_fused_copy_``, about 125 us each on the H200 for the 1B). vLLM avoids this
 by making attention a custom op that looks its cache up by layer name; this module does
 the same for any KV-pool-like object with ``attend(layer, q, k, v, seq_ids, positions,
-cells, *, scale, window=None, slopes=None, bias_shift=0, out=None)``:
+cells, *, scale, window=None, slopes=None, bias_shift=0, out=None)`` (and ``rotary=`` for the
+calls that pass one, :mod:`.hf_rotary`'s):
 
 * :func:`pool_id` registers a pool in a weak registry (the registry never keeps a pool
   alive) and returns a Python int; :func:`attend` takes that int and the layer index, so
@@ -71,36 +72,45 @@ def pool_by_id(i: int):
 @torch.library.custom_op(OP, mutates_args=("out",))
 def _attend_cells(q: Tensor, k: Tensor, v: Tensor, seq_ids: Tensor, positions: Tensor, cells: Tensor,
                   out: Tensor, pool: int, layer: int, scale: float, window: Optional[int],
-                  slopes: Optional[Tensor], bias_shift: int) -> None:
+                  slopes: Optional[Tensor], bias_shift: int, cos: Optional[Tensor] = None,
+                  sin: Optional[Tensor] = None) -> None:
     pool_by_id(pool).attend(layer, q, k, v, seq_ids, positions, cells, scale=scale, window=window,
-                            slopes=slopes, bias_shift=bias_shift, out=out)
+                            slopes=slopes, bias_shift=bias_shift, out=out, **_rotary(cos, sin))
 
 
 @_attend_cells.register_fake
 def _attend_cells_fake(q, k, v, seq_ids, positions, cells, out, pool, layer, scale, window, slopes,
-                       bias_shift) -> None:
+                       bias_shift, cos=None, sin=None) -> None:
     return None  # writes ``out`` in place; its shape is the caller's
+
+
+def _rotary(cos: Optional[Tensor], sin: Optional[Tensor]) -> dict:
+    """``attend``'s ``rotary`` keyword where there is one (a pool without rotation support
+    serves every call without it)."""
+    return {} if cos is None else {"rotary": (cos, sin)}
 
 
 def attend(pool: int, layer: int, q: Tensor, k: Tensor, v: Tensor, seq_ids: Tensor, positions: Tensor,
            cells: Tensor, *, scale: float, window: int | None = None, slopes: Tensor | None = None,
-           bias_shift: int = 0, out: Tensor | None = None) -> Tensor:
+           bias_shift: int = 0, out: Tensor | None = None, rotary: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """``pool_by_id(pool).attend(layer, q, k, v, ...)`` as one opaque op under torch.compile.
 
     ``pool`` is :func:`pool_id`'s int, ``layer``/``window``/``bias_shift`` Python ints and
     ``scale`` a float (constants of the compiled graph). ``q`` [N, Hq, D], ``k``/``v``
     [N, Hkv, D(v)] (views with any strides the pool accepts). Writes the rows' K/V into
     their ``cells`` of ``layer`` and returns the attention [N, Hq, Dv], in ``out`` if
-    given (a fresh tensor otherwise). The pool's own errors propagate; InputError if the
-    pool is gone."""
+    given (a fresh tensor otherwise). ``rotary``: ``(cos, sin)`` [N, D] for q and k given
+    unrotated (the pool rotates them as it writes). The pool's own errors propagate;
+    InputError if the pool is gone."""
     if out is None:
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     if torch.compiler.is_compiling():
+        cos, sin = (None, None) if rotary is None else rotary
         torch.ops.cgrt.attend_cells(q, k, v, seq_ids, positions, cells, out, pool, layer, float(scale), window,
-                                    slopes, bias_shift)
+                                    slopes, bias_shift, cos, sin)
     else:
         pool_by_id(pool).attend(layer, q, k, v, seq_ids, positions, cells, scale=scale, window=window,
-                                slopes=slopes, bias_shift=bias_shift, out=out)
+                                slopes=slopes, bias_shift=bias_shift, out=out, **_rotary(*(rotary or (None, None))))
     return out
 
 

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError, expected
-from . import attention_op
+from . import attention_op, hf_rotary
 from .cells import ROW_INPUTS as _INPUTS, CellPoolModel, check_attention, eager_pool_attend, greedy_tokens, resolve_device
 from .compiled import CompiledRows
 from .pool import DEFAULT_BLOCK_SIZE, KVPool, default_cells
@@ -118,13 +118,14 @@ def hf_config(family: str, size: str = "tiny", **overrides):
 
 def build(family: str, size: str = "tiny", *, dtype: torch.dtype | None = None, device=None, seed: int = 0,
           max_seqs: int | None = None, max_len: int | None = None, cells: int | None = None,
-          path: str | None = None, fuse: bool = False, attention: str = "cells") -> HFDecoder:
+          path: str | None = None, fuse: bool = False, attention: str = "cells",
+          rotary_in_pool: bool = True) -> HFDecoder:
     """An :class:`HFDecoder` for the CLI: random weights from ``hf_config(family, size)``
     (seeded), or ``from_pretrained(path)`` of a local directory (never a download).
     Defaults: tiny fp32 with 8 sequences x 128 positions; 1b bf16 with 16 x 256; the pool
     ``cells`` defaults to ``max_seqs * max_len`` (whole blocks per sequence). ``fuse``:
     merge q/k/v and gate/up first (:func:`~.fused.fuse_projections`, same weights).
-    ``attention``: HFDecoder's."""
+    ``attention``, ``rotary_in_pool``: HFDecoder's."""
     dtype = dtype or (torch.float32 if size == "tiny" else torch.bfloat16)
     dev = resolve_device(device)
     if path is not None:
@@ -144,7 +145,8 @@ def build(family: str, size: str = "tiny", *, dtype: torch.dtype | None = None, 
         fuse_projections(model)
     defaults = (8, 128) if size == "tiny" else (16, 256)
     return HFDecoder(model, max_seqs=max_seqs or defaults[0], max_len=max_len or defaults[1], cells=cells,
-                     family=family, size=size if path is None else "local", attention=attention)
+                     family=family, size=size if path is None else "local", attention=attention,
+                     rotary_in_pool=rotary_in_pool)
 
 
 # ------------------------------------------------------------------------------ attention
@@ -159,6 +161,7 @@ class _CellStep:
     positions: Tensor
     cells: Tensor
     attend: object = None  # _captured_attend, _eager_piece_attend or _varlen_attend
+    rotary: bool = False  # the attention modules hand the pool q and k unrotated (hf_rotary)
 
 
 def _captured_attend(pool_id, layer, q, k, v, seq_ids, positions, cells, scale, window) -> Tensor:
@@ -236,6 +239,11 @@ class HFDecoder(CellPoolModel):
     attention modules lack ``layer_idx``, or that does not forward keyword arguments to
     its attention function, is refused at construction (InputError naming it).
 
+    ``rotary_in_pool`` (default True): with ``attention="cells"``, the attention modules of
+    the four families hand the pool q and k unrotated and the pool's K/V write rotates them
+    (:mod:`.hf_rotary`: one kernel a layer instead of three; it sets an instance ``forward``
+    on those modules of the shared model, which runs the class's own outside a step).
+
     ``attention``: ``"cells"`` (the pool's attention, captured with the step), ``"eager-piece"``
     (the same attention marked ``cudagraph_rt.eager``: a runtime with ``pieces=True`` runs it
     between graphs) or ``"varlen"`` (torch's ``varlen_attn`` with per-step host ints,
@@ -245,9 +253,11 @@ class HFDecoder(CellPoolModel):
 
     def __init__(self, model, *, max_seqs: int = 8, max_len: int = 128, cells: int | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, family: str = "custom", size: str = "custom",
-                 attention: str = "cells"):
+                 attention: str = "cells", rotary_in_pool: bool = True):
         _register()
         self.attention = check_attention(attention)
+        if not isinstance(rotary_in_pool, bool):
+            raise InputError(expected("rotary_in_pool", "a bool", repr(rotary_in_pool)))
         for name, v in (("max_seqs", max_seqs), ("max_len", max_len), ("block_size", block_size)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise InputError(expected(name, "a positive int", repr(v)))
@@ -272,6 +282,7 @@ class HFDecoder(CellPoolModel):
         self.pool = KVPool(layers=layers, kv_heads=kvh, head_dim=self.head_dim, dtype=dtype, device=self.device,
                            cells=cells, max_seqs=max_seqs, max_seq_len=max_len, block_size=block_size)
         self.pool_id = attention_op.pool_id(self.pool)  # what the attention op fetches the pool by
+        self.rotary_in_pool = rotary_in_pool and hf_rotary.install(model) > 0
         self.config = HFSpec(cfg.vocab_size, cfg.hidden_size, layers, max_seqs, max_len, dtype, family, size,
                              cells, block_size)
         if attention == "varlen":
@@ -302,7 +313,8 @@ class HFDecoder(CellPoolModel):
     def forward_cells(self, tokens: Tensor, positions: Tensor, seq_ids: Tensor, cells: Tensor) -> Tensor:
         """The model's decoder over N packed rows on the pool: [N, hidden]. Runs inside
         :meth:`step`, which selects the cell attention around it (outside the compiled code)."""
-        state = _CellStep(self.pool_id, seq_ids, positions, cells, _ATTEND[self.attention])
+        state = _CellStep(self.pool_id, seq_ids, positions, cells, _ATTEND[self.attention],
+                          rotary=self.rotary_in_pool and self.attention == "cells")
         out = self.decoder(input_ids=tokens[None], position_ids=positions[None], use_cache=False,
                            cgrt_cells=state)
         return out.last_hidden_state[0]

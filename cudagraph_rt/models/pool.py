@@ -67,6 +67,7 @@ from torch import Tensor
 from ..errors import CapacityError, CaptureError, InputError, expected
 from ..kernels.cell_attention import (bind_cell_attention, bind_write_cells, cell_attention, cell_attention_reference,
                                       new_attention_counters, write_cells, write_cells_reference)
+from ..kernels.rotary_cells import rotary_write_cells_reference, rotary_write_cells_triton
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -279,17 +280,26 @@ class KVPool:
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, seq_ids: Tensor, positions: Tensor,
                cells: Tensor, *, scale: float, window: int | None = None, slopes: Tensor | None = None,
-               bias_shift: int = 0, out: Tensor | None = None) -> Tensor:
+               bias_shift: int = 0, out: Tensor | None = None,
+               rotary: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """Write the rows' ``k`` / ``v`` ``[N, kv_heads, head_dim]`` at ``cells`` of ``layer``,
         then return every row's attention over its own sequence's positions ``<=`` its own
         (through the block table), ``[N, heads, head_dim]`` in q's dtype: the Triton kernels
         on CUDA, their torch references elsewhere (contract in
         :mod:`cudagraph_rt.kernels.cell_attention`). All rows write before any reads, so
-        the rows of one step see each other. Capturable; no host read."""
+        the rows of one step see each other. Capturable; no host read.
+
+        ``rotary``: the rows' ``(cos, sin)`` ``[N, head_dim]`` when q and k come unrotated:
+        the write rotates k into its cell and q into a fresh buffer the attention reads, in
+        one launch (:mod:`cudagraph_rt.kernels.rotary_cells`, transformers' rotation)."""
         kc, vc = self.k[layer], self.v[layer]
         write, attention = ((write_cells, cell_attention) if q.is_cuda
                             else (write_cells_reference, cell_attention_reference))
-        write(k, v, kc, vc, cells)
+        if rotary is None:
+            write(k, v, kc, vc, cells)
+        else:
+            rotate = rotary_write_cells_triton if q.is_cuda else rotary_write_cells_reference
+            q = rotate(q, k, v, *rotary, kc, vc, cells, q.new_empty(q.shape))
         return attention(q, kc, vc, self.block_table, seq_ids, positions, block_size=self.block_size,
                          scale=scale, window=window, slopes=slopes, bias_shift=bias_shift, out=out,
                          counters=self.counters)

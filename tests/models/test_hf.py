@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 
 from cudagraph_rt import GraphRuntime, InputError, InputSpec  # noqa: E402
 from cudagraph_rt.models import hf  # noqa: E402
-from cudagraph_rt.models import attention_op  # noqa: E402
+from cudagraph_rt.models import attention_op, hf_rotary  # noqa: E402
 from cudagraph_rt.models.accept import greedy_accept  # noqa: E402
 from cudagraph_rt.spec.runner import ReferenceDrafter, Request, SpecRunner  # noqa: E402
 from cudagraph_rt.testing import HFAdapter, run_sweep  # noqa: E402
@@ -148,24 +148,37 @@ def test_sliding_window_is_applied(rng):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_no_mask_tensor_reaches_the_attention(family):
-    """transformers builds no mask for the registered attention (none is passed): every
-    layer's call gets ``attention_mask=None``, and the pool's state, not a mask, decides."""
+@pytest.mark.parametrize("rotary_in_pool", [True, False])
+def test_no_mask_tensor_reaches_the_attention(family, rotary_in_pool):
+    """transformers builds no mask for the pool's attention (none is passed): every
+    attention module's call gets ``attention_mask=None`` (and with transformers rotating,
+    every call of the registered attention function), and the pool's state, not a mask,
+    decides."""
     from transformers import AttentionInterface
 
-    m = model_for(family)
-    seen = []
+    base = model_for(family)
+    m = hf.HFDecoder(base.model, max_seqs=base.config.max_seqs, max_len=base.config.max_len,
+                     rotary_in_pool=rotary_in_pool)
+    seen, given = [], []
 
     def spy(module, query, key, value, attention_mask, **kw):
         seen.append(attention_mask)
         return hf.cell_attention(module, query, key, value, attention_mask, **kw)
 
+    def hook(module, args, kwargs):
+        given.append(kwargs["attention_mask"] if "attention_mask" in kwargs else args[2])
+
+    hooks = [mod.register_forward_pre_hook(hook, with_kwargs=True) for mod in m.model.modules()
+             if hf_rotary.installable(mod)]
     AttentionInterface.register(hf.ATTENTION, spy)
     try:
         m.step(rows_to_inputs(m, [(1, 0, 0, 1, -1), (2, 1, 0, 1, -1)], width=4))
     finally:
         AttentionInterface.register(hf.ATTENTION, hf.cell_attention)
-    assert len(seen) == m.config.layers and all(x is None for x in seen), seen
+        for h in hooks:
+            h.remove()
+    assert len(given) == m.config.layers and all(x is None for x in given), given
+    assert len(seen) == (0 if rotary_in_pool else m.config.layers) and all(x is None for x in seen), seen
 
 
 def test_padding_rows_write_only_the_scratch_cell(rng):

@@ -75,6 +75,14 @@ def main() -> int:
     write = compile_kernel(ca._write_cells_kernel, dict(k_ptr="*bf16", v_ptr="*bf16", kc_ptr="*bf16", vc_ptr="*bf16",
                                                          cells_ptr="*i64"), dict(HKV=8, D=64, BLOCK_H=8, BLOCK_D=64), {})
     print(f"ok write_cells ({write.metadata.shared} B shared)")
+    from cudagraph_rt.kernels import rotary_cells as rc
+
+    for Hq, Hkv, D, t in ((32, 8, 64, "bf16"), (16, 4, 128, "bf16"), (4, 4, 16, "fp32")):
+        rotary = compile_kernel(rc._rotary_write_kernel, dict(q_ptr=f"*{t}", k_ptr=f"*{t}", v_ptr=f"*{t}",
+                                                             cos_ptr=f"*{t}", sin_ptr=f"*{t}", qo_ptr=f"*{t}",
+                                                             kc_ptr=f"*{t}", vc_ptr=f"*{t}", cells_ptr="*i64"),
+                                rc._meta(Hq, Hkv, D), {})
+        print(f"ok rotary_write_cells Hq {Hq} Hkv {Hkv} D {D} {t} ({rotary.metadata.shared} B shared)")
     return 1 if failed else 0
 
 
