@@ -52,9 +52,12 @@ How the kernel does it (ONE launch: the splits of a context merge inside it):
   loads of the tile loop depend on no load inside the loop and Triton's pipeliner keeps
   ``num_stages - 1`` tiles of K and V in flight (a table load inside the loop would cost
   the pipeline a stage: one tile in flight, the loop latency-bound). Each tile picks its
-  row of the chunk with a masked sum over the chunk's tiles, so a long chunk costs every
-  tile that much more: two tiles of 128 is the measured best (BENCHMARKS.md run H). V is
-  loaded beside K, before the softmax math.
+  row of the chunk with a masked sum over the chunk's tiles, so a long chunk costs a
+  short share dearly (16 tiles gathered for the one it reads) while a long share wants
+  long chunks (the pipeline drains at every chunk): a share of at most ``short_n``
+  positions is read as one chunk of ``SHORT_TILES`` tiles, a longer one in chunks of
+  ``CHUNK_TILES`` (two loops in the kernel, the branch per share; BENCHMARKS.md run H).
+  V is loaded beside K, before the softmax math.
 * Online softmax in base 2 (fp32 running max and sum, guarded for all-masked lanes).
 * The sub-splits merge in the kernel. The programs serving a group count its sub-splits
   with work (``arrivals``, the same number in each of them, computed from the rows; more
@@ -110,14 +113,17 @@ MAX_CELLS = 2**31 - 1  # a chunk's cells are gathered as int32
 class AttentionConfig:
     """Tile shape of the attention kernel: ``tile_n`` cells per loop step, Triton's
     ``num_warps`` / ``num_stages`` (``num_stages - 1`` tiles of K and V in flight),
-    ``min_chunk``, the fewest positions a split takes, and ``chunk_n``, the positions whose
-    cells are gathered from the block table at once (at least one tile)."""
+    ``min_chunk``, the fewest positions a split takes, ``chunk_n``, the positions whose
+    cells are gathered from the block table at once (at least one tile, at most 16), and
+    ``short_n``: a split's share of at most that many positions is gathered in one chunk
+    of that size instead."""
 
     tile_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
     min_chunk: int = 128
-    chunk_n: int = 256
+    chunk_n: int = 2048
+    short_n: int = 256
 
 
 @dataclass(frozen=True)
@@ -138,14 +144,16 @@ class AttentionPlan:
 # with the merge, which needs more registers), from H200 runs of tools/bench/attention.py
 # (Llama-3.2-1B shapes, bf16, 16 layers) and scratch sweeps around them (BENCHMARKS.md).
 # Width 1: tiles of 128 cells (429 us against 446 with 64 at 32k; 64 is 8% faster at 8k
-# but not at 32k), splits of at least 128 positions; cells gathered two tiles at a time (run
-# H: 74.9 us against 95.6 with 16 at 128 cells, 205 against 232 at 8k). Width 8 (a verify step, 32 lanes):
+# but not at 32k), splits of at least 128 positions; shares up to 256 positions gathered
+# at once (run H, one chunk for every share: 74.9 us with 2 tiles against 95.6 with 16 at
+# 128 cells, 205 against 232 at 8k; 32k wants 16: 425 against 447). Width 8 (a verify step, 32 lanes):
 # 4 warps and tiles of 128 (612 us against 1078 with 2 warps and 64 at 32k, 306 against
 # 414 at 8k, 113 against 139 at 128 cells), splits of at least 512 positions (16 splits
-# at 8k, 32 at 32k: the best of each). Other shapes take the rule in _default_config.
+# at 8k, 32 at 32k: the best of each); shares up to 512 gathered at once (run H: 8k 317
+# against 333 with 16 tiles; 32k wants 16: 618 against 717 with 2). Other shapes take the rule in _default_config.
 TUNED_CONFIGS: dict[tuple[int, int, int, bool], AttentionConfig] = {
-    (1, 64, 4, True): AttentionConfig(tile_n=128, num_warps=4, num_stages=3, min_chunk=128),
-    (8, 64, 4, True): AttentionConfig(tile_n=128, num_warps=4, num_stages=3, min_chunk=512),
+    (1, 64, 4, True): AttentionConfig(tile_n=128, num_warps=4, num_stages=3, min_chunk=128, short_n=256),
+    (8, 64, 4, True): AttentionConfig(tile_n=128, num_warps=4, num_stages=3, min_chunk=512, short_n=512),
 }
 
 MAX_ROWS_PER_TILE = 8  # a verify step of up to 8 rows of one sequence reads its context once
@@ -214,9 +222,11 @@ def kernel_constants(plan: AttentionPlan, Hq: int, Hkv: int, D: int, block_size:
     # not capped by the splits: one compiled kernel serves every split count (the unrolled
     # steps past the arrivals load nothing)
     merge_chunk = _prev_pow2(max(1, min(16, MERGE_ELEMENTS_PER_THREAD * threads // (block_l * block_d))))
+    chunk_tiles = max(1, min(16, plan.config.chunk_n // tile_n))
     return dict(G=Hq // Hkv, D=D, BLOCK_D=block_d, BLOCK_G=block_g, BLOCK_M=max(16, block_l), BLOCK_L=block_l,
                 R=plan.rows_per_tile, BLOCK_R=block_r, P=plan.programs_per_tile, TILE_N=tile_n,
-                CHUNK_TILES=max(1, min(16, plan.config.chunk_n // tile_n)), BLOCK_SIZE=block_size,
+                CHUNK_TILES=chunk_tiles, SHORT_TILES=max(1, min(chunk_tiles, plan.config.short_n // tile_n)),
+                BLOCK_SIZE=block_size,
                 HAS_WINDOW=has_window, HAS_BIAS=has_bias, SPLIT=plan.splits > 1, MERGE_CHUNK=merge_chunk,
                 DOT_PREC="ieee" if cache_dtype == torch.float32 else "tf32")
 
@@ -374,11 +384,14 @@ if triton is not None:
                       g_lo, g_hi, p, kvh, W, i0, j, S, min_chunk, num_blocks, table_width, scale2, bias_shift,
                       s_qn, s_qh, s_kc, s_kh, s_vc, s_vh, s_bt,
                       D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, P: tl.constexpr,
-                      TILE_N: tl.constexpr, CHUNK_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                      HAS_WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr):
+                      TILE_N: tl.constexpr, CHUNK_TILES: tl.constexpr, SHORT_TILES: tl.constexpr,
+                      BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      DOT_PREC: tl.constexpr):
         """The groups this split serves (:func:`_tile_rows`: p + P (i0 + W t) for t = 0, 1,
         ...), one after the other, into one set of lanes: sub-split j of S of each
-        group's range, read once for all its lanes (and folded into those lanes only)."""
+        group's range, read once for all its lanes (and folded into those lanes only); a
+        share of at most SHORT_TILES tiles in one chunk of that size, a longer one in
+        chunks of CHUNK_TILES."""
         d = tl.arange(0, BLOCK_D)
         q = tl.load(q_ptr + rows.to(tl.int64)[:, None] * s_qn + heads[:, None] * s_qh + d[None, :],
                     mask=(lanes & (seq >= 0))[:, None] & (d < D)[None, :], other=0.0).to(k_ptr.dtype.element_ty)
@@ -395,10 +408,17 @@ if triton is not None:
             lo_k, hi_k = tl.max(tl.where(first, g_lo, 0), 0), tl.max(tl.where(first, g_hi, -1), 0)
             start, end, _ = _split_range(lo_k, hi_k, j, S, min_chunk, TILE_N)
             pos_g = tl.where(lanes & (seq == seq_k), pos, -1)
-            m_k, l_k, acc_k = _attend_share(q, m, l, acc, k_head, v_head, bt_ptr + seq_k.to(tl.int64) * s_bt, start,
-                                            end, lo_k, hi_k, pos_g, lo, slope2, bias_shift, scale2, num_blocks,
-                                            table_width, s_kc, s_vc, D, BLOCK_D, TILE_N, CHUNK_TILES, BLOCK_SIZE,
-                                            HAS_WINDOW, HAS_BIAS, DOT_PREC)
+            bt_row = bt_ptr + seq_k.to(tl.int64) * s_bt
+            if end - start <= SHORT_TILES * TILE_N:
+                m_k, l_k, acc_k = _attend_share(q, m, l, acc, k_head, v_head, bt_row, start, end, lo_k, hi_k, pos_g,
+                                                lo, slope2, bias_shift, scale2, num_blocks, table_width, s_kc, s_vc,
+                                                D, BLOCK_D, TILE_N, SHORT_TILES, BLOCK_SIZE, HAS_WINDOW, HAS_BIAS,
+                                                DOT_PREC)
+            else:
+                m_k, l_k, acc_k = _attend_share(q, m, l, acc, k_head, v_head, bt_row, start, end, lo_k, hi_k, pos_g,
+                                                lo, slope2, bias_shift, scale2, num_blocks, table_width, s_kc, s_vc,
+                                                D, BLOCK_D, TILE_N, CHUNK_TILES, BLOCK_SIZE, HAS_WINDOW, HAS_BIAS,
+                                                DOT_PREC)
             m, l, acc = _group_only(pos_g >= 0, m_k, l_k, acc_k, m, l, acc)
         return m, l, acc
 
@@ -494,8 +514,8 @@ if triton is not None:
         s_qn, s_qh, s_kc, s_kh, s_vc, s_vh, s_bt, s_seq, s_pos, s_on, s_oh,
         G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_L: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, P: tl.constexpr, TILE_N: tl.constexpr,
-        CHUNK_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BIAS: tl.constexpr,
-        SPLIT: tl.constexpr, MERGE_CHUNK: tl.constexpr, DOT_PREC: tl.constexpr,
+        CHUNK_TILES: tl.constexpr, SHORT_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, MERGE_CHUNK: tl.constexpr, DOT_PREC: tl.constexpr,
     ):
         tile, p = tl.program_id(0) // P, tl.program_id(0) % P
         kvh, split = tl.program_id(1), tl.program_id(2)
@@ -511,8 +531,8 @@ if triton is not None:
             m, l, acc = _serve_groups(q_ptr, k_ptr, v_ptr, bt_ptr, slope_ptr, rows, heads, lanes, seq, pos, lo, s_row,
                                       leader, rank, g_lo, g_hi, p, kvh, W, i0, j, S, min_chunk, num_blocks,
                                       table_width, scale2, bias_shift, s_qn, s_qh, s_kc, s_kh, s_vc, s_vh, s_bt, D,
-                                      BLOCK_D, BLOCK_M, P, TILE_N, CHUNK_TILES, BLOCK_SIZE, HAS_WINDOW, HAS_BIAS,
-                                      DOT_PREC)
+                                      BLOCK_D, BLOCK_M, P, TILE_N, CHUNK_TILES, SHORT_TILES, BLOCK_SIZE, HAS_WINDOW,
+                                      HAS_BIAS, DOT_PREC)
             mine = lanes & _served(seq, s_row, leader, rank, p, W, i0, P, BLOCK_R)
             o = acc / tl.where(l > 0, l, 1.0)[:, None]
             if SPLIT:
@@ -642,9 +662,9 @@ def _check_plan(plan) -> None:
     c = getattr(plan, "config", None)
     if not isinstance(plan, AttentionPlan) or not isinstance(c, AttentionConfig) or plan.rows_per_tile < 1 \
             or not 1 <= plan.programs_per_tile <= plan.rows_per_tile or plan.splits < 1 or c.tile_n < 16 \
-            or c.tile_n & (c.tile_n - 1) or c.num_warps < 1 or c.num_stages < 1 or c.chunk_n < 1:
+            or c.tile_n & (c.tile_n - 1) or c.num_warps < 1 or c.num_stages < 1 or c.chunk_n < 1 or c.short_n < 1:
         raise InputError(expected("plan", "None or an AttentionPlan with 1 <= programs <= rows, splits >= 1, a "
-                                  "power-of-two tile_n >= 16, warps, stages and chunk_n >= 1", plan))
+                                  "power-of-two tile_n >= 16, warps, stages, chunk_n and short_n >= 1", plan))
 
 
 def _check_write_args(k, v, k_cache, v_cache, cells) -> None:

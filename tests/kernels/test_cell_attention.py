@@ -224,7 +224,7 @@ def test_random_tiles_and_plans(data):
     sequences (runs of consecutive positions, any order, padding rows), in tiles of 1 to
     8 rows served by 1 to R programs, 1 to 12 splits shared out among the groups, GQA,
     windows and position biases, shared blocks, cells gathered 1, 2 or 16 tiles at a time
-    (fresh seeds each example)."""
+    with short shares of 1, 2 or 16 tiles in one chunk (fresh seeds each example)."""
     import random
 
     rng = random.Random(data.draw(st.integers(0, 2**31 - 1), label="seed"))
@@ -240,7 +240,8 @@ def test_random_tiles_and_plans(data):
     R = data.draw(st.sampled_from([1, 2, 4, 8]), label="rows per tile")
     plan = small(rows=R, programs=data.draw(st.integers(1, R), label="programs"),
                  splits=data.draw(st.integers(1, 12), label="splits"), min_chunk=data.draw(st.sampled_from([1, 16])),
-                 chunk_n=data.draw(st.sampled_from([16, 32, 256]), label="chunk_n"))
+                 chunk_n=data.draw(st.sampled_from([16, 32, 256]), label="chunk_n"),
+                 short_n=data.draw(st.sampled_from([16, 32, 256]), label="short_n"))
     kw = dict(scale=0.3, window=data.draw(st.sampled_from([None, 1, 3, 20]), label="window"))
     if data.draw(st.booleans(), label="bias"):
         kw.update(slopes=torch.rand(pb.Hq, device=DEV), bias_shift=data.draw(st.sampled_from([0, 1])))
@@ -376,12 +377,14 @@ def test_head_dims(rng, D):
 
 @needs_kernel
 def test_long_context(rng):
-    """A few hundred positions, split four ways, two rows of one sequence plus another;
-    the block table read a tile, two tiles and eight tiles at a time."""
+    """A few hundred positions, split four ways (shares of about 3 tiles), two rows of
+    one sequence plus another; the block table read a tile, two and eight tiles at a time
+    (the long shares' loop), or the share at once (the short shares' loop)."""
     rows = [(0, 317), (0, 318), (1, 250)]
     pb = Problem(rng, rows, S=2, MB=20, bs=16, Hq=4, Hkv=1)
-    for chunk_n in (32, 64, 256):
-        check(pb, small(tile_n=32, min_chunk=32, rows=4, programs=2, splits=4, chunk_n=chunk_n), scale=0.1)
+    for chunk_n, short_n in ((32, 32), (64, 32), (256, 32), (256, 128), (64, 512)):
+        check(pb, small(tile_n=32, min_chunk=32, rows=4, programs=2, splits=4, chunk_n=chunk_n, short_n=short_n),
+              scale=0.1)
 
 
 @needs_kernel
@@ -598,7 +601,8 @@ def test_bad_input_names_the_argument(rng, bad, name):
 
 def test_bad_plans_are_refused(rng):
     pb = Problem(rng, [(0, 3)], device=torch.device("cpu"))
-    for plan in (small(tile_n=24), small(rows=2, programs=3), small(splits=0), small(chunk_n=0), "fast"):
+    for plan in (small(tile_n=24), small(rows=2, programs=3), small(splits=0), small(chunk_n=0), small(short_n=0),
+                 "fast"):
         with pytest.raises(InputError, match=r"^plan: expected"):
             pb.kernel(plan, scale=1.0)
 
