@@ -46,6 +46,7 @@ ACCEPT = ("tests/runner/test_runner_contract.py",)
 HF = ("tests/models/test_hf.py",)
 POOL = ("tests/models/test_pool.py",)
 ATTN = ("tests/kernels/test_cell_attention.py",)
+ROTARY = ("tests/kernels/test_rotary_cells.py", "tests/models/test_hf_rotary.py")
 BENCH = ("tests/tools/test_bench.py", "tests/tools/test_bench_timing.py", "tests/tools/test_bench_attention.py")
 RUNNER = ("tests/runner/test_runner_contract.py", "tests/runner/test_fuzz_runner.py")
 BOUND = ("tests/core/test_bound_calls.py",)
@@ -337,4 +338,22 @@ CATALOGUE: tuple[Mutation, ...] = (
       "pass",
       "the reference multiplies probability 0 by every cell of the row's table: a NaN in a stale cell "
       "past the row's position spoils it (the models' CPU path runs the reference)", ATTN),
+    M(62, "rotary kernel", "kernels/rotary_cells.py",
+      "tl.store(to + H2, (x2 * c2 + x1 * s2).to(dst.dtype.element_ty), mask=mask)",
+      "tl.store(to + H2, (x2 * c2 - x1 * s2).to(dst.dtype.element_ty), mask=mask)",
+      "rotate_half's sign on the wrong half: a rotation by the negative angle on one half", ROTARY),
+    M(63, "rotary reference", "kernels/rotary_cells.py",
+      "rotated = torch.cat((-x32[..., half:], x32[..., :half]), -1)",
+      "rotated = torch.cat((x32[..., half:], -x32[..., :half]), -1)",
+      "rotate_half written the other way round (the interleaved convention's sign): the CPU path "
+      "rotates by the negative angle, the model's tokens drift from transformers'", ROTARY),
+    M(64, "transformers adapter", "cudagraph_rt/models/hf_rotary.py",
+      "q, k = self.q_norm(q), self.k_norm(k)",
+      "pass",
+      "Qwen3's q/k norms skipped in the installed forward: the pool attends unnormalised q and k", ROTARY),
+    M(65, "transformers adapter", "cudagraph_rt/models/hf_rotary.py",
+      "scale=self.scaling, window=_window(self, self._cgrt_window), rotary=(cos[0], sin[0]))",
+      "scale=self.scaling, window=None, rotary=(cos[0], sin[0]))",
+      "the installed forward drops the family's sliding window: Mistral and Qwen2's sliding layers "
+      "attend their whole context", ROTARY + ("tests/models/test_hf.py",)),
 )
