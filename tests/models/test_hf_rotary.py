@@ -140,3 +140,92 @@ def test_the_op_with_rotary_passes_torch_library_opcheck(rng):
     out = torch.empty_like(args[0])
     torch.library.opcheck(torch.ops.cgrt.attend_cells.default,
                           (*args, out, attention_op.pool_id(a), 0, 0.25, None, None, 0, cos, sin))
+
+
+# ------------------------------------------------------------------------------ stateful fuzz
+from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule  # noqa: E402
+
+
+def _cells(m, s: int, n: int) -> torch.Tensor:
+    """The cells of ``s``'s first ``n`` positions, read from the block table (no block is
+    taken or copied, as cell_range might)."""
+    j = torch.arange(n)
+    bs = m.pool.block_size
+    return m.pool.block_table[s].long()[j // bs] * bs + j % bs
+
+
+class TwinDecoders(RuleBasedStateMachine):
+    """One model, two decoders on pools of their own: the pool rotating q and k, and
+    transformers rotating them. Random packed, padded steps of several sequences, forks,
+    frees and the forward uninstalled and installed again in between; after every step
+    both give the same hidden rows (fp32 tolerance) and, where the margin is clear, the
+    same tokens; after every rule both pools hold the same K/V (within tolerance)."""
+
+    @initialize(family=st.sampled_from(hf.FAMILIES), seed=st.integers(0, 2**30))
+    def build(self, family, seed):
+        base = hf.build(family, "tiny", seed=seed, max_seqs=4, max_len=32)
+        self.ours = hf.HFDecoder(base.model, max_seqs=4, max_len=32)
+        self.theirs = hf.HFDecoder(base.model, max_seqs=4, max_len=32, rotary_in_pool=False)
+        self.lens = {s: 0 for s in range(4)}
+        self.rng = random.Random(seed)
+
+    @rule(seqs=st.lists(st.integers(0, 3), min_size=1, max_size=3, unique=True), n=st.integers(1, 4),
+          pad=st.integers(0, 3))
+    def step(self, seqs, n, pad):
+        rows = []
+        for s in seqs:
+            take = min(n, 32 - self.lens[s])
+            rows += [(self.rng.randrange(self.ours.config.vocab), p, s, 1, -1)
+                     for p in range(self.lens[s], self.lens[s] + take)]
+            self.lens[s] += take
+        if not rows:
+            return
+        self.rng.shuffle(rows)
+        with torch.no_grad():
+            a = self.ours.step(rows_to_inputs(self.ours, rows, len(rows) + pad))
+            b = self.theirs.step(rows_to_inputs(self.theirs, rows, len(rows) + pad))
+        err, bound = TOL.errors(a["hidden"][:len(rows)], b["hidden"][:len(rows)])
+        assert (err <= bound).all(), f"{(err / bound).max():.3g} of tolerance"
+        clear = self.ours.clear_positions(self.ours.head(b["hidden"][:len(rows)]).float())
+        assert ((a["tokens"][:len(rows)] == b["tokens"][:len(rows)]) | ~clear).all()
+
+    @rule(src=st.integers(0, 3), dst=st.integers(0, 3), frac=st.floats(0, 1))
+    def fork(self, src, dst, frac):
+        upto = int(self.lens[src] * frac)
+        if src == dst or upto == 0:
+            return
+        for m in (self.ours, self.theirs):
+            m.free_seq(dst)
+            m.fork_seq(src, dst, upto)
+        self.lens[dst] = upto
+
+    @rule(s=st.integers(0, 3))
+    def free(self, s):
+        for m in (self.ours, self.theirs):
+            m.free_seq(s)
+        self.lens[s] = 0
+
+    @rule()
+    def reinstall(self):
+        hf_rotary.uninstall(self.ours.model)
+        hf_rotary.install(self.ours.model)
+
+    @rule()
+    def uninstall(self):
+        hf_rotary.uninstall(self.ours.model)
+
+    @invariant()
+    def same_cells(self):
+        if hasattr(self, "ours"):
+            for s, n in self.lens.items():
+                if n:
+                    a, b = (_cells(m, s, n) for m in (self.ours, self.theirs))
+                    torch.testing.assert_close(self.ours.pool.k[:, a], self.theirs.pool.k[:, b], atol=1e-5, rtol=1e-5)
+                    torch.testing.assert_close(self.ours.pool.v[:, a], self.theirs.pool.v[:, b], atol=1e-5, rtol=1e-5)
+
+
+TwinDecoders.TestCase.settings = settings(max_examples=12, stateful_step_count=10, deadline=None,
+                                          suppress_health_check=[HealthCheck.too_slow])
+test_twin_decoders = TwinDecoders.TestCase
