@@ -116,7 +116,8 @@ class AttentionConfig:
     ``min_chunk``, the fewest positions a split takes, ``chunk_n``, the positions whose
     cells are gathered from the block table at once (at least one tile, at most 16), and
     ``short_n``: a split's share of at most that many positions is gathered in one chunk
-    of that size instead."""
+    of that size instead (at least one tile, at most chunk_n). Both are rounded down to a
+    power-of-two number of tiles."""
 
     tile_n: int = 64
     num_warps: int = 4
@@ -222,10 +223,11 @@ def kernel_constants(plan: AttentionPlan, Hq: int, Hkv: int, D: int, block_size:
     # not capped by the splits: one compiled kernel serves every split count (the unrolled
     # steps past the arrivals load nothing)
     merge_chunk = _prev_pow2(max(1, min(16, MERGE_ELEMENTS_PER_THREAD * threads // (block_l * block_d))))
-    chunk_tiles = max(1, min(16, plan.config.chunk_n // tile_n))
+    # whole tiles, a power of two of them (a chunk is a tl.arange over its tiles), rounded down
+    chunk_tiles = _prev_pow2(min(16, plan.config.chunk_n // tile_n))
     return dict(G=Hq // Hkv, D=D, BLOCK_D=block_d, BLOCK_G=block_g, BLOCK_M=max(16, block_l), BLOCK_L=block_l,
                 R=plan.rows_per_tile, BLOCK_R=block_r, P=plan.programs_per_tile, TILE_N=tile_n,
-                CHUNK_TILES=chunk_tiles, SHORT_TILES=max(1, min(chunk_tiles, plan.config.short_n // tile_n)),
+                CHUNK_TILES=chunk_tiles, SHORT_TILES=min(chunk_tiles, _prev_pow2(plan.config.short_n // tile_n)),
                 BLOCK_SIZE=block_size,
                 HAS_WINDOW=has_window, HAS_BIAS=has_bias, SPLIT=plan.splits > 1, MERGE_CHUNK=merge_chunk,
                 DOT_PREC="ieee" if cache_dtype == torch.float32 else "tf32")

@@ -101,8 +101,9 @@ def _check_args(q, k, v, cos, sin, k_cache, v_cache, cells, q_out) -> None:
                                   f"{tuple(q.shape)} strides {q.stride()}"))
     for name, t in (("k", k), ("v", v)):
         _check_tensor(name, t, 3, SUPPORTED_DTYPES, q.device)
-        if t.shape[0] != N or t.shape[2] != D or t.shape != k.shape or t.stride(2) != 1:
-            raise InputError(expected(name, f"[{N}, Hkv, {D}] (q's rows and D, k's shape), last dimension contiguous",
+        if t.shape[0] != N or t.shape[1] < 1 or t.shape[2] != D or t.shape != k.shape or t.stride(2) != 1:
+            raise InputError(expected(name, f"[{N}, Hkv >= 1, {D}] (q's rows and D, k's shape), last dimension "
+                                      "contiguous",
                                       f"{tuple(t.shape)} strides {t.stride()}"))
     if Hq % k.shape[1]:
         raise InputError(expected("q", f"a multiple of k's {k.shape[1]} KV heads as Hq", Hq))

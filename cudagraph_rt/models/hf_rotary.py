@@ -21,7 +21,7 @@ transformers' expression; eager bf16 rounds after each product (a last-bit diffe
 """
 from __future__ import annotations
 
-import types
+import functools
 
 from torch import nn
 
@@ -76,7 +76,9 @@ def install(model: nn.Module) -> int:
         if installable(module):
             module._cgrt_window = FAMILIES[type(module).__name__]
             module._cgrt_norms = hasattr(module, "q_norm") and hasattr(module, "k_norm")
-            module.forward = types.MethodType(_rotary_forward, module)
+            # a partial, not a bound method: it pickles (torch.save of the model; a bound method
+            # pickles as getattr(module, '_rotary_forward')) and deep-copies onto the copy
+            module.forward = functools.partial(_rotary_forward, module)
             n += 1
     return n
 
@@ -85,7 +87,7 @@ def uninstall(model: nn.Module) -> int:
     """Remove what :func:`install` set; returns how many modules had it."""
     n = 0
     for module in model.modules():
-        if getattr(module.__dict__.get("forward"), "__func__", None) is _rotary_forward:
+        if getattr(module.__dict__.get("forward"), "func", None) is _rotary_forward:
             del module.forward, module._cgrt_window, module._cgrt_norms
             n += 1
     return n

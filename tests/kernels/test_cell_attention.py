@@ -388,6 +388,18 @@ def test_long_context(rng):
 
 
 @needs_kernel
+@pytest.mark.parametrize("chunk_n, short_n", [(48, 16), (80, 48), (96, 40), (48, 8), (40, 1000)])
+def test_chunk_sizes_of_any_number_of_tiles(rng, chunk_n, short_n):
+    """chunk_n and short_n are positions, not a power-of-two number of tiles (3, 5 or 6
+    tiles of 16; a short share of 2.5 or 3 tiles, of less than one, of more than a chunk):
+    every such plan runs and reads every position once (shares of one to several tiles)."""
+    rows = [(0, 100), (0, 101), (1, 70), (-1, 0)]
+    pb = Problem(rng, rows, S=2, MB=28, bs=4, Hq=4, Hkv=2)
+    for splits in (1, 3):
+        check(pb, small(rows=4, programs=2, splits=splits, chunk_n=chunk_n, short_n=short_n), scale=0.2)
+
+
+@needs_kernel
 def test_default_plan_and_splits_argument(rng):
     """No plan given: the default (64 splits here, most empty) and an explicit split count."""
     rows = [(rng.randrange(4), rng.randrange(32)) for _ in range(3)]

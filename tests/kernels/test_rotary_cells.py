@@ -120,7 +120,8 @@ def test_dispatch_runs_the_reference_on_a_cpu_and_checks_first(rng, monkeypatch)
 
 @pytest.mark.parametrize("case,name", [
     ("odd_d", "q"), ("k_rows", "k"), ("v_shape", "v"), ("groups", "q"), ("cos_rows", "cos"), ("sin_dtype", "sin"),
-    ("cache_heads", "k_cache"), ("cells_rows", "cells"), ("q_out_shape", "q_out"), ("q_out_none", "q_out")])
+    ("cache_heads", "k_cache"), ("cells_rows", "cells"), ("q_out_shape", "q_out"), ("q_out_none", "q_out"),
+    ("no_kv_heads", "k")])
 def test_bad_input_names_the_argument(rng, case, name):
     r = Rows(rng, 3, device=torch.device("cpu"))
     a = dict(q=r.q, k=r.k, v=r.v, cos=r.cos, sin=r.sin, k_cache=r.kc, v_cache=r.vc, cells=r.cells, q_out=r.q_out)
@@ -140,6 +141,8 @@ def test_bad_input_names_the_argument(rng, case, name):
         a["k_cache"] = a["v_cache"] = torch.zeros(40, 1, 16)
     elif case == "cells_rows":
         a["cells"] = r.cells[:2]
+    elif case == "no_kv_heads":
+        a["k"], a["v"] = torch.randn(3, 0, 16), torch.randn(3, 0, 16)
     elif case == "q_out_shape":
         a["q_out"] = torch.empty(3, 4, 8)
     else:

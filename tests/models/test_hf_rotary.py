@@ -85,6 +85,40 @@ def test_outside_a_step_the_class_forward_runs(rng):
     assert hf_rotary.install(m.model) == m.config.layers == hf_rotary.install(m.model)
 
 
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+def test_a_model_with_the_forward_installed_pickles_and_copies(rng, rotations, how):
+    """torch.save / pickle and copy.deepcopy of a model the install reached: the copy's
+    modules keep the forward (uninstall finds it on every layer), bound to the copy: a
+    decoder on the copy steps bit-equal to the original's, rotating in the pool, and a
+    change of the copy's weights changes the copy's rows only."""
+    import copy
+    import io
+
+    m = hf.build("qwen3", "tiny", seed=rng.randrange(1 << 30), max_len=64)
+    if how == "pickle":
+        buf = io.BytesIO()
+        torch.save(m.model, buf)
+        buf.seek(0)
+        clone = torch.load(buf, weights_only=False)
+    else:
+        clone = copy.deepcopy(m.model)
+    twin = hf.HFDecoder(clone, max_seqs=8, max_len=64)
+    _, steps = random_schedule(rng, m, n_seqs=2)
+    seed = rng.randrange(1 << 30)
+    want = _run(m, steps, seed)
+    assert len(rotations) == len(steps) * m.config.layers
+    got = _run(twin, steps, seed)
+    assert len(rotations) == 2 * len(steps) * m.config.layers, "the copy's modules rotate in the pool"
+    assert all(torch.equal(h, h2) for (h, _), (h2, _) in zip(got, want))
+    with torch.no_grad():
+        for layer in clone.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.5)
+    changed = _run(twin, steps, seed)
+    assert not all(torch.equal(h, h2) for (h, _), (h2, _) in zip(changed, want))
+    assert all(torch.equal(h, h2) for (h, _), (h2, _) in zip(_run(m, steps, seed), want))
+    assert hf_rotary.uninstall(clone) == m.config.layers
+
+
 def test_eager_piece_attention_takes_the_class_forward(rng, rotations):
     """attention="eager-piece" gets rotated q and k from the class's forward (its marked
     call is the plain attention): the pool's rotation never runs."""
