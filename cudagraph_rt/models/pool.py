@@ -67,7 +67,7 @@ from torch import Tensor
 from ..errors import CapacityError, CaptureError, InputError, expected
 from ..kernels.cell_attention import (bind_cell_attention, bind_write_cells, cell_attention, cell_attention_reference,
                                       new_attention_counters, write_cells, write_cells_reference)
-from ..kernels.rotary_cells import rotary_write_cells_reference, rotary_write_cells_triton
+from ..kernels.rotary_cells import rotary_write_cells, rotary_write_cells_reference
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -298,7 +298,7 @@ class KVPool:
         if rotary is None:
             write(k, v, kc, vc, cells)
         else:
-            rotate = rotary_write_cells_triton if q.is_cuda else rotary_write_cells_reference
+            rotate = rotary_write_cells if q.is_cuda else rotary_write_cells_reference
             q = rotate(q, k, v, *rotary, kc, vc, cells, q.new_empty(q.shape))
         return attention(q, kc, vc, self.block_table, seq_ids, positions, block_size=self.block_size,
                          scale=scale, window=window, slopes=slopes, bias_shift=bias_shift, out=out,
