@@ -10,9 +10,9 @@ one kernel rotates q, rotates k into its cell and copies v into its cell
 
 :func:`install` sets an instance ``forward`` on each attention module of a family whose
 forward it knows (Llama, Mistral, Qwen2, Qwen3: :data:`FAMILIES`; their q/k norms and
-windows included); the class and its forward are untouched. The installed forward does the module's own projections and norms, then
-the pool's attention with the same scale and window the module's forward would pass, then
-the output projection. Outside a step of the pool's attention (the model's ``reference()``,
+windows included); the class and its forward are untouched. The installed forward does the
+module's own projections and norms, then the pool's attention with the same scale and
+window the module's forward would pass, then the output projection. Outside a step of the pool's attention (the model's ``reference()``,
 ``generate()``, ``attention="eager-piece"`` or ``"varlen"``, rotary tables narrower than the
 head) it calls the class's forward unchanged. :func:`uninstall` removes it.
 
