@@ -35,7 +35,7 @@ from torch import Tensor
 
 from cudagraph_rt.errors import InputError, expected
 
-from .cell_attention import (_check_caches, _check_tensor, _device_scope, _next_pow2, _runs_kernel,
+from .cell_attention import (_check_tensor, _check_write_args, _device_scope, _next_pow2, _runs_kernel,
                              SUPPORTED_DTYPES, kernel_mode, triton, tl)
 
 __all__ = ["rotate_reference", "rotary_write_cells", "rotary_write_cells_reference",
@@ -101,10 +101,9 @@ def _check_args(q, k, v, cos, sin, k_cache, v_cache, cells, q_out) -> None:
                                   f"{tuple(q.shape)} strides {q.stride()}"))
     for name, t in (("k", k), ("v", v)):
         _check_tensor(name, t, 3, SUPPORTED_DTYPES, q.device)
-        if t.shape[0] != N or t.shape[1] < 1 or t.shape[2] != D or t.shape != k.shape or t.stride(2) != 1:
-            raise InputError(expected(name, f"[{N}, Hkv >= 1, {D}] (q's rows and D, k's shape), last dimension "
-                                      "contiguous",
-                                      f"{tuple(t.shape)} strides {t.stride()}"))
+        if t.shape[0] != N or t.shape[1] < 1 or t.shape[2] != D:
+            raise InputError(expected(name, f"[{N}, Hkv >= 1, {D}] (q's rows and D)", tuple(t.shape)))
+    _check_write_args(k, v, k_cache, v_cache, cells)  # v like k, the caches, their heads, the cells
     if Hq % k.shape[1]:
         raise InputError(expected("q", f"a multiple of k's {k.shape[1]} KV heads as Hq", Hq))
     for name, t in (("cos", cos), ("sin", sin)):
@@ -112,12 +111,6 @@ def _check_args(q, k, v, cos, sin, k_cache, v_cache, cells, q_out) -> None:
         if tuple(t.shape) != (N, D) or t.stride(1) != 1:
             raise InputError(expected(name, f"[{N}, {D}] (q's rows by D), last dimension contiguous",
                                       f"{tuple(t.shape)} strides {t.stride()}"))
-    _check_caches(q, k_cache, v_cache)
-    if k_cache.shape[1] != k.shape[1]:
-        raise InputError(expected("k_cache", f"{k.shape[1]} KV heads (k's)", tuple(k_cache.shape)))
-    _check_tensor("cells", cells, 1, (torch.int32, torch.int64), q.device)
-    if cells.shape[0] != N:
-        raise InputError(expected("cells", f"{N} entries (q's rows)", tuple(cells.shape)))
     if not isinstance(q_out, Tensor) or q_out.shape != q.shape or q_out.dtype != q.dtype \
             or q_out.device != q.device or q_out.stride(2) != 1:
         raise InputError(expected("q_out", f"a tensor like q ({q.dtype} {tuple(q.shape)} on {q.device}, last "
