@@ -475,7 +475,8 @@ def suggestions(res: dict) -> list[str]:
         p, c = best["plan"], best["plan"]["config"]
         lines.append(f"{case['case']}: {_label(best)}; splits {p['splits']}; ({p['rows_per_tile']}, {block_d}, "
                      f"{block_g}, {p['splits'] > 1}): AttentionConfig(tile_n={c['tile_n']}, "
-                     f"num_warps={c['num_warps']}, num_stages={c['num_stages']}, min_chunk={c['min_chunk']}, chunk_n={c['chunk_n']})")
+                     f"num_warps={c['num_warps']}, num_stages={c['num_stages']}, min_chunk={c['min_chunk']}, "
+                     f"chunk_n={c['chunk_n']}, short_n={c['short_n']})")
     return lines
 
 
