@@ -70,6 +70,10 @@ How the kernel does it (ONE launch: the splits of a context merge inside it):
   in order (the result does not depend on which came last). The counters are zero again
   when the launch ends, so a captured graph replays them as they are. Program 0, split 0
   of a tile writes the padding rows' zeros.
+* Launched right after a K/V write (``dependent=True``, the pool's path), it is a
+  programmatic dependent launch on Hopper and later: its programs start while the write
+  finishes, read their rows' sequences and positions, and wait for the write before
+  anything else (``griddepcontrol.wait``); a program with no work never waits.
 * Offsets into the caches are 64-bit (cells * Hkv * D passes 2**31 in big pools); D is
   padded to a power of two >= 16 with masks.
 
@@ -96,7 +100,8 @@ except ImportError:  # pragma: no cover - exercised only on installs without tri
 
 __all__ = [
     "AttentionConfig", "AttentionPlan", "BoundLaunch", "COUNTERS", "TUNED_CONFIGS", "attention_counters",
-    "bind_cell_attention", "bind_write_cells", "cell_attention", "cell_attention_reference", "cell_attention_triton", "kernel_mode", "new_attention_counters", "plan_attention",
+    "bind_cell_attention", "bind_write_cells", "cell_attention", "cell_attention_reference", "cell_attention_triton",
+    "DEPENDENT_LAUNCH", "kernel_mode", "new_attention_counters", "pdl_launch", "plan_attention",
     "write_cells", "write_cells_reference", "write_cells_triton",
 ]
 
@@ -518,12 +523,16 @@ if triton is not None:
         BLOCK_L: tl.constexpr, R: tl.constexpr, BLOCK_R: tl.constexpr, P: tl.constexpr, TILE_N: tl.constexpr,
         CHUNK_TILES: tl.constexpr, SHORT_TILES: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, MERGE_CHUNK: tl.constexpr, DOT_PREC: tl.constexpr,
+        PDL: tl.constexpr = False,
     ):
         tile, p = tl.program_id(0) // P, tl.program_id(0) % P
         kvh, split = tl.program_id(1), tl.program_id(2)
         s_row, leader, rank, g_lo, g_hi, arrivals, W, i0, j, S = _tile_rows(seq_ptr, pos_ptr, s_seq, s_pos, tile, p, N,
                                                                             num_seqs, window, split, splits, min_chunk,
                                                                             R, BLOCK_R, P, TILE_N, HAS_WINDOW)
+        if PDL:  # the rows and the table are older than the launch before this one; q, K/V and out are not
+            if (j < arrivals) | ((p == 0) & (split == 0)):
+                tl.extra.cuda.gdc_wait()
         if (p == 0) & (split == 0):
             _store_padding(out_ptr, seq_ptr, pos_ptr, s_seq, s_pos, tile, kvh, N, num_seqs, s_on, s_oh, G, D, BLOCK_D,
                            BLOCK_L, BLOCK_G, R)
@@ -692,10 +701,21 @@ def _device_scope(t: Tensor):
     return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
-def _launch_options(config: AttentionConfig, device: torch.device) -> dict:
+DEPENDENT_LAUNCH = True  # False: no launch of these kernels uses PDL (to rule it out when bisecting)
+
+
+def pdl_launch(device: torch.device) -> bool:
+    """Whether a launch on ``device`` may use programmatic dependent launch (PDL): compiled
+    kernels on Hopper or later, a Triton with ``gdc_wait``, and :data:`DEPENDENT_LAUNCH`."""
+    return DEPENDENT_LAUNCH and device.type == "cuda" and kernel_mode() == "compiled" \
+        and hasattr(tl.extra.cuda, "gdc_wait") and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _launch_options(config: AttentionConfig, device: torch.device, dependent: bool = False) -> dict:
     if device.type != "cuda":
         return {}
-    return {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    pdl = bool(dependent) and pdl_launch(device)
+    return {"num_warps": config.num_warps, "num_stages": config.num_stages, "PDL": pdl, "launch_pdl": pdl}
 
 
 def new_attention_counters(device, entries: int = COUNTERS) -> Tensor:
@@ -773,12 +793,21 @@ def cell_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tab
                           positions: Tensor, *, block_size: int, scale: float, window: int | None = None,
                           slopes: Tensor | None = None, bias_shift: int = 0, out: Tensor | None = None,
                           splits: int | None = None, plan: AttentionPlan | None = None,
-                          counters: Tensor | None = None) -> Tensor:
+                          counters: Tensor | None = None, dependent: bool = False) -> Tensor:
     """The contract above on the Triton kernel, one launch (CUDA tensors; CPU tensors
     under ``TRITON_INTERPRET=1``). ``plan`` overrides :func:`plan_attention` (tests,
     tuning). ``counters``: the splits' arrival counters (see
     :func:`new_attention_counters`; None: this process's buffer of the device, see
     :func:`attention_counters`).
+
+    ``dependent=True`` (where :func:`pdl_launch` allows it): a programmatic dependent
+    launch, which starts while the launch before it on the stream is still finishing and
+    waits for it (``griddepcontrol.wait``) before it reads q, the caches or the scratch or
+    writes anything; before that wait it reads ``seq_ids``, ``positions`` and
+    ``block_table``, so the launch just before it must not write those (the K/V writes of
+    this module and of :mod:`.rotary_cells` write none of them: :meth:`KVPool.attend`
+    launches the attention right after its write with ``dependent=True``). False: an
+    ordinary launch, after everything before it.
 
     Asynchronous on the current stream and capturable: no host read of a device value;
     the split scratch comes from ``torch.empty`` (the graph's pool during capture). The
@@ -806,7 +835,7 @@ def cell_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tab
         _cell_attention_kernel[grid](
             *_attention_args(q, k_cache, v_cache, block_table, seq_ids, positions, slopes, out, (pm, pacc, cnt), plan,
                              block_size, scale, bias_shift, window),
-            **meta, **_launch_options(plan.config, q.device))
+            **meta, **_launch_options(plan.config, q.device, dependent))
     return out
 
 
@@ -882,7 +911,7 @@ def _fast_launcher(kernel, compiled, grid: tuple, args: tuple, meta: dict):
 def bind_cell_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_ids: Tensor,
                         positions: Tensor, *, block_size: int, scale: float, out: Tensor, window: int | None = None,
                         slopes: Tensor | None = None, bias_shift: int = 0, plan: AttentionPlan | None = None,
-                        counters: Tensor | None = None, scratch=None):
+                        counters: Tensor | None = None, scratch=None, dependent: bool = False):
     """A zero-argument callable that does ``cell_attention(...)`` on these very tensors
     (``out`` required: each call writes it and returns it). Validation, the plan and the
     split scratch are done once, here; each call is then one launch (:class:`BoundLaunch`)
@@ -894,6 +923,9 @@ def bind_cell_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
     elements for the split partials, shared by bound launches that never run at the same
     time (one model's layers: :meth:`KVPool.bind_attend`); None: this launch's own.
     Buffers that cannot hold them are an InputError, here.
+
+    ``dependent``: as :func:`cell_attention_triton`'s (the launch before each call must
+    not write ``seq_ids``, ``positions`` or ``block_table``).
 
     Raises InputError here, before anything runs, when an argument breaks the contract.
     Lifetime: as long as its tensors; their contents may change between calls (they are
@@ -919,8 +951,8 @@ def bind_cell_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
     meta = kernel_constants(plan, Hq, Hkv, D, block_size, k_cache.dtype, window is not None, slopes is not None)
     args = _attention_args(q, k_cache, v_cache, block_table, seq_ids, positions, slopes, out, (pm, pacc, cnt), plan,
                            block_size, scale, bias_shift, window)
-    launch = BoundLaunch(_cell_attention_kernel, grid, args, {**meta, **_launch_options(plan.config, q.device)},
-                         q.device)
+    launch = BoundLaunch(_cell_attention_kernel, grid, args,
+                         {**meta, **_launch_options(plan.config, q.device, dependent)}, q.device)
 
     def attend() -> Tensor:
         launch()
@@ -1010,13 +1042,16 @@ def cell_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_
 def cell_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_ids: Tensor,
                    positions: Tensor, *, block_size: int, scale: float, window: int | None = None,
                    slopes: Tensor | None = None, bias_shift: int = 0, out: Tensor | None = None,
-                   splits: int | None = None, counters: Tensor | None = None) -> Tensor:
+                   splits: int | None = None, counters: Tensor | None = None, dependent: bool = False) -> Tensor:
     """The contract above: the Triton kernel on CUDA tensors, the torch reference
     elsewhere (or the kernel in the interpreter with ``CGRT_CPU_KERNELS=1`` and
-    ``TRITON_INTERPRET=1``). Same lifetimes and errors as the implementation chosen."""
-    impl = cell_attention_triton if _runs_kernel(q) else cell_attention_reference
-    return impl(q, k_cache, v_cache, block_table, seq_ids, positions, block_size=block_size, scale=scale,
-                window=window, slopes=slopes, bias_shift=bias_shift, out=out, splits=splits, counters=counters)
+    ``TRITON_INTERPRET=1``). Same lifetimes and errors as the implementation chosen;
+    ``dependent`` as :func:`cell_attention_triton`'s (the reference ignores it)."""
+    kw = dict(block_size=block_size, scale=scale, window=window, slopes=slopes, bias_shift=bias_shift, out=out,
+              splits=splits, counters=counters)
+    if _runs_kernel(q):
+        return cell_attention_triton(q, k_cache, v_cache, block_table, seq_ids, positions, dependent=dependent, **kw)
+    return cell_attention_reference(q, k_cache, v_cache, block_table, seq_ids, positions, **kw)
 
 
 def write_cells(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, cells: Tensor) -> None:

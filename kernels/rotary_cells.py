@@ -27,6 +27,10 @@ Contract (shared by :func:`rotary_write_cells`, :func:`rotary_write_cells_triton
 The kernel: one program a row, the row's Hq and Hkv heads as tiles of half rows (the two
 halves of ``rotate_half`` loaded apart, so nothing is shuffled between lanes); 64-bit
 offsets into the caches. Asynchronous and capturable (``cells`` is read on the device).
+On Hopper and later (:func:`~.cell_attention.pdl_launch`) a programmatic dependent launch:
+it waits for the launch before it at its very top, so it may follow any kernel, then lets
+the next launch begin (the pool's attention, which waits for this one before reading q or
+the caches).
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ from torch import Tensor
 from cudagraph_rt.errors import InputError, expected
 
 from .cell_attention import (_check_tensor, _check_write_args, _device_scope, _next_pow2, _runs_kernel,
-                             SUPPORTED_DTYPES, kernel_mode, triton, tl)
+                             SUPPORTED_DTYPES, kernel_mode, pdl_launch, triton, tl)
 
 __all__ = ["rotate_reference", "rotary_write_cells", "rotary_write_cells_reference",
            "rotary_write_cells_triton"]
@@ -64,7 +68,10 @@ if triton is not None:
     def _rotary_write_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr, vc_ptr, cells_ptr, num_cells,
                              Hq, s_qn, s_qh, s_kn, s_kh, s_vn, s_vh, s_cn, s_sn, s_on, s_oh, s_kcc, s_kch, s_vcc, s_vch,
                              s_cells, HKV: tl.constexpr, H2: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                             BLOCK_HKV: tl.constexpr, BLOCK_H2: tl.constexpr):
+                             BLOCK_HKV: tl.constexpr, BLOCK_H2: tl.constexpr, PDL: tl.constexpr = False):
+        if PDL:  # wait for q, k, v; then let the attention launch (it reads nothing of ours before its own wait)
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         r = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BLOCK_H2)[None, :]
         dm = d < H2
@@ -142,8 +149,9 @@ def rotary_write_cells_triton(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin:
     N, Hq, D = q.shape
     if N:
         with _device_scope(q):
+            pdl = pdl_launch(q.device)
             _rotary_write_kernel[(N,)](*_args(q, k, v, cos, sin, k_cache, v_cache, cells, q_out),
-                                       **_meta(Hq, k.shape[1], D))
+                                       **_meta(Hq, k.shape[1], D), **({"PDL": True, "launch_pdl": True} if pdl else {}))
     return q_out
 
 

@@ -30,9 +30,12 @@ from ..errors import InputError, expected
 MODES = ("default", "max-autotune-no-cudagraphs")  # the modes that leave CUDA graphs to the runtime
 
 # What a step compiles with unless ``options`` say otherwise: inductor's horizontal fusion
-# (independent kernels of one graph share a launch; a decode step is many small kernels).
-# H200, the 1B compiled step (BENCHMARKS.md run H): width 1 1103 -> 1089 us, width 8 1217 -> 1145.
-STEP_OPTIONS = {"combo_kernels": True}
+# (independent kernels of one graph share a launch; a decode step is many small kernels) and
+# its programmatic dependent launch (each Triton kernel starts while the one before finishes
+# and waits for it; sm_90 and later, inductor checks). H200, the 1B compiled step
+# (BENCHMARKS.md runs H and I): combo width 1 1103 -> 1089 us, width 8 1217 -> 1145; PDL with
+# our kernels' own 1108 -> 1094 us, width 8 1178 -> 1171.
+STEP_OPTIONS = {"combo_kernels": True, "triton.enable_pdl": True}
 
 
 def inductor_options(mode: str, options: dict | None = None) -> dict:

@@ -300,9 +300,10 @@ class KVPool:
         else:
             rotate = rotary_write_cells if q.is_cuda else rotary_write_cells_reference
             q = rotate(q, k, v, *rotary, kc, vc, cells, q.new_empty(q.shape))
+        kw = {"dependent": True} if q.is_cuda else {}  # right after its own write: see cell_attention_triton
         return attention(q, kc, vc, self.block_table, seq_ids, positions, block_size=self.block_size,
                          scale=scale, window=window, slopes=slopes, bias_shift=bias_shift, out=out,
-                         counters=self.counters)
+                         counters=self.counters, **kw)
 
     def bind_attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, seq_ids: Tensor, positions: Tensor,
                     cells: Tensor, *, scale: float, out: Tensor, window: int | None = None,
@@ -326,7 +327,7 @@ class KVPool:
         write = bind_write_cells(k, v, kc, vc, cells)
         attention = bind_cell_attention(q, kc, vc, self.block_table, seq_ids, positions, block_size=self.block_size,
                                         scale=scale, out=out, window=window, slopes=slopes, bias_shift=bias_shift,
-                                        counters=self.counters, scratch=self._bound_scratch)
+                                        counters=self.counters, scratch=self._bound_scratch, dependent=True)
 
         def attend() -> Tensor:
             write()

@@ -299,12 +299,14 @@ def test_modes_with_their_own_cuda_graphs_are_refused(mode, options):
 
 
 def test_step_options_sit_between_the_mode_and_the_callers_options():
-    """The mode's settings, then the step's defaults (combo kernels on), then the caller's."""
+    """The mode's settings, then the step's defaults (combo kernels and PDL on), then the caller's."""
     from cudagraph_rt.models.compiled import STEP_OPTIONS, inductor_options
 
-    assert STEP_OPTIONS == {"combo_kernels": True}
+    assert STEP_OPTIONS == {"combo_kernels": True, "triton.enable_pdl": True}
     assert inductor_options("default")["combo_kernels"] is True
+    assert inductor_options("default")["triton.enable_pdl"] is True
     assert inductor_options("default", {"combo_kernels": False})["combo_kernels"] is False
+    assert inductor_options("default", {"triton.enable_pdl": False})["triton.enable_pdl"] is False
     tuned = inductor_options("max-autotune-no-cudagraphs")
     assert tuned["combo_kernels"] is True and tuned["max_autotune"] is True
 

@@ -37,14 +37,21 @@ def compile_kernel(kernel, pointers: dict, constants: dict, options: dict):
     return triton.compile(ASTSource(kernel, sig, constants, attrs), target=TARGET, options=options)
 
 
-def attention(N, Hq, Hkv, D, dtype, *, block_size=16, window=False, bias=False, splits=None):
+def attention(N, Hq, Hkv, D, dtype, *, block_size=16, window=False, bias=False, splits=None, pdl=False):
     plan = ca.plan_attention(N, Hq, Hkv, D, splits=splits)
-    meta = ca.kernel_constants(plan, Hq, Hkv, D, block_size, dtype, window, bias)
+    meta = {**ca.kernel_constants(plan, Hq, Hkv, D, block_size, dtype, window, bias), "PDL": pdl}
     t = TYPES[dtype]
     pointers = dict(q_ptr=f"*{t}", k_ptr=f"*{t}", v_ptr=f"*{t}", bt_ptr="*i32", seq_ptr="*i64", pos_ptr="*i64",
                     slope_ptr="*fp32", out_ptr=f"*{t}", pm_ptr="*fp32", pacc_ptr=f"*{t}", cnt_ptr="*i32")
-    options = dict(num_warps=plan.config.num_warps, num_stages=plan.config.num_stages)
+    options = dict(num_warps=plan.config.num_warps, num_stages=plan.config.num_stages, launch_pdl=pdl)
     return plan, compile_kernel(ca._cell_attention_kernel, pointers, meta, options)
+
+
+def waits(kernel, want: int, triggers: int) -> bool:
+    """The PTX of a dependent launch: ``want`` griddepcontrol.wait and ``triggers``
+    griddepcontrol.launch_dependents instructions (without PDL: none of either)."""
+    ptx = kernel.asm["ptx"]
+    return ptx.count("griddepcontrol.wait") == want and ptx.count("griddepcontrol.launch_dependents") == triggers
 
 
 def main() -> int:
@@ -56,6 +63,8 @@ def main() -> int:
         ("D 128 width 96", 96, 32, 8, 128, torch.bfloat16, {}),
         ("toy fp32 D 16 G 1", 8, 4, 4, 16, torch.float32, dict(block_size=4)),
         ("toy bf16 width 1 G 1, bias", 1, 4, 4, 16, torch.bfloat16, dict(block_size=4, bias=True)),
+        ("1B width 1, dependent launch", 1, 32, 8, 64, torch.bfloat16, dict(pdl=True)),
+        ("1B width 8, dependent launch", 8, 32, 8, 64, torch.bfloat16, dict(pdl=True)),
     ]
     for label, N, Hq, Hkv, D, dtype, extra in cases:
         try:
@@ -69,20 +78,35 @@ def main() -> int:
         depth = min((int(n) for n in re.findall(rf"local_alloc : \(\) -> !ttg.memdesc<(\d+)x{shape}", ttgir)), default=0)
         pipelined = ttgir.count("async_copy_global_to_local") >= 2 and depth >= 2
         ok = pipelined or dtype == torch.float32  # fp32 (ieee dot) takes the FMA path, not cp.async
+        pdl = extra.get("pdl", False)
+        ordered = waits(k, 1 if pdl else 0, 0)  # one wait, never a trigger
+        if pdl and ordered:  # every store and K/V copy after the wait in the code (none on the way to it)
+            ptx = k.asm["ptx"]
+            at = ptx.index("griddepcontrol.wait")
+            ordered = all(ptx.find(op) > at for op in ("st.global", "cp.async", "atom.global"))
+        ok = ok and ordered
         failed += not ok
         print(f"{'ok' if ok else 'FAILED'} {label}: plan {plan}, shared {k.metadata.shared} B, "
-              f"{'pipelined' if pipelined else 'not pipelined'} ({depth} K/V buffers)")
+              f"{'pipelined' if pipelined else 'not pipelined'} ({depth} K/V buffers)"
+              f"{'' if ordered else ', griddepcontrol not as expected'}")
     write = compile_kernel(ca._write_cells_kernel, dict(k_ptr="*bf16", v_ptr="*bf16", kc_ptr="*bf16", vc_ptr="*bf16",
                                                          cells_ptr="*i64"), dict(HKV=8, D=64, BLOCK_H=8, BLOCK_D=64), {})
     print(f"ok write_cells ({write.metadata.shared} B shared)")
     from cudagraph_rt.kernels import rotary_cells as rc
 
-    for Hq, Hkv, D, t in ((32, 8, 64, "bf16"), (16, 4, 128, "bf16"), (4, 4, 16, "fp32")):
+    for Hq, Hkv, D, t, pdl in ((32, 8, 64, "bf16", False), (16, 4, 128, "bf16", False), (4, 4, 16, "fp32", False),
+                               (32, 8, 64, "bf16", True)):
         rotary = compile_kernel(rc._rotary_write_kernel, dict(q_ptr=f"*{t}", k_ptr=f"*{t}", v_ptr=f"*{t}",
                                                              cos_ptr=f"*{t}", sin_ptr=f"*{t}", qo_ptr=f"*{t}",
                                                              kc_ptr=f"*{t}", vc_ptr=f"*{t}", cells_ptr="*i64"),
-                                rc._meta(Hq, Hkv, D), {})
-        print(f"ok rotary_write_cells Hq {Hq} Hkv {Hkv} D {D} {t} ({rotary.metadata.shared} B shared)")
+                                {**rc._meta(Hq, Hkv, D), "PDL": pdl}, dict(launch_pdl=pdl))
+        ptx = rotary.asm["ptx"]
+        # with PDL the wait comes first, before any load, then the trigger
+        ordered = waits(rotary, 1, 1) and ptx.index("griddepcontrol.wait") < ptx.index("ld.global") \
+            if pdl else waits(rotary, 0, 0)
+        failed += not ordered
+        print(f"{'ok' if ordered else 'FAILED'} rotary_write_cells Hq {Hq} Hkv {Hkv} D {D} {t}"
+              f"{' dependent launch' if pdl else ''} ({rotary.metadata.shared} B shared)")
     return 1 if failed else 0
 
 

@@ -329,12 +329,17 @@ def padded_width(T: int, widths: tuple[int, ...]) -> int:
 
 def step_time_us(model, rt, T: int, repeats: int) -> float:
     """Median per-step time of ``repeats`` back-to-back steps of T decode rows (synchronized
-    once per batch of steps), fixed inputs, in microseconds. ``model``: a cell decoder (``config``, ``cell_for``,
-    ``device``), ``rt`` its runtime."""
+    once per batch of steps), fixed inputs, in microseconds. ``model``: a cell decoder (``config``, ``cell_range``,
+    ``cell_for``, ``device``), ``rt`` its runtime. Every row's context (positions 0 to its own) holds
+    blocks of its sequence, as a served sequence's does: a position without one would read
+    the scratch block, which every such position shares (fewer distinct cells than a real
+    context of that length)."""
     sync = sync_fn(model.device)
     S = min(T, model.config.max_seqs)
     seqs = [i % S for i in range(T)]
     pos = [model.config.max_len // 2 + i // S for i in range(T)]
+    for s in set(seqs):
+        model.cell_range(s, 0, max(p for q, p in zip(seqs, pos) if q == s) + 1)
     kw = dict(tokens=[1] * T, positions=pos, seq_ids=seqs, cells=[model.cell_for(s, p) for s, p in zip(seqs, pos)],
               want=[1] * T)  # the rows' blocks are taken here, before the timed steps
     for _ in range(3):
