@@ -925,11 +925,10 @@ def bind_cell_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
     Buffers that cannot hold them are an InputError, here.
 
     ``dependent``: as :func:`cell_attention_triton`'s (the launch before each call must
-    not write ``seq_ids``, ``positions`` or ``block_table``).
-
-    Raises InputError here, before anything runs, when an argument breaks the contract.
-    Lifetime: as long as its tensors; their contents may change between calls (they are
-    read on the device at each call), never their storage."""
+    not write ``seq_ids``, ``positions`` or ``block_table``). Raises InputError here,
+    before anything runs, when an argument breaks the contract. Lifetime: as long as its
+    tensors; their contents may change between calls (read on the device at each call),
+    never their storage."""
     if out is None:
         raise InputError(expected("out", "a tensor like q (a bound launch writes in place)", "None"))
     _check_attention_args(q, k_cache, v_cache, block_table, seq_ids, positions, block_size, window, slopes, out,

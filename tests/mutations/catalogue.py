@@ -356,4 +356,14 @@ CATALOGUE: tuple[Mutation, ...] = (
       "scale=self.scaling, window=None, rotary=(cos[0], sin[0]))",
       "the installed forward drops the family's sliding window: Mistral and Qwen2's sliding layers "
       "attend their whole context", ROTARY + ("tests/models/test_hf.py",)),
+    M(65, "attention kernel", "kernels/cell_attention.py",
+      "tl.extra.cuda.gdc_wait()",
+      "pass",
+      "the dependent attention never waits: it reads q and the caches while the rotation/write "
+      "before it still writes them (a race only a GPU would show, now and then)", ATTN),
+    M(66, "rotary kernel", "kernels/rotary_cells.py",
+      "tl.extra.cuda.gdc_wait()",
+      "tl.extra.cuda.gdc_launch_dependents()",
+      "the rotation/write lets the attention start before waiting for its own predecessor: the "
+      "attention's early reads of its rows and table are no longer ordered after that launch", ROTARY + ATTN),
 )

@@ -101,9 +101,10 @@ def main() -> int:
                                                              kc_ptr=f"*{t}", vc_ptr=f"*{t}", cells_ptr="*i64"),
                                 {**rc._meta(Hq, Hkv, D), "PDL": pdl}, dict(launch_pdl=pdl))
         ptx = rotary.asm["ptx"]
-        # with PDL the wait comes first, before any load, then the trigger
-        ordered = waits(rotary, 1, 1) and ptx.index("griddepcontrol.wait") < ptx.index("ld.global") \
-            if pdl else waits(rotary, 0, 0)
+        # with PDL the wait comes first, before any load, then the trigger (the next launch may
+        # start only once this one's predecessor is done: the attention reads its rows before its wait)
+        ordered = waits(rotary, 1, 1) and ptx.index("griddepcontrol.wait") < min(
+            ptx.index("ld.global"), ptx.index("griddepcontrol.launch_dependents")) if pdl else waits(rotary, 0, 0)
         failed += not ordered
         print(f"{'ok' if ordered else 'FAILED'} rotary_write_cells Hq {Hq} Hkv {Hkv} D {D} {t}"
               f"{' dependent launch' if pdl else ''} ({rotary.metadata.shared} B shared)")
