@@ -530,7 +530,7 @@ if triton is not None:
         s_row, leader, rank, g_lo, g_hi, arrivals, W, i0, j, S = _tile_rows(seq_ptr, pos_ptr, s_seq, s_pos, tile, p, N,
                                                                             num_seqs, window, split, splits, min_chunk,
                                                                             R, BLOCK_R, P, TILE_N, HAS_WINDOW)
-        if PDL:  # the rows and the table are older than the launch before this one; q, K/V and out are not
+        if PDL:  # the rows are older than the launch before this one; q, K/V, the table and out may not be
             if (j < arrivals) | ((p == 0) & (split == 0)):
                 tl.extra.cuda.gdc_wait()
         if (p == 0) & (split == 0):
@@ -712,10 +712,16 @@ def pdl_launch(device: torch.device) -> bool:
 
 
 def _launch_options(config: AttentionConfig, device: torch.device, dependent: bool = False) -> dict:
+    """The launch's options on CUDA: warps, stages, the kernel's ``PDL`` constexpr (always
+    named: :class:`BoundLaunch`'s direct path needs every constexpr) and Triton's
+    ``launch_pdl`` only where the launch is a dependent one: a Triton without that option
+    (torch 2.6's Triton 3.2, in pyproject's range) refuses the keyword even when False
+    ("Keyword argument launch_pdl was specified but unrecognised")."""
     if device.type != "cuda":
         return {}
     pdl = bool(dependent) and pdl_launch(device)
-    return {"num_warps": config.num_warps, "num_stages": config.num_stages, "PDL": pdl, "launch_pdl": pdl}
+    return {"num_warps": config.num_warps, "num_stages": config.num_stages, "PDL": pdl,
+            **({"launch_pdl": True} if pdl else {})}
 
 
 def new_attention_counters(device, entries: int = COUNTERS) -> Tensor:
@@ -802,11 +808,14 @@ def cell_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tab
 
     ``dependent=True`` (where :func:`pdl_launch` allows it): a programmatic dependent
     launch, which starts while the launch before it on the stream is still finishing and
-    waits for it (``griddepcontrol.wait``) before it reads q, the caches or the scratch or
-    writes anything; before that wait it reads ``seq_ids``, ``positions`` and
-    ``block_table``, so the launch just before it must not write those (the K/V writes of
-    this module and of :mod:`.rotary_cells` write none of them: :meth:`KVPool.attend`
-    launches the attention right after its write with ``dependent=True``). False: an
+    waits for it (``griddepcontrol.wait``) before it reads q, the caches, the block table
+    or the scratch or writes anything; before that wait it reads ``seq_ids`` and
+    ``positions``, so the launch just before it must not write those, and must itself
+    be ordered after whatever did (an ordinary launch, or a dependent one that waits
+    before it lets this one start: the K/V writes of this module and of
+    :mod:`.rotary_cells` are both; :meth:`KVPool.attend` launches the attention right
+    after its write with ``dependent=True``). Its wait covers the launch just before it
+    only: everything earlier is ordered through that launch's own wait. False: an
     ordinary launch, after everything before it.
 
     Asynchronous on the current stream and capturable: no host read of a device value;
@@ -925,10 +934,10 @@ def bind_cell_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
     Buffers that cannot hold them are an InputError, here.
 
     ``dependent``: as :func:`cell_attention_triton`'s (the launch before each call must
-    not write ``seq_ids``, ``positions`` or ``block_table``). Raises InputError here,
-    before anything runs, when an argument breaks the contract. Lifetime: as long as its
-    tensors; their contents may change between calls (read on the device at each call),
-    never their storage."""
+    not write ``seq_ids`` or ``positions`` and must be ordered after what did). Raises
+    InputError here, before anything runs, when an argument breaks the contract. Lifetime:
+    as long as its tensors; their contents may change between calls (read on the device at
+    each call), never their storage."""
     if out is None:
         raise InputError(expected("out", "a tensor like q (a bound launch writes in place)", "None"))
     _check_attention_args(q, k_cache, v_cache, block_table, seq_ids, positions, block_size, window, slopes, out,
