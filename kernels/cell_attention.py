@@ -807,16 +807,13 @@ def cell_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tab
     :func:`attention_counters`).
 
     ``dependent=True`` (where :func:`pdl_launch` allows it): a programmatic dependent
-    launch, which starts while the launch before it on the stream is still finishing and
-    waits for it (``griddepcontrol.wait``) before it reads q, the caches, the block table
-    or the scratch or writes anything; before that wait it reads ``seq_ids`` and
-    ``positions``, so the launch just before it must not write those, and must itself
-    be ordered after whatever did (an ordinary launch, or a dependent one that waits
-    before it lets this one start: the K/V writes of this module and of
-    :mod:`.rotary_cells` are both; :meth:`KVPool.attend` launches the attention right
-    after its write with ``dependent=True``). Its wait covers the launch just before it
-    only: everything earlier is ordered through that launch's own wait. False: an
-    ordinary launch, after everything before it.
+    launch; it starts while the launch before it is still finishing and waits for it
+    (``griddepcontrol.wait``) before it reads q, the caches, the block table or the scratch
+    or writes anything. Before the wait it reads ``seq_ids`` and ``positions``: the launch
+    just before must not write those and must be ordered after what did (an ordinary
+    launch, or a dependent one that waits before it lets this one start, as the K/V writes
+    of this module and of :mod:`.rotary_cells`, which :meth:`KVPool.attend` launches just
+    before it). False: an ordinary launch, after everything before it.
 
     Asynchronous on the current stream and capturable: no host read of a device value;
     the split scratch comes from ``torch.empty`` (the graph's pool during capture). The
