@@ -785,43 +785,64 @@ def test_cuda_in_kernel_merge_is_race_free(rng, rows):
     torch.testing.assert_close(first.float(), sdpa_rows(pb, scale=0.125), atol=2e-2, rtol=2e-2)
 
 
+if MODE == "compiled":
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _late_copy(src, dst, n, spins, BLOCK: tl.constexpr):
+        """dst = src, written late: the launch after this one may start at once (the trigger
+        comes first), then every program spins before it stores."""
+        tl.extra.cuda.gdc_launch_dependents()
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(src + offs, mask=offs < n, other=0.0)
+        acc = tl.zeros([BLOCK], tl.float32)
+        for _ in range(spins):
+            acc = acc * 0.5 + 1.0
+        tl.store(dst + offs, x + (acc * 0.0).to(x.dtype), mask=offs < n)
+
+
 @pytest.mark.cuda
 @cuda_only
 @pytest.mark.parametrize("rotary", [False, True])
 @pytest.mark.parametrize("rows", [1, 8])
 def test_cuda_dependent_launches_read_what_the_launch_before_wrote(rng, monkeypatch, rotary, rows):
-    """The pool's order with programmatic dependent launch: a slow matmul writes the step's
-    q, k, v (poisoned first); the K/V write (or the rotation and write, which lets the next
-    launch start early) and the attention with ``dependent=True`` follow it, eager and
-    replayed from a graph. Each reads what the launch before it wrote: the same bits as
-    the launches without PDL, and nothing of the poison."""
+    """The pool's order with programmatic dependent launch, after a producer that lets the
+    next launch start at once and writes the step's q, k, v (poisoned first) only after a
+    long spin: the rotation/write (or, without it, the attention itself) follows it
+    directly, then the attention with ``dependent=True``; eager and replayed from a graph.
+    A kernel that did not wait would read the poison: each matches the launches without
+    PDL bit for bit."""
     from cudagraph_rt.kernels import rotary_cells as rc
     from tests.support.models_for_tests import warm_and_capture
 
-    if torch.cuda.get_device_capability(DEV)[0] >= 9:
-        assert ca.pdl_launch(DEV), "Hopper: the dependent launches are on"
-    Hq, Hkv, D, bs, K = 32, 8, 64, 16, 1 << 15
+    if torch.cuda.get_device_capability(DEV)[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90 or later")
+    assert ca.pdl_launch(DEV), "Hopper: the dependent launches are on"
+    Hq, Hkv, D, bs = 32, 8, 64, 16
     pos0 = 100 + rng.randrange(300)
     pb = Problem(rng, [(0, pos0 + i) for i in range(rows)], Hq=Hq, Hkv=Hkv, D=D, bs=bs, S=1, MB=64,
                  dtype=torch.bfloat16)
     table = pb.block_table.long().cpu()
     cells = torch.tensor([int(table[0, p // bs]) * bs + p % bs for p in range(pos0, pos0 + rows)], device=DEV)
-    a = torch.randn(rows, K, device=DEV).bfloat16() / 64
-    b = torch.randn(K, (Hq + 2 * Hkv) * D, device=DEV).bfloat16()  # 200 MB: the producer takes a while
-    qkv = torch.empty(rows, (Hq + 2 * Hkv) * D, device=DEV, dtype=torch.bfloat16)
+    width = (Hq + 2 * Hkv) * D
+    src = torch.randn(rows, width, device=DEV).bfloat16()
+    qkv = torch.empty_like(src)
     q, k, v = (qkv[:, lo:hi].view(rows, -1, D) for lo, hi in ((0, Hq * D), (Hq * D, (Hq + Hkv) * D),
-                                                             ((Hq + Hkv) * D, (Hq + 2 * Hkv) * D)))
+                                                             ((Hq + Hkv) * D, width)))
     cos, sin = torch.rand(rows, D, device=DEV), torch.rand(rows, D, device=DEV)
     q_out, out = torch.empty_like(q), torch.empty_like(q)
+    if not rotary:  # the attention right after the producer: its q and the new K/V cells come late
+        ca.write_cells_triton(src[:, Hq * D:(Hq + Hkv) * D].view(rows, Hkv, D),
+                              src[:, (Hq + Hkv) * D:].view(rows, Hkv, D), pb.k, pb.v, cells)
 
     def step():
         for t in (qkv, q_out, out):
             t.fill_(float("nan"))
-        torch.mm(a, b, out=qkv)
+        _late_copy[(triton.cdiv(src.numel(), 1024),)](src, qkv, src.numel(), 20000, BLOCK=1024)
         if rotary:
             rows_q = rc.rotary_write_cells_triton(q, k, v, cos, sin, pb.k, pb.v, cells, q_out)
         else:
-            ca.write_cells_triton(k, v, pb.k, pb.v, cells)
             rows_q = q
         ca.cell_attention_triton(rows_q, pb.k, pb.v, pb.block_table, pb.seq_ids, pb.positions, block_size=bs,
                                  scale=0.125, out=out, dependent=True)
@@ -832,9 +853,10 @@ def test_cuda_dependent_launches_read_what_the_launch_before_wrote(rng, monkeypa
     want, want_k = out.clone(), pb.k.clone()
     assert want.isfinite().all()
     monkeypatch.setattr(ca, "DEPENDENT_LAUNCH", True)
-    pb.k.copy_(k0), pb.v.copy_(v0)
-    step()
-    assert torch.equal(out, want) and torch.equal(pb.k, want_k)
+    for _ in range(3):
+        pb.k.copy_(k0), pb.v.copy_(v0)
+        step()
+        assert torch.equal(out, want) and torch.equal(pb.k, want_k)
     graph = warm_and_capture(step)
     for _ in range(5):
         pb.k.copy_(k0), pb.v.copy_(v0)
