@@ -701,7 +701,7 @@ def _device_scope(t: Tensor):
     return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
-DEPENDENT_LAUNCH = True  # False: no launch of these kernels uses PDL (to rule it out when bisecting)
+DEPENDENT_LAUNCH = True  # False: later launches and binds of these kernels use no PDL (captured graphs keep theirs)
 
 
 def pdl_launch(device: torch.device) -> bool:
