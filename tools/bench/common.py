@@ -341,7 +341,7 @@ def step_time_us(model, rt, T: int, repeats: int) -> float:
     for s in set(seqs):
         model.cell_range(s, 0, max(p for q, p in zip(seqs, pos) if q == s) + 1)
     kw = dict(tokens=[1] * T, positions=pos, seq_ids=seqs, cells=[model.cell_for(s, p) for s, p in zip(seqs, pos)],
-              want=[1] * T)  # the rows' blocks are taken here, before the timed steps
+              want=[1] * T)  # every block is taken here, before the timed steps
     for _ in range(3):
         rt.step(**kw)
     times = []
