@@ -101,7 +101,7 @@ except ImportError:  # pragma: no cover - exercised only on installs without tri
 __all__ = [
     "AttentionConfig", "AttentionPlan", "BoundLaunch", "COUNTERS", "TUNED_CONFIGS", "attention_counters",
     "bind_cell_attention", "bind_write_cells", "cell_attention", "cell_attention_reference", "cell_attention_triton",
-    "DEPENDENT_LAUNCH", "kernel_mode", "new_attention_counters", "pdl_launch", "plan_attention",
+    "DEPENDENT_LAUNCH", "kernel_mode", "new_attention_counters", "pdl_launch", "pdl_options", "plan_attention",
     "write_cells", "write_cells_reference", "write_cells_triton",
 ]
 
@@ -711,17 +711,21 @@ def pdl_launch(device: torch.device) -> bool:
         and hasattr(tl.extra.cuda, "gdc_wait") and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def pdl_options(device: torch.device, dependent: bool = True) -> dict:
+    """A launch's PDL options: the kernel's ``PDL`` constexpr (always named:
+    :class:`BoundLaunch`'s direct path needs every constexpr) and Triton's ``launch_pdl``
+    only where the launch is a dependent one: a Triton without that option (torch 2.6's
+    Triton 3.2, in pyproject's range) refuses the keyword even when False ("Keyword
+    argument launch_pdl was specified but unrecognised")."""
+    pdl = bool(dependent) and pdl_launch(device)
+    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
+
+
 def _launch_options(config: AttentionConfig, device: torch.device, dependent: bool = False) -> dict:
-    """The launch's options on CUDA: warps, stages, the kernel's ``PDL`` constexpr (always
-    named: :class:`BoundLaunch`'s direct path needs every constexpr) and Triton's
-    ``launch_pdl`` only where the launch is a dependent one: a Triton without that option
-    (torch 2.6's Triton 3.2, in pyproject's range) refuses the keyword even when False
-    ("Keyword argument launch_pdl was specified but unrecognised")."""
+    """The launch's options on CUDA: warps, stages and :func:`pdl_options`."""
     if device.type != "cuda":
         return {}
-    pdl = bool(dependent) and pdl_launch(device)
-    return {"num_warps": config.num_warps, "num_stages": config.num_stages, "PDL": pdl,
-            **({"launch_pdl": True} if pdl else {})}
+    return {"num_warps": config.num_warps, "num_stages": config.num_stages, **pdl_options(device, dependent)}
 
 
 def new_attention_counters(device, entries: int = COUNTERS) -> Tensor:
@@ -1010,11 +1014,13 @@ def write_cells_reference(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor
 def cell_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_ids: Tensor,
                              positions: Tensor, *, block_size: int, scale: float, window: int | None = None,
                              slopes: Tensor | None = None, bias_shift: int = 0, out: Tensor | None = None,
-                             splits: int | None = None, counters: Tensor | None = None) -> Tensor:
+                             splits: int | None = None, counters: Tensor | None = None,
+                             dependent: bool = False) -> Tensor:
     """The contract above in plain torch, on any device. No host read of a device value
     and no data-dependent shape (it runs inside captured step functions and under the
     hazard finder): every row gathers the static bound of ``MB * block_size`` positions
-    and masks what it may not see. ``splits`` and ``counters`` are accepted and ignored."""
+    and masks what it may not see. ``splits``, ``counters`` and ``dependent`` are accepted
+    and ignored."""
     N, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     G = Hq // Hkv
@@ -1052,11 +1058,10 @@ def cell_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Ten
     elsewhere (or the kernel in the interpreter with ``CGRT_CPU_KERNELS=1`` and
     ``TRITON_INTERPRET=1``). Same lifetimes and errors as the implementation chosen;
     ``dependent`` as :func:`cell_attention_triton`'s (the reference ignores it)."""
-    kw = dict(block_size=block_size, scale=scale, window=window, slopes=slopes, bias_shift=bias_shift, out=out,
-              splits=splits, counters=counters)
-    if _runs_kernel(q):
-        return cell_attention_triton(q, k_cache, v_cache, block_table, seq_ids, positions, dependent=dependent, **kw)
-    return cell_attention_reference(q, k_cache, v_cache, block_table, seq_ids, positions, **kw)
+    impl = cell_attention_triton if _runs_kernel(q) else cell_attention_reference
+    return impl(q, k_cache, v_cache, block_table, seq_ids, positions, block_size=block_size, scale=scale,
+                window=window, slopes=slopes, bias_shift=bias_shift, out=out, splits=splits, counters=counters,
+                dependent=dependent)
 
 
 def write_cells(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, cells: Tensor) -> None:

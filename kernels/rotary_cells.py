@@ -40,7 +40,7 @@ from torch import Tensor
 from cudagraph_rt.errors import InputError, expected
 
 from .cell_attention import (_check_tensor, _check_write_args, _device_scope, _next_pow2, _runs_kernel,
-                             SUPPORTED_DTYPES, kernel_mode, pdl_launch, triton, tl)
+                             SUPPORTED_DTYPES, kernel_mode, pdl_options, triton, tl)
 
 __all__ = ["rotate_reference", "rotary_write_cells", "rotary_write_cells_reference",
            "rotary_write_cells_triton"]
@@ -149,9 +149,8 @@ def rotary_write_cells_triton(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin:
     N, Hq, D = q.shape
     if N:
         with _device_scope(q):
-            pdl = pdl_launch(q.device)
             _rotary_write_kernel[(N,)](*_args(q, k, v, cos, sin, k_cache, v_cache, cells, q_out),
-                                       **_meta(Hq, k.shape[1], D), **({"PDL": True, "launch_pdl": True} if pdl else {}))
+                                       **_meta(Hq, k.shape[1], D), **pdl_options(q.device))
     return q_out
 
 

@@ -300,10 +300,9 @@ class KVPool:
         else:
             rotate = rotary_write_cells if q.is_cuda else rotary_write_cells_reference
             q = rotate(q, k, v, *rotary, kc, vc, cells, q.new_empty(q.shape))
-        kw = {"dependent": True} if q.is_cuda else {}  # right after its own write: see cell_attention_triton
         return attention(q, kc, vc, self.block_table, seq_ids, positions, block_size=self.block_size,
                          scale=scale, window=window, slopes=slopes, bias_shift=bias_shift, out=out,
-                         counters=self.counters, **kw)
+                         counters=self.counters, dependent=True)  # right after its own write
 
     def bind_attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, seq_ids: Tensor, positions: Tensor,
                     cells: Tensor, *, scale: float, out: Tensor, window: int | None = None,
