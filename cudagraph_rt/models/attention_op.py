@@ -104,13 +104,13 @@ def attend(pool: int, layer: int, q: Tensor, k: Tensor, v: Tensor, seq_ids: Tens
     InputError if the pool is gone."""
     if out is None:
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    cos, sin = (None, None) if rotary is None else rotary
     if torch.compiler.is_compiling():
-        cos, sin = (None, None) if rotary is None else rotary
         torch.ops.cgrt.attend_cells(q, k, v, seq_ids, positions, cells, out, pool, layer, float(scale), window,
                                     slopes, bias_shift, cos, sin)
     else:
         pool_by_id(pool).attend(layer, q, k, v, seq_ids, positions, cells, scale=scale, window=window,
-                                slopes=slopes, bias_shift=bias_shift, out=out, **_rotary(*(rotary or (None, None))))
+                                slopes=slopes, bias_shift=bias_shift, out=out, **_rotary(cos, sin))
     return out
 
 
