@@ -631,7 +631,7 @@ def _check_caches(rows: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
 
 
 def _check_attention_args(q, k_cache, v_cache, block_table, seq_ids, positions, block_size, window, slopes,
-                          out, splits, counters=None) -> None:
+                          out, splits, counters=None, dependent=False) -> None:
     """Raise InputError naming the first argument that breaks the contract."""
     _check_tensor("q", q, 3, SUPPORTED_DTYPES)
     N, Hq, D = q.shape
@@ -662,6 +662,8 @@ def _check_attention_args(q, k_cache, v_cache, block_table, seq_ids, positions, 
                                   _desc(out)))
     if splits is not None and (not isinstance(splits, int) or splits < 1):
         raise InputError(expected("splits", "None or an int >= 1", splits))
+    if not isinstance(dependent, bool):
+        raise InputError(expected("dependent", "a bool", repr(dependent)))
     if counters is not None:
         _check_tensor("counters", counters, 1, (torch.int32,), q.device)
         if not counters.is_contiguous():
@@ -828,7 +830,7 @@ def cell_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tab
     the block table reads nothing (its row comes out 0), and positions past the table's
     width or blocks outside the caches read nothing."""
     _check_attention_args(q, k_cache, v_cache, block_table, seq_ids, positions, block_size, window, slopes,
-                          out, splits, counters)
+                          out, splits, counters, dependent)
     if kernel_mode() == "unavailable":
         raise RuntimeError("cell_attention_triton: triton is not installed; use cell_attention_reference")
     N, Hq, D = q.shape
@@ -942,7 +944,7 @@ def bind_cell_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
     if out is None:
         raise InputError(expected("out", "a tensor like q (a bound launch writes in place)", "None"))
     _check_attention_args(q, k_cache, v_cache, block_table, seq_ids, positions, block_size, window, slopes, out,
-                          None, counters)
+                          None, counters, dependent)
     if not _runs_kernel(q):
         kw = dict(block_size=block_size, scale=scale, window=window, slopes=slopes, bias_shift=bias_shift, out=out)
         return lambda: cell_attention_reference(q, k_cache, v_cache, block_table, seq_ids, positions, **kw)

@@ -598,6 +598,8 @@ def test_plans_depend_on_shapes_only():
     (dict(v_cache=torch.zeros(10, 2, 8)), "v_cache"),
     (dict(counters=torch.zeros(16)), "counters"),
     (dict(counters=torch.zeros(1, dtype=torch.int32)), "counters"),  # the default plan splits: 2 triples
+    (dict(dependent="yes"), "dependent"),
+    (dict(dependent=1), "dependent"),
 ])
 def test_bad_input_names_the_argument(rng, bad, name):
     pb = Problem(rng, [(0, 3), (1, 5)], device=torch.device("cpu"))
