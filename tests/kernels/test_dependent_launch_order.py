@@ -15,6 +15,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from cudagraph_rt.kernels import cell_attention as ca
 from cudagraph_rt.kernels import rotary_cells as rc
@@ -135,10 +137,38 @@ CASES = [  # (rows (seq, pos), plan): decode rows, padding, a verify tile, ids p
 
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_every_attention_program_waits_before_it_writes_or_reads_the_step(monkeypatch, case):
+    rows, plan_kw = CASES[case]
+    check_dependent_attention(monkeypatch, random.Random(case), rows, plan_kw)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_steps_keep_the_order_of_a_dependent_attention(monkeypatch, data):
+    """The same per-program order on random steps: up to 6 rows of up to 4 sequences (runs
+    of positions, padding, ids past the table), tiles of 1 to 4 rows served by 1 to R
+    programs, 1 to 8 splits, short or long chunks."""
+    rows = []
+    for _ in range(data.draw(st.integers(1, 6), label="rows")):
+        s = data.draw(st.integers(-1, 4), label="seq (4: past the table)")
+        mine = [p for t, p in rows if t == s]
+        p = mine[-1] + 1 if mine and s >= 0 else data.draw(st.integers(0, 31), label="position")
+        rows.append((s, min(p, 31)))
+    R = data.draw(st.sampled_from([1, 2, 4]), label="rows per tile")
+    plan_kw = dict(rows=R, programs=data.draw(st.integers(1, R), label="programs"),
+                   splits=data.draw(st.integers(1, 8), label="splits"),
+                   min_chunk=data.draw(st.sampled_from([1, 16]), label="min_chunk"),
+                   short_n=data.draw(st.sampled_from([16, 256]), label="short_n"))
+    check_dependent_attention(monkeypatch, random.Random(data.draw(st.integers(0, 2**31 - 1), label="seed")), rows,
+                              plan_kw)
+    monkeypatch.undo()
+
+
+def check_dependent_attention(monkeypatch, rng, rows, plan_kw):
+    """One dependent launch traced: the plain launch's bits, counters back at zero, and no
+    program touching more than its rows before its wait."""
     from tests.kernels.test_cell_attention import small
 
-    rows, plan_kw = CASES[case]
-    rng = random.Random(case)
     args = problem(rng, rows)
     q, k, v, bt, seq_ids, positions = args
     plan = small(**plan_kw)
