@@ -202,6 +202,41 @@ def test_compiled_step_equals_eager(name):
     assert (run.compiled.pool.k.data_ptr(), run.compiled.pool.v.data_ptr()) == run.pool_ptrs
 
 
+CPP_KERNEL = re.compile(r"(\w+) = async_compile\.cpp_pybinding\(\[([^\]]*)\]")
+
+
+def store_only_kernels(code: list[str]) -> tuple[int, list[str]]:
+    """(kernels, the names of those that read nothing) in inductor's C++ code: a kernel's
+    signature marks the pointers it reads ``const``, so one without a ``const`` pointer
+    only writes (a ``const int64_t`` is a size, not a buffer)."""
+    kernels = [m for src in code for m in CPP_KERNEL.finditer(src)]
+    return len(kernels), [m.group(1) for m in kernels if not re.search(r"'const [\w:]+\*'", m.group(2))]
+
+
+def test_the_store_only_detector_sees_a_fill():
+    from torch._inductor.utils import run_and_get_code
+    w = torch.randn(8, 8)
+    _, code = run_and_get_code(torch.compile(lambda x: (x @ w, torch.zeros(x.shape[0], 8)), fullgraph=True),
+                               torch.randn(4, 8))
+    n, bad = store_only_kernels(code)
+    assert n >= 1 and len(bad) == 1 and "zeros" in bad[0], (n, bad)
+
+
+@pytest.mark.parametrize("name", THROUGH_THE_OP)
+def test_no_compiled_kernel_only_writes(name):
+    """Every kernel of the compiled step reads something. Under inductor's dependent
+    launches (``triton.enable_pdl`` in ``STEP_OPTIONS``) a kernel waits for the launch
+    before it after its first load, or before a store only where that launch touched the
+    same buffer; a kernel that only writes never waits, may finish before its predecessor,
+    and the launch after it (our op's rotation/write waits at its top) is then ordered
+    after it alone and can read the predecessor's output early. The CPU's C++ kernels stand
+    in for the GPU's Triton ones (the same fused nodes, another backend)."""
+    run = run_of(name)
+    n, bad = store_only_kernels(run.code)
+    assert n > 0, f"{name}: no C++ kernel found in the compiled code"
+    assert not bad, f"{name} (seed {run.seed}): kernels that only write: {bad}"
+
+
 @pytest.mark.parametrize("name", list(FACTORIES))
 def test_two_graphs_serve_every_width(name):
     """Widths 18, 9, 4, 3 and 2 share one graph with a dynamic row dimension; width 1
