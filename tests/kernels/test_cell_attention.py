@@ -23,6 +23,7 @@ from cudagraph_rt.errors import CaptureError, InputError  # noqa: E402
 from cudagraph_rt.kernels import cell_attention as ca  # noqa: E402
 from tests.support import run_compile_script  # noqa: E402
 from tests.support.seeds import seeded_rng  # noqa: E402
+from tests.support.step_rows import draw_step_rows  # noqa: E402
 
 MODE = ca.kernel_mode()
 DEV = torch.device("cuda") if MODE == "compiled" else torch.device("cpu")
@@ -228,12 +229,7 @@ def test_random_tiles_and_plans(data):
     import random
 
     rng = random.Random(data.draw(st.integers(0, 2**31 - 1), label="seed"))
-    rows = []
-    for _ in range(data.draw(st.integers(1, 8), label="rows")):
-        s = data.draw(st.integers(-1, 3), label="seq")
-        mine = [p for t, p in rows if t == s]
-        p = mine[-1] + 1 if mine and s >= 0 else data.draw(st.integers(0, 31), label="position")
-        rows.append((s, min(p, 31)))
+    rows = draw_step_rows(data, max_rows=8, max_seq=3)
     rng.shuffle(rows)
     G = data.draw(st.sampled_from([1, 2, 4]), label="G")
     pb = Problem(rng, rows, Hq=2 * G, Hkv=2, fork=data.draw(st.sampled_from([0, 3]), label="shared blocks"))

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from cudagraph_rt.kernels import cell_attention as ca
 from cudagraph_rt.kernels import rotary_cells as rc
+from tests.support.step_rows import draw_step_rows
 
 pytestmark = pytest.mark.skipif(ca.kernel_mode() != "interpreter", reason="the interpreter's trace (CPU)")
 
@@ -148,12 +149,7 @@ def test_random_steps_keep_the_order_of_a_dependent_attention(monkeypatch, data)
     """The same per-program order on random steps: up to 6 rows of up to 4 sequences (runs
     of positions, padding, ids past the table), tiles of 1 to 4 rows served by 1 to R
     programs, 1 to 8 splits, short or long chunks."""
-    rows = []
-    for _ in range(data.draw(st.integers(1, 6), label="rows")):
-        s = data.draw(st.integers(-1, 4), label="seq (4: past the table)")
-        mine = [p for t, p in rows if t == s]
-        p = mine[-1] + 1 if mine and s >= 0 else data.draw(st.integers(0, 31), label="position")
-        rows.append((s, min(p, 31)))
+    rows = draw_step_rows(data, max_rows=6, max_seq=4)  # sequence 4: past the table
     R = data.draw(st.sampled_from([1, 2, 4]), label="rows per tile")
     plan_kw = dict(rows=R, programs=data.draw(st.integers(1, R), label="programs"),
                    splits=data.draw(st.integers(1, 8), label="splits"),
