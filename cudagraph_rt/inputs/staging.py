@@ -156,13 +156,21 @@ class PinnedStaging(_InArena):
     """Two pinned arenas that steps alternate between. Each waits for its own previous
     host-to-device copy before it is rewritten, so the host never overwrites bytes still
     in flight. A small arena crosses the bus in one copy (latency-bound), else one per
-    input; device rows are copied device-to-device, stream-ordered after it."""
+    input; device rows are copied device-to-device, stream-ordered after it.
 
-    def __init__(self, layout: ArenaLayout, arena: torch.Tensor, full: Mapping[str, torch.Tensor], device):
+    A device input is one on the arena's device with no host pointer taken: rows a
+    caller wrote into the arena itself (``device_inputs()``: zero copy) are never copied
+    over. Built on a CUDA device by ``stagers()``; ``pinned=False`` and ``events`` (two
+    objects with ``record`` and ``synchronize``) build it over plain memory on a CPU, for
+    tests of its bookkeeping (the arena's device is then the CPU)."""
+
+    def __init__(self, layout: ArenaLayout, arena: torch.Tensor, full: Mapping[str, torch.Tensor], device, *,
+                 pinned: bool = True, events: list | None = None):
         self.layout, self.arena, self._full, self.device = layout, arena, full, device
-        self.arenas = [HostArena(layout, pinned=True) for _ in range(2)]
-        self._rt = cudart()
-        self._events = [RawEvent(device.index, self._rt) for _ in self.arenas]
+        self.arenas = [HostArena(layout, pinned=pinned) for _ in range(2)]
+        self._rt = cudart() if arena.is_cuda else None  # (copy_h2d: torch's copy without it)
+        self._events = events if events is not None else [RawEvent(device.index, self._rt) for _ in self.arenas]
+        self._on = arena.device
         self.next = 0
 
     def take(self) -> int:
@@ -184,7 +192,7 @@ class PinnedStaging(_InArena):
         host, dev = [], []
         for name, t in prep.tensors.items():
             p = ptrs.get(name)
-            if p is not None or not t.is_cuda:
+            if p is not None or t.device != self._on:
                 host.append(name)
                 a.stage(name, t, p, start, length, width)
             else:

@@ -51,7 +51,8 @@ def _params(fn) -> list[str]:
 @pytest.mark.parametrize("cls, protocol", [(CpuStaging, ArenaStager), (PinnedStaging, ArenaStager),
                                            (Feed, Stager)])
 def test_each_stager_offers_the_interface_with_its_signatures(cls, protocol):
-    """PinnedStaging needs CUDA to be built: its class is checked, member by member."""
+    """Each class, member by member (stagers() builds PinnedStaging on CUDA only;
+    test_staging.py builds one over plain memory, to check its writes on a CPU)."""
     names = _members(Stager) + (_members(ArenaStager) if protocol is ArenaStager else [])
     assert {"write", "wait", "arenas", "next", "prologue", "unfeed", "reset", "pinned"} <= set(names)
     for name in names:

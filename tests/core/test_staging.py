@@ -179,3 +179,120 @@ def test_each_slice_of_a_sliced_step_is_staged_from_its_own_rows(graphs, form):
         want = ref(exact)["hidden"]
         torch.testing.assert_close(res.outputs["hidden"], want, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(model.state[:-1], ref.state[:-1], rtol=1e-5, atol=1e-6)
+
+
+# ---- issue 40: a device input written in place is left alone by the staging's one copy -----
+def _pinned_on_the_cpu(rows_n=16):
+    """The pinned staging over plain memory (the arena's device is the CPU, so a tensor of
+    the arena without a host pointer is a device input, as a CUDA tensor is on a GPU)."""
+    from cudagraph_rt.inputs.arena import ONE_COPY_BYTES
+    from cudagraph_rt.inputs.staging import PinnedStaging
+    layout = ArenaLayout(SPECS, rows_n, {})
+    assert layout.nbytes <= ONE_COPY_BYTES  # small: host rows cross in one copy of the whole arena
+    arena = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    full = layout.carve(arena)
+    layout.fill_pads(full)
+    return PinnedStaging(layout, arena, full, torch.device("cpu"), pinned=False,
+                         events=[FakeEvent(), FakeEvent()]), full
+
+
+def test_the_one_copy_of_the_staging_leaves_a_device_input_written_in_place_alone():
+    """``device_inputs()`` rows written in place on the device, the other inputs from the
+    host: the host rows cross in the step's one copy of the staging arena, which holds pad
+    values (or an older step's rows) where the device input lies. That copy must not be
+    made over the rows written in place (README: "no copy is made, only the padding rows
+    are filled"); a device input that is not the arena's own rows is copied after it."""
+    gen = seeded()
+    staging, full = _pinned_on_the_cpu()
+    # earlier steps leave every input's rows in both staging arenas (host rows of "a" too)
+    for T in (16, 13):
+        x = rows(T, gen)
+        staging.write(Prepared(T, x, frozenset(), {n: t.data_ptr() for n, t in x.items()}), 0, T, 16, None)
+    for T, W, how in [(5, 8, "in place"), (11, 16, "in place"), (3, 4, "copied"), (7, 8, "in place"), (1, 1, "in place")]:
+        x = rows(T, gen)
+        if how == "in place":  # the caller's own device op into the arena rows device_inputs() gave
+            full["a"][:T].copy_(x["a"])
+            a, zero_copy = full["a"][:T], frozenset({"a"})
+        else:  # another tensor on the device (strided: no host pointer), copied in
+            a, zero_copy = torch.stack([x["a"], x["a"]], 1)[:, 0], frozenset()
+        prep = Prepared(T, {"a": a, "b": x["b"], "c": x["c"]}, zero_copy,
+                        {"b": x["b"].data_ptr(), "c": x["c"].data_ptr()})
+        staging.write(prep, 0, T, W, None)
+        for name, t in x.items():
+            assert torch.equal(full[name][:T], t), (T, how, name)
+            assert (full[name][T:W].float() == float(SPECS[name].pad)).all(), (T, how, name)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("graphs", [False, True], ids=["graphs-off", "graphs-on"])
+def test_rows_written_through_device_inputs_survive_the_host_rows_copy_on_cuda(graphs):
+    """The promise above on a GPU, through the runtime: rows of one input written with a
+    device op into ``device_inputs(T)``, the others passed from the host, reach the step
+    function as written. Graphs off every step goes through the pinned staging; with graphs
+    the narrow steps go through the feed and the wide ones (dynamic slices) through the
+    pinned staging. Host steps before each fill the staging with other rows."""
+    from tests.support.feed_rows import ECHO, _echo
+    gen = seeded()
+    rt = GraphRuntime(_echo, ECHO, widths=(1, 2, 4, 8), dynamic_limit=24, graphs=graphs, device="cuda")
+
+    def host_rows(T):
+        return {"a": torch.randint(0, 99, (T,), generator=gen), "b": torch.randn(T, 3, generator=gen),
+                "h": torch.randn(T, 2, generator=gen).bfloat16()}
+
+    for T in [5, 20, 8, 13, 3, 24, 1]:
+        for _ in range(2):  # both staging arenas hold a full step of other rows
+            rt.step(**host_rows(24))
+        x = host_rows(T)
+        dv = rt.device_inputs(T)
+        dv["a"].copy_(x["a"].to("cuda", non_blocking=True))  # the caller's own device op
+        out = rt.step(a=dv["a"], b=x["b"], h=x["h"]).outputs
+        for name, t in x.items():
+            assert torch.equal(out[name].cpu(), t), (T, name)
+    rt.close()
+
+
+# ---- issue 40: rows handed out by host_inputs(T) and filled, then a step of fewer rows ----
+def _echo_rows(T, gen):
+    return {"a": torch.randint(0, 99, (T,), generator=gen), "b": torch.randn(T, 3, generator=gen),
+            "h": torch.randn(T, 2, generator=gen).bfloat16()}
+
+
+@pytest.mark.parametrize("path", ["short", "general"])
+@pytest.mark.parametrize("device, graphs", [
+    ("cpu", "emulate"),
+    pytest.param("cuda", False, marks=pytest.mark.cuda, id="cuda-graphs-off"),
+    pytest.param("cuda", True, marks=pytest.mark.cuda, id="cuda-graphs-on"),
+], ids=lambda v: str(v))
+def test_rows_filled_through_host_inputs_past_the_steps_T_become_padding(device, graphs, path):
+    """A runner fills ``host_inputs(8)`` and then steps 3 other rows (a retry after a
+    refused step): rows [3, 8) it filled are padding from that step on, wherever a copy
+    could carry them. The pinned staging copies its whole host arena to the device in one
+    copy, so the device arena past T must hold the pads (a graph replayed by hand, or a
+    wider width, would run those rows: a step that never ran); the feed's rows past T,
+    which ``host_inputs`` hands out again, must be the pads as well (its bookkeeping: rows
+    past the last step's T are pads). Graphs off on a CPU the host arena only backs the
+    views (steps write the arena directly): nothing to see there. ``path``: the steps'
+    rows as plain CPU tensors (the short path, with a feed) or strided (the general path)."""
+    from tests.support.feed_rows import ECHO, _echo
+    gen = seeded()
+    rt = GraphRuntime(_echo, ECHO, widths=(1, 2, 4, 8), dynamic_limit=8, graphs=graphs, device=device)
+    pads = {name: float(spec.pad) for name, spec in ECHO.items()}
+    for T_fill, T in [(8, 3), (8, 5), (6, 1), (7, 2), (8, 4)]:
+        hv = rt.host_inputs(T_fill)
+        for name, v in _echo_rows(T_fill, gen).items():
+            hv[name].copy_(v)  # filled in place, never stepped
+        x = _echo_rows(T, gen)
+        if path == "general":
+            x = {k: torch.stack([v, v], 1)[:, 0] for k, v in x.items()}  # strided: no memmove
+        out = rt.step(**x).outputs
+        for name, t in x.items():
+            assert torch.equal(out[name].cpu(), t), (T_fill, T, name)
+        if rt.fed_graphs:  # the feed: the same host rows come back with the next host_inputs
+            again = rt.host_inputs(T_fill)
+            for name in ECHO:
+                assert (again[name][T:].float() == pads[name]).all(), (T_fill, T, name, again[name][T:])
+        else:  # the pinned staging: the device arena is its last copy (static_inputs would unfeed a feed)
+            arena = rt.static_inputs(8)
+            for name in ECHO:
+                assert (arena[name][T:].float() == pads[name]).all(), (T_fill, T, name, arena[name][T:])
+    rt.close()
