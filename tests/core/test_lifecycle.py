@@ -192,6 +192,51 @@ def test_close_or_del_frees_the_buffers_without_waiting_for_the_garbage_collecto
         gc.collect()
 
 
+@pytest.mark.parametrize("mode", ["host", "device", "commit"])
+@pytest.mark.parametrize("device, graphs", [
+    ("cpu", False), ("cpu", "emulate"), pytest.param("cuda", True, marks=pytest.mark.cuda),
+], ids=["graphs-off", "emulated", "cuda"])
+def test_close_frees_the_host_row_ring_and_its_snapshots_at_once(device, graphs, mode):
+    """README: ``close()`` frees the graphs, their pool, the arena, the pinned staging AND
+    the host-row ring at once, by reference counting (no garbage-collector pass). The
+    caller still holds the runtime after ``close()``: the ring (its rows and meta), the
+    commit snapshots and a device chooser's shipped outputs must not stay with it until
+    the runtime itself goes. Every handle is released and dropped first (a handle still
+    held keeps its ring readable: that is promised too)."""
+    import gc
+    import weakref
+
+    from tests.support.reliability_harness import ScaleChooser
+
+    gen = seeded()
+    m = (ScaleChooser if mode == "device" else SlotModel)(device, seed=3)
+    rt = GraphRuntime(m, m.specs(), graphs=graphs, device=device,
+                      host_rows=HostRows(source="hidden", mode=mode, depth=2))
+    for T in (5, 3, 8, 2):
+        x = m.random_inputs(T, gen=gen)
+        res = rt.step(rows=[0, T - 1], **x) if mode == "host" else rt.step(**x)
+        handle = rt.commit(res, [T - 1]) if mode == "commit" else res.host_rows
+        handle.rows()
+        handle.release()
+        del res, handle
+    hr = rt._rows_mode
+    held = {"ring rows": hr.ring.dst, "ring meta": hr.ring.meta}
+    if mode == "commit":
+        held.update({"snapshots": hr.snap, "snapshot meta": hr._snap_meta})
+    if mode == "device":
+        held.update({"shipped rows": hr._shipped[0], "shipped count": hr._shipped[1]})
+    refs = {what: weakref.ref(t) for what, t in held.items()}
+    del held, hr
+    gc.collect()
+    gc.disable()
+    try:
+        rt.close()
+        alive = [what for what, r in refs.items() if r() is not None]
+        assert not alive, f"close() left {alive} to the runtime's own end (or the garbage collector)"
+    finally:
+        gc.enable()
+
+
 # ---- issue 22: explain_capture off the record, pinned_bytes of what is pinned -------------
 @pytest.mark.parametrize("graphs", [False, "emulate"], ids=["graphs-off", "emulated"])
 def test_explain_capture_runs_the_step_on_padding_rows_only(graphs):
