@@ -20,7 +20,11 @@ class WidthCapture:
     split at the calls marked ``cudagraph_rt.eager``, ``"eager"``: no graph), ``pieces``
     (graphs of the width: 1 whole, 0 eager) and ``eager_calls`` (the marked calls between
     the pieces, in order), and ``error`` (a message) when the width fell back from a
-    failed capture (to pieces, or to eager execution)."""
+    failed capture (to pieces, or to eager execution). ``pool``: which pool of this
+    capture the width's graphs went into, 0 the first; a failed capture attempt may leave
+    its stream and pool unusable, so what is captured after it goes into a fresh pool on a
+    fresh stream (1, then 2, ...: no memory shared with the widths before); None for a
+    width without graphs. Emulated graphs count their pools the same way (no memory)."""
 
     width: int
     warmup_s: float
@@ -30,6 +34,7 @@ class WidthCapture:
     mode: str = "graph"
     pieces: int = 1
     eager_calls: tuple[str, ...] = ()
+    pool: int | None = 0
 
 
 @dataclass(frozen=True)
@@ -104,13 +109,15 @@ class CaptureSettings:
 class WidthCapturer:
     """Captures widths one by one into one shared pool on one side stream (cuBLAS keeps a
     workspace per stream, so one stream keeps one workspace in the pool). After a failed
-    width the stream and pool may be spoiled: later widths get fresh ones (and no longer
-    share memory with the widths before). Lifetime: the pool lives while its graphs do."""
+    attempt the stream and pool may be spoiled: the capture loop calls ``renew``, so later
+    widths get fresh ones (and no longer share memory with the widths before; ``pool``
+    counts them for the report). Lifetime: the pool lives while its graphs do."""
 
     def __init__(self, settings: CaptureSettings):
         self.settings = settings
         self.stream: torch.cuda.Stream | None = None
         self.pool = None
+        self.pool_index = 0  # which pool of this capture ``pool`` is (WidthCapture.pool)
         self._base = 0
 
     def begin(self) -> None:
@@ -121,14 +128,21 @@ class WidthCapturer:
         self._base = torch.cuda.memory_reserved(self.settings.device)
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = self.stream or torch.cuda.Stream(self.settings.device)
+        self.pool_index = 0
+
+    def renew(self) -> None:
+        """A fresh stream and pool for what is captured next: a failed capture may have
+        left its own unusable (graphs captured into them before keep them)."""
+        self.stream, self.pool = torch.cuda.Stream(self.settings.device), torch.cuda.graph_pool_handle()
+        self.pool_index += 1
 
     def pool_bytes(self) -> int:
         return torch.cuda.memory_reserved(self.settings.device) - self._base
 
     def width(self, w: int, run: Callable[[], Any], replay: Callable[[], Any], explain: Callable[[], tuple]):
-        """``(graph, outputs, WidthCapture)`` of one whole graph, or CaptureError (the stream
-        and pool are fresh afterwards). ``run`` is warmed up and captured; ``replay`` (the
-        same work, uncounted) is for emulated graphs, which re-run it."""
+        """``(graph, outputs, WidthCapture)`` of one whole graph, or CaptureError (then
+        ``renew`` before capturing anything else). ``run`` is warmed up and captured;
+        ``replay`` (the same work, uncounted) is for emulated graphs, which re-run it."""
         st = self.settings
         return self._guarded(w, lambda: capture_width(w, run, pool=self.pool, stream=self.stream, warmup=st.warmup,
                                                       keep_graph=st.keep_graph, explain=explain))
@@ -142,13 +156,9 @@ class WidthCapturer:
                                                        keep_graph=st.keep_graph, explain=explain))
 
     def _guarded(self, w: int, capture: Callable[[], tuple]):
-        try:
-            g, out, tw, tc = capture()
-        except CaptureError:
-            self.stream, self.pool = torch.cuda.Stream(self.settings.device), torch.cuda.graph_pool_handle()
-            raise
+        g, out, tw, tc = capture()
         torch.cuda.empty_cache()
-        return g, out, WidthCapture(w, tw, tc, self.pool_bytes())
+        return g, out, WidthCapture(w, tw, tc, self.pool_bytes(), pool=self.pool_index)
 
     def body(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
         """A graph of ``fn`` in the pool (a host-row mode's own, e.g. commit's gather):

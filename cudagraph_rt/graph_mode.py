@@ -70,16 +70,22 @@ class EmulatedGraph:
 
 
 class NoPool:
-    """The capturer of a mode without CUDA graphs: no pool, no stream, no bytes."""
+    """The capturer of a mode without CUDA graphs: no pool, no stream, no bytes. It counts
+    the pools a CUDA capture would use (``pool_index``, for ``WidthCapture.pool``): the
+    capture loop ``renew``s after a failed attempt, as it does the CUDA capturer's."""
 
     pool = None
     stream = None
 
     def __init__(self, settings: CaptureSettings):
         self.settings = settings
+        self.pool_index = 0
 
     def begin(self) -> None:
-        pass
+        self.pool_index = 0
+
+    def renew(self) -> None:
+        self.pool_index += 1
 
     def pool_bytes(self) -> int:
         return 0
@@ -111,12 +117,13 @@ class EmulatedCapturer(NoPool):
         except Exception as e:  # noqa: BLE001 - as capture_width: every failure a CaptureError
             raise CaptureError(f"width {w}: the step function raised during emulated capture: "
                                f"{type(e).__name__}: {e}", width=w, cause=e) from e
-        return EmulatedGraph(w, replay, out), out, WidthCapture(w, t1 - t0, time.perf_counter() - t1, 0)
+        return (EmulatedGraph(w, replay, out), out,
+                WidthCapture(w, t1 - t0, time.perf_counter() - t1, 0, pool=self.pool_index))
 
     def pieces(self, w: int, run: Callable[[], Any], replay: Callable[[], Any], explain: Callable[[], tuple]):
         from .piece_capture import emulate_pieces
         graph, out, tw, tc = emulate_pieces(w, run, replay, self.settings.warmup)
-        return graph, out, WidthCapture(w, tw, tc, 0)
+        return graph, out, WidthCapture(w, tw, tc, 0, pool=self.pool_index)
 
     def body(self, fn: Callable[[], None]) -> EmulatedGraph:
         """A graph of ``fn`` (a host-row mode's own, e.g. commit's gather)."""

@@ -140,19 +140,23 @@ def capture_widths(policy: CapturePolicy, capturer, by_width: dict, parts: Width
 
 
 def _capture_one(policy: CapturePolicy, capturer, w: int, run, replay, explain) -> tuple:
+    """The width's attempts in turn. A failed attempt may leave the capturer's stream and
+    pool unusable: whatever is captured after it (the next attempt, the next width) gets
+    fresh ones."""
     errors: list[CaptureError] = []
     for mode in policy.attempts(w):
         try:
             graph, out, report = mode.capture(capturer, w, run, replay, explain)
         except CaptureError as e:
             errors.append(e)
+            capturer.renew()
             continue
         why = str(errors[0]) if errors else None
         return mode, graph, out, dataclasses.replace(report, error=why)
     if policy.fallback is None:
         raise errors[-1]
     return EAGER, None, None, WidthCapture(w, 0.0, 0.0, 0, error="; then ".join(map(str, errors)), mode=EAGER.name,
-                                           pieces=0)
+                                           pieces=0, pool=None)
 
 
 def modes_of(by_width: dict) -> dict[int, str]:

@@ -164,3 +164,58 @@ def test_emulated_graphs_on_cuda_equal_cuda_graphs_bit_for_bit():
     torch.cuda.synchronize()
     assert torch.equal(m_cuda.state, m_emu.state)
     assert emu.stats().graph_mode == "emulated" and real.stats().graph_mode == "cuda"
+
+
+# ---- issue 40: after a width fails to capture, later widths get a fresh stream and pool ----
+class FailsOnce(SlotModel):
+    """SlotModel that raises the first time each width of ``fail`` is captured (on a GPU:
+    while the stream captures it; emulated: at its first run, the warm-up), then steps
+    as SlotModel (the width runs eagerly). ``streams``: the stream each width was
+    captured on (CUDA)."""
+
+    def __init__(self, *a, fail=(), **kw):
+        super().__init__(*a, **kw)
+        self.fail, self.streams = set(fail), {}
+
+    def __call__(self, x):
+        w, cuda = x["tokens"].shape[0], x["tokens"].is_cuda
+        capturing = cuda and torch.cuda.is_current_stream_capturing()
+        if capturing:
+            self.streams[w] = torch.cuda.current_stream().cuda_stream
+        if w in self.fail and (capturing or not cuda):
+            self.fail.discard(w)
+            raise RuntimeError(f"no capture at width {w}")
+        return super().__call__(x)
+
+
+@pytest.mark.parametrize("device, graphs", [("cpu", "emulate"), pytest.param("cuda", True, marks=pytest.mark.cuda)],
+                         ids=["emulated", "cuda"])
+def test_widths_after_a_failed_capture_get_a_fresh_stream_and_pool(device, graphs):
+    """README: a failed capture leaves the context usable; the capturer's docstring: after
+    a failed width the stream and pool may be spoiled, so later widths get fresh ones (no
+    memory shared with the widths before). The report says which pool each width went
+    into; on a GPU the graphs' own pools and the capture streams say the same. Widths 16
+    and 4 fail (on_capture_error="eager"); every width then steps as graphs off does."""
+    m, ref = FailsOnce(device, seed=4, fail=(16, 4)), SlotModel(device, seed=4)
+    rt = GraphRuntime(m, m.specs(), graphs=graphs, device=device, on_capture_error="eager")
+    off = GraphRuntime(ref, ref.specs(), graphs=False, device=device)
+    rep = rt.capture()
+    assert [w.width for w in rep.widths if w.error] == [16, 4], [(w.width, w.error) for w in rep.widths]
+    pools = {w.width: w.pool for w in rep.widths}
+    assert pools == {64: 0, 32: 0, 16: None, 8: 1, 4: None, 2: 2, 1: 2}, pools
+    assert rep.to_json()["widths"][0]["pool"] == 0
+    if device == "cuda":
+        g = rt.graphs_captured
+        assert g[64].pool() == g[32].pool() and g[2].pool() == g[1].pool()
+        assert len({g[32].pool(), g[8].pool(), g[2].pool()}) == 3
+        s = m.streams  # the failed widths were captured on the stream of the widths before them
+        assert s[64] == s[32] == s[16] and s[8] == s[4] and s[2] == s[1]
+        assert len({s[16], s[8], s[1]}) == 3
+        torch.ones(4, device="cuda").sum().item()  # the context is usable
+    g = gen()
+    for T in [3, 16, 4, 12, 1, 40, 64, 2, 80]:
+        x = m.random_inputs(T, gen=g)
+        a, b = rt.step(**x).outputs, off.step(**x).outputs
+        assert torch.equal(a["hidden"], b["hidden"]), T
+    assert dict(rt.stats().eager_calls) == {16: 2, 4: 2}
+    assert torch.equal(m.state[:-1], ref.state[:-1])  # every real slot (padding rows write the last)
