@@ -270,6 +270,65 @@ def test_a_wrong_token_fails_the_sweep_when_no_margin_is_unclear():
     assert "tokens: 1 of" in messages(bad) and "row 0 " in messages(bad)
 
 
+class NearTiesAt(ToyAdapter):
+    """The toy with a ``clear`` hook, as the transformers adapter has: the reference's
+    margin at position p is a near-tie where ``unclear(p)``. Its runtime returns a wrong
+    token (one more; -1 becomes 0, a token where none is due) on the rows ``corrupt(x)``
+    picks, and counts those of real rows in ``planted`` (graphs off: one call a slice)."""
+
+    def __init__(self, unclear, corrupt):
+        super().__init__(device="cpu")
+        self.unclear, self.corrupt, self.planted = unclear, corrupt, 0
+
+    def clear(self, tokens):
+        return torch.tensor([not self.unclear(p) for p in range(len(tokens))])
+
+    def build(self, graphs):
+        self.model.reset_cache()
+        step = self.model.step
+
+        def broken(x):
+            out = step(x)
+            bad = self.corrupt(x) & (x["seq_ids"] >= 0)  # padding rows (seq -1) are cut anyway
+            self.planted += int(bad.sum())
+            return {**out, "tokens": torch.where(bad, out["tokens"] + 1, out["tokens"])}
+
+        return GraphRuntime(broken, self.input_specs(), widths=self.widths, graphs=graphs, device=self.device)
+
+
+def reported_rows(report) -> int:
+    """Rows the token check reported, over every failed step."""
+    return sum(int(re.match(r"tokens: (\d+) of", m).group(1))
+               for f in report.failures for m in f.messages if m.startswith("tokens:"))
+
+
+def test_rows_that_want_no_token_are_checked_at_near_ties_and_never_counted_as_ties():
+    """A row that wants no token (a prefill row: its next token is the prompt's) must
+    return -1 whatever the margin there: an adapter's near-ties excuse a differing token
+    only where one was asked for. Every margin unclear here, and every row that wants no
+    token returns a token: each such row is a failure, none a near-tie."""
+    clean = run_sweep(NearTiesAt(unclear=lambda p: True, corrupt=lambda x: x["want"] < 0), **QUICK)
+    assert clean.ok and clean.modes[0].near_ties == 0, clean.summary()  # right tokens: nothing to excuse
+    adapter = NearTiesAt(unclear=lambda p: True, corrupt=lambda x: x["want"] == 0)
+    bad = run_sweep(adapter, max_details=10**6, **QUICK)
+    assert not bad.ok and kinds(bad) == {"tokens"}, bad.summary()
+    assert bad.modes[0].near_ties == 0, "rows that want no token were counted as near-ties"
+    assert adapter.planted > 0 and reported_rows(bad) == adapter.planted, (reported_rows(bad), adapter.planted)
+
+
+def test_a_row_that_wants_no_token_hides_no_mismatch_of_one_that_does():
+    """Near-ties are per row: the unclear margin of another row of the chunk (a prefill row
+    that wants no token, or a row at a near-tie) excuses nothing at a row whose margin is
+    clear. Even positions unclear, odd ones clear; every wanted token at an odd position
+    is wrong: each is reported, none counted as a near-tie."""
+    adapter = NearTiesAt(unclear=lambda p: p % 2 == 0,
+                         corrupt=lambda x: (x["want"] == 1) & (x["positions"] % 2 == 1))
+    bad = run_sweep(adapter, max_details=10**6, **QUICK)
+    assert not bad.ok and kinds(bad) == {"tokens"}, bad.summary()
+    assert bad.modes[0].near_ties == 0, "a wrong token at a clear margin was counted as a near-tie"
+    assert adapter.planted > 0 and reported_rows(bad) == adapter.planted, (reported_rows(bad), adapter.planted)
+
+
 @pytest.mark.parametrize("T", [3, 7, 12, 1])
 def test_the_pad_check_sees_one_stale_padding_row(toy, T):
     """check_pad_rows reads every padding row the last graph slice read, one padding row too
