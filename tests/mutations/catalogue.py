@@ -373,4 +373,35 @@ CATALOGUE: tuple[Mutation, ...] = (
       "the wait kept for the program that stores the padding: the splits with work read q and K/V and "
       "write the scratch while the write before them is still running (the sm_90 PTX text still has "
       "its wait before every store)", PDL),
+    # ---------------------------------------------------------------- the README's promises (issue 40)
+    M(68, "staging", "cudagraph_rt/inputs/staging.py",
+      "one_copy = bool(host) and self.layout.nbytes <= ONE_COPY_BYTES and not zero_copy.intersection(dev)",
+      "one_copy = bool(host) and self.layout.nbytes <= ONE_COPY_BYTES",
+      "one copy of the whole staging arena whenever some input comes from the host: the pads it holds where a "
+      "device input lies are copied over the rows written in place through device_inputs()", FEED),
+    M(69, "handed views", "cudagraph_rt/inputs/__init__.py",
+      "stager.arenas[k].mark(T)  # the caller may fill rows [:T] and then step with fewer",
+      "pass  # the caller may fill rows [:T] and then step with fewer",
+      "host_inputs(T) does not mark the rows it hands out: filled and then stepped with fewer rows, those past "
+      "the step's T stay in the feed (and the pinned staging copies them into the device arena)", FEED),
+    M(70, "lifecycle", "cudagraph_rt/runtime.py",
+      "self._rows_mode.close()",
+      "pass",
+      "close() forgets the host-row mode: the ring, its commit snapshots and a chooser's outputs stay with "
+      "the runtime object until it goes", ("tests/core/test_lifecycle.py",)),
+    M(71, "capture", "cudagraph_rt/width_modes.py",
+      "capturer.renew()",
+      "pass",
+      "no fresh stream and pool after a failed capture attempt: later widths are captured on the stream and "
+      "into the pool the failure may have spoiled", CAPTURE, graph_path=True),
+    M(72, "sweep harness", "cudagraph_rt/testing/harness.py",
+      "counts.append(torch.ones(c.length, dtype=torch.bool) if clear is None else (clear[rows] | ~want))",
+      "counts.append(torch.ones(c.length, dtype=torch.bool) if clear is None else clear[rows])",
+      "near-ties wherever the margin is unclear: a prefill row that returns a token where -1 is due passes as "
+      "a near-tie", SWEEP),
+    M(73, "sweep harness", "cudagraph_rt/testing/harness.py",
+      "counts.append(torch.ones(c.length, dtype=torch.bool) if clear is None else (clear[rows] | ~want))",
+      "counts.append(torch.ones(c.length, dtype=torch.bool) if clear is None else (clear[rows].all() | ~want))",
+      "a chunk's tokens count only where all its margins are clear: the near-tie of a prefill row (which wants "
+      "no token) excuses a wrong token of its chunk's last row", SWEEP),
 )
