@@ -48,7 +48,7 @@ class _Counter:
     def record(self, fn: Callable, args: tuple, kwargs: dict, out: Any, before: ArgumentsSeen) -> EagerCall:
         """The call just made, recorded (its ``eager(bind=)`` runs here: a failure there is
         this call's, as one of the call itself; so is what no replay can honour, refused
-        by ``EagerCall``: an argument replaced or reshaped)."""
+        by ``EagerCall``: an output that is no tensor, an argument replaced or reshaped)."""
         name = getattr(fn, "__qualname__", repr(fn))
         try:
             return EagerCall(fn, args, kwargs, out, before)

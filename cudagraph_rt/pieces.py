@@ -28,6 +28,13 @@ What a marked call may rely on, and what it costs:
   output the call returns is copied into them (one device copy per output tensor), unless
   the call wrote it in place (it returned the very tensor, e.g. an ``out=`` argument it
   was given): then nothing is copied;
+* its outputs are tensors (or None): any other value (an int read from
+  :func:`step_values`, a float read from a tensor) is refused at capture (CaptureError
+  naming the width, the call and the output). The code after the call is a graph at
+  every replay: the capture's value is baked into it (a shape, a kernel argument, a
+  branch taken) and no replay can hand it a new one, so a live value cannot be had and a
+  stale one would be silent. A per-step host value is read through :func:`step_values`
+  inside the marked call that needs it;
 * a marked call costs what it costs eagerly (its launches, its host work) plus one graph
   launch per piece; everything between marked calls replays from the graphs.
 
@@ -248,14 +255,15 @@ class EagerCall:
     those outputs (a copy per output tensor it did not write in place); CgrtError when
     it returns another structure or an output tensor of another shape. A ``bind`` that
     raises or returns no callable fails here, at record, and so does (CaptureError) what
-    no replay can honour, given the arguments as they were before the call (``before``):
-    an argument the call replaced (an entry of a list or dict it was given) or whose
-    shape or memory it changed."""
+    no replay can honour: an output that is not a tensor or None, or, given the
+    arguments as they were before the call (``before``), an argument the call replaced
+    (an entry of a list or dict it was given) or whose shape or memory it changed."""
 
     def __init__(self, fn: Callable, args: tuple, kwargs: dict, out: Any, before: "ArgumentsSeen | None" = None):
         self.fn, self.args, self.kwargs, self.out = fn, args, kwargs, out
         self.name = _name(fn)
         self._static = [t for t in tree_flatten(out)[0]]
+        _check_outputs(self._static)
         self._arg_leaves, self._arg_spec = tree_flatten((args, kwargs))
         if before is not None:
             before.check_unchanged(self._arg_leaves, self._arg_spec)
@@ -357,6 +365,22 @@ class ArgumentsSeen:
 
 def _layout(t: torch.Tensor) -> tuple:
     return tuple(t.shape), t.stride(), t.dtype, t.data_ptr()
+
+
+def _check_outputs(leaves: list) -> None:
+    """CaptureError unless every output leaf of a marked call is a tensor or None."""
+    for i, leaf in enumerate(leaves):
+        if leaf is not None and not isinstance(leaf, torch.Tensor):
+            raise CaptureError(
+                f"returned {type(leaf).__name__} as output {i} ({_short(leaf)}): the code after a marked call is a "
+                "graph at every replay, which keeps the value the capture saw; return tensors (or None), and read a "
+                "per-step host value through step_values() (GraphRuntime(step_values=...)) in the marked call that "
+                "needs it")
+
+
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
 
 
 def _copy_into(dst: torch.Tensor, src: torch.Tensor, what: Callable[[], str]) -> None:

@@ -484,6 +484,71 @@ def test_a_marked_call_that_replaces_or_reshapes_an_argument_is_refused_at_captu
     assert torch.equal(eager.step(x=x).outputs["y"], x * 3 + 1)
 
 
+@cudagraph_rt.eager
+def _rows_and_their_sum(x):
+    return x * 1, cudagraph_rt.step_values()  # an int of this slice's rows
+
+
+@cudagraph_rt.eager
+def _rows_and_a_host_read(x):
+    return x * 1, float(x.sum())  # a host sync: allowed in a marked call
+
+
+@cudagraph_rt.eager
+def _rows_and_a_list(x):
+    return {"rows": x * 1, "n": [x.shape[0]]}
+
+
+@pytest.mark.parametrize("call,read,what", [
+    (_rows_and_their_sum, lambda out: out[0] + out[1], "int"),
+    (_rows_and_a_host_read, lambda out: out[0] + out[1], "float"),
+    (_rows_and_a_list, lambda out: out["rows"] + out["n"][0], "int"),
+], ids=["step-values-int", "host-read-float", "int-in-a-list"])
+def test_a_marked_call_that_returns_a_host_value_is_refused_at_capture(call, read, what):
+    """A non-tensor output of a marked call: the code after the call is a graph at every
+    replay, which keeps the value it had at capture (graphs on and emulated gave [3, 6]
+    where graphs off gave [6, 9]). It cannot be made live (a graph cannot take a new host
+    value: it may be a shape, a kernel argument, a branch taken), so it is refused at
+    capture, naming the width, the call and the output; a per-step host value belongs in
+    ``step_values()``, read by the call that needs it. Graphs off, or the widths run
+    eagerly after the refusal, use the live value."""
+    specs = {"x": InputSpec((), torch.float32, 0.0)}
+    values = lambda rows, width: int(rows["x"].sum())  # noqa: E731
+
+    def step(v):
+        return {"y": read(call(v["x"]))}
+
+    def want(x):
+        return x + (x.shape[0] if call is _rows_and_a_list else x.sum())
+
+    steps = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 3.0]), torch.tensor([4.0])]
+    off = GraphRuntime(step, specs, widths=(1, 2), graphs=False, device="cpu", step_values=values)
+    for x in steps:
+        assert torch.equal(off.step(x=x).outputs["y"], want(x))
+    rt = GraphRuntime(step, specs, widths=(1, 2), graphs="emulate", pieces=True, device="cpu", step_values=values)
+    with pytest.raises(CaptureError, match=r"width 2: marked call 1 \(.*" + call.__name__ + r"\) returned " + what +
+                       r" as output 1 .*step_values\(\)") as ei:
+        rt.capture()
+    assert ei.value.width == 2 and not rt.graphs_captured
+    eager = GraphRuntime(step, specs, widths=(1, 2), graphs="emulate", pieces=True, device="cpu", step_values=values,
+                         on_capture_error="eager")
+    assert {w.mode for w in eager.capture().widths} == {"eager"}
+    for x in steps:
+        assert torch.equal(eager.step(x=x).outputs["y"], want(x))
+
+
+def test_a_marked_call_may_return_none_beside_its_tensors():
+    @cudagraph_rt.eager
+    def scaled(x):
+        return x * 2, None
+
+    rt = GraphRuntime(lambda v: {"y": scaled(v["x"])[0] + 1}, {"x": InputSpec((), torch.float32, 0.0)},
+                      widths=(1, 2), graphs="emulate", pieces=True, device="cpu")
+    for x in (torch.tensor([1.0, 2.0]), torch.tensor([-3.0])):
+        assert torch.equal(rt.step(x=x).outputs["y"], x * 2 + 1)
+    assert {w.mode for w in rt.capture_report.widths} == {"pieces"}
+
+
 # -- capture failures, contained -----------------------------------------------------------
 class FailsInPiece2(MarkedSlotModel):
     """Raises after its first marked call, before the second (in piece 2), at width 16,
@@ -780,6 +845,27 @@ def test_cuda_a_marked_call_that_replaces_an_argument_is_refused():
     ok = GraphRuntime(m, m.specs(), widths=(1, 2), graphs=True, pieces=True, device="cuda")
     x = torch.tensor([2.0, -7.0])
     assert torch.equal(ok.step(x=x).outputs["y"].cpu(), m.reference(x))
+
+
+@pytest.mark.cuda
+def test_cuda_a_marked_call_that_returns_a_host_value_is_refused():
+    """A real capture in pieces refuses it too (the call read a tensor on the host: allowed
+    in a marked call); the widths then run eagerly with the live value."""
+    specs = {"x": InputSpec((), torch.float32, 0.0)}
+
+    def step(v):
+        y, s = _rows_and_a_host_read(v["x"])
+        return {"y": y + s}
+
+    rt = GraphRuntime(step, specs, widths=(1, 2), graphs=True, pieces=True, device="cuda")
+    with pytest.raises(CaptureError, match=r"width 2: marked call 1 \(.*_rows_and_a_host_read\) returned float as "
+                                           r"output 1"):
+        rt.capture()
+    assert not torch.cuda.is_current_stream_capturing()
+    eager = GraphRuntime(step, specs, widths=(1, 2), graphs=True, pieces=True, device="cuda", on_capture_error="eager")
+    assert {w.mode for w in eager.capture().widths} == {"eager"}
+    for x in (torch.tensor([1.0, 2.0]), torch.tensor([3.0, 3.0])):
+        assert torch.equal(eager.step(x=x).outputs["y"].cpu(), x + x.sum())
 
 
 class _Piece:
