@@ -7,9 +7,9 @@ Each run draws one step function: its marked call writes some of its arguments i
 keyword), reads an argument made with ``expand()``, returns a fresh tensor and maybe a
 host value (an int of ``step_values()``, or a float read from a tensor), and maybe
 replaces an entry of a dict it was given. The code after the call reads only those
-arguments and outputs. Two runtimes over it: graphs off, and emulated (pieces on or off,
-``on_capture_error`` "raise" or "eager"), steps of 1..20 rows (one graph, dynamic, sliced),
-and ``recapture()``.
+arguments and outputs. Three runtimes over it: graphs off, emulated in pieces and
+emulated in whole graphs (``on_capture_error`` "raise" or "eager"), through steps of 1..20
+rows (one graph, dynamic, sliced) and ``recapture()``.
 
 What must hold: a capture refuses exactly what no replay can honour (in pieces: a host
 value returned, an argument's entry replaced; in a whole graph: ``step_values()`` read
@@ -93,60 +93,71 @@ def make_step(writes: frozenset, host: str | None, replaces: bool):
     return step, reference
 
 
-class MarkedCallMachine(RuleBasedStateMachine):
-    """Graphs off and emulated over one drawn step function; see the module docstring."""
+# a host value returned and a replaced entry are refused in pieces: drawn less often than
+# not, so that most runs replay their pieces
+HOSTS = st.integers(0, 5).map(lambda i: ("step_values", "host_read")[i] if i < 2 else None)
+SOMETIMES = st.integers(0, 3).map(lambda i: i == 0)
 
-    @initialize(writes=st.frozensets(st.sampled_from(WRITES)), host=st.sampled_from([None, "step_values", "host_read"]),
-                replaces=st.booleans(), pieces=st.booleans(), on_error=st.sampled_from(["raise", "eager"]),
-                seed=st.integers(0, 2**31 - 1))
-    def build(self, writes, host, replaces, pieces, on_error, seed):
-        print(f"writes={sorted(writes)} host={host} replaces={replaces} pieces={pieces} on_error={on_error} "
-              f"seed={seed}")
+
+class MarkedCallMachine(RuleBasedStateMachine):
+    """Graphs off, emulated in pieces and emulated whole, over one drawn step function;
+    see the module docstring."""
+
+    @initialize(writes=st.frozensets(st.sampled_from(WRITES)), host=HOSTS, replaces=SOMETIMES,
+                on_error=st.sampled_from(["raise", "eager"]), seed=st.integers(0, 2**31 - 1))
+    def build(self, writes, host, replaces, on_error, seed):
+        print(f"writes={sorted(writes)} host={host} replaces={replaces} on_error={on_error} seed={seed}")
         self.step_fn, self.reference = make_step(writes, host, replaces)
         self.gen = torch.Generator().manual_seed(seed)
         values = (lambda rows, width: _slice_sums(rows["x"])) if host == "step_values" else None
-        kw = dict(widths=WIDTHS, dynamic_limit=DYNAMIC, device="cpu", step_values=values)
-        self.off = GraphRuntime(self.step_fn, SPECS, graphs=False, **kw)
+        self.kw = dict(widths=WIDTHS, dynamic_limit=DYNAMIC, device="cpu", step_values=values)
+        self.off = GraphRuntime(self.step_fn, SPECS, graphs=False, **self.kw)
         # what a capture must refuse: in pieces, a host value returned or an entry replaced;
         # in a whole graph (the call inline), step_values() read while it captures
-        if pieces:
-            refusal = (r"returned (int|float) as output 1" if host is not None else
-                       r"replaced argument \d+ \(a Tensor\)" if replaces else None)
-        else:
-            refusal = r"step_values\(\) was read while a graph captures" if host == "step_values" else None
-        emu = GraphRuntime(self.step_fn, SPECS, graphs="emulate", pieces=pieces, on_capture_error=on_error, **kw)
+        in_pieces = (r"marked call 1 \(.*marked\) returned (int|float) as output 1" if host is not None else
+                     r"marked call 1 \(.*marked\) replaced argument \d+ \(a Tensor\)" if replaces else None)
+        whole = r"step_values\(\) was read while a graph captures" if host == "step_values" else None
+        self.emulated = [self.emulate(True, on_error, in_pieces), self.emulate(False, on_error, whole)]
+        self.steps = 0
+
+    def emulate(self, pieces: bool, on_error: str, refusal: str | None) -> GraphRuntime:
+        """The emulated runtime, captured: refused (CaptureError naming the call) where
+        ``refusal`` says, then run eagerly; else every width in pieces or whole."""
+        rt = GraphRuntime(self.step_fn, SPECS, graphs="emulate", pieces=pieces, on_capture_error=on_error, **self.kw)
         if refusal is not None and on_error == "raise":
-            with pytest.raises(CaptureError, match=r"width 8: " + (r"marked call 1 \(.*marked\) " if pieces else "")
-                               + refusal):
-                emu.capture()
-            emu = GraphRuntime(self.step_fn, SPECS, graphs="emulate", pieces=pieces, on_capture_error="eager", **kw)
-        rep = emu.capture()
+            with pytest.raises(CaptureError, match=r"width 8: " + refusal):
+                rt.capture()
+            rt = GraphRuntime(self.step_fn, SPECS, graphs="emulate", pieces=pieces, on_capture_error="eager",
+                              **self.kw)
+        rep = rt.capture()
         want = "eager" if refusal is not None else ("pieces" if pieces else "graph")
         assert {w.mode for w in rep.widths} == {want}, [(w.mode, w.error) for w in rep.widths]
-        if refusal is not None:
-            assert all(w.error for w in rep.widths)
-        self.emu, self.steps = emu, 0
+        assert all(bool(w.error) == (refusal is not None) for w in rep.widths)
+        return rt
 
     @rule(T=st.one_of(st.integers(1, 8), st.integers(9, DYNAMIC), st.integers(DYNAMIC + 1, 20)))
     def step(self, T):
         x = torch.randint(-20, 21, (T,), generator=self.gen).to(torch.float32)
         a = self.off.step(x=x)
-        b = self.emu.step(x=x)
-        assert [(s.start, s.length) for s in a.slices] == [(s.start, s.length) for s in b.slices]
-        want = self.reference(x, [(s.start, s.length) for s in a.slices])
+        slices = [(s.start, s.length) for s in a.slices]
+        want = self.reference(x, slices)
         assert torch.equal(a.outputs["y"], want), (T, a.outputs["y"], want)
-        assert torch.equal(b.outputs["y"], want), (T, b.outputs["y"], want)
+        for rt in self.emulated:
+            b = rt.step(x=x)
+            assert [(s.start, s.length) for s in b.slices] == slices
+            assert torch.equal(b.outputs["y"], want), (T, rt.stats().width_modes, b.outputs["y"], want)
         self.steps += 1
 
     @precondition(lambda self: self.steps > 0)
-    @rule()
-    def recapture(self):
-        modes = dict(self.emu.stats().width_modes)
-        self.emu.recapture()
-        assert dict(self.emu.stats().width_modes) == modes
+    @rule(which=st.sampled_from([0, 1]))
+    def recapture(self, which):
+        rt = self.emulated[which]
+        modes = dict(rt.stats().width_modes)
+        rt.recapture()
+        assert dict(rt.stats().width_modes) == modes
 
 
 TestMarkedCallFuzz = MarkedCallMachine.TestCase
 TestMarkedCallFuzz.settings = settings(
-    max_examples=60, stateful_step_count=12, deadline=None, print_blob=True,
+    max_examples=100, stateful_step_count=12, deadline=None, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow])
