@@ -364,6 +364,8 @@ class ArgumentsSeen:
 
 
 def _layout(t: torch.Tensor) -> tuple:
+    if t.layout is not torch.strided:  # (sparse: no strides, no one address) its shape and dtype only
+        return tuple(t.shape), t.layout, t.dtype, 0
     return tuple(t.shape), t.stride(), t.dtype, t.data_ptr()
 
 

@@ -419,6 +419,22 @@ def test_an_expanded_argument_made_by_the_step_is_copied_at_an_emulated_replay()
         assert torch.equal(rt.step(x=x).outputs["y"], x * 7), T
 
 
+def test_a_sparse_argument_passes_the_capture_check_of_a_marked_calls_arguments():
+    """The arguments' check at record reads shapes and strides: a sparse tensor has no
+    strides (its ``stride()`` raises), and a capture in pieces must not fail on it."""
+    sparse = torch.eye(4).to_sparse()
+
+    @cudagraph_rt.eager
+    def add_total(x, s):
+        return x + torch.sparse.sum(s)
+
+    rt = GraphRuntime(lambda v: {"y": add_total(v["x"], sparse)}, {"x": InputSpec((), torch.float32, 0.0)},
+                      widths=(1, 2), graphs="emulate", pieces=True, device="cpu")
+    x = torch.tensor([1.0, -2.0])
+    assert torch.equal(rt.step(x=x).outputs["y"], x + 4)
+    assert {w.mode for w in rt.capture_report.widths} == {"pieces"}
+
+
 @cudagraph_rt.eager
 def _replaces_an_entry(x, box):
     box[0] = x * 3
