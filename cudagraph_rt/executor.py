@@ -59,7 +59,10 @@ class OutputLayout:
         cnt = self._count_leaf(out, leaves)
         for i, t in enumerate(leaves):
             if not isinstance(t, torch.Tensor):
-                raise StepFunctionError(expected(f"step_fn output leaf {i}", "a tensor", type(t).__name__))
+                unknown = (" (a container torch's pytree does not take apart: return a plain dict, list, tuple or a "
+                           "NamedTuple, or register it with torch.utils._pytree.register_pytree_node)"
+                           if isinstance(t, (dict, list, tuple)) else "")
+                raise StepFunctionError(expected(f"step_fn output leaf {i}", "a tensor", type(t).__name__ + unknown))
             if i != cnt and (t.dim() == 0 or t.shape[0] != n):
                 raise StepFunctionError(expected(f"step_fn output leaf {i}", f"leading dimension {n} (the step "
                                                  f"width)", f"shape {tuple(t.shape)}"))

@@ -11,16 +11,18 @@ import torch
 
 from .capture_hygiene import no_collection, release_blas_workspaces, reset_after_failure
 from .errors import CaptureError, CgrtError
-from .pieces import EagerCall, EmulatedPieces, PiecewiseGraph, frozen, marked_calls
+from .pieces import ArgumentsSeen, EagerCall, EmulatedPieces, PiecewiseGraph, frozen, marked_calls
 
 
 class _MarkedCallFailed(Exception):
     """A marked call raised while a width was captured in pieces (not a capture problem
-    of the piece before it: the call ran outside any capture)."""
+    of the piece before it: the call ran outside any capture), or did what no replay can
+    honour (``refused``: a CaptureError of ``EagerCall``, saying what)."""
 
-    def __init__(self, index: int, name: str, cause: BaseException):
-        super().__init__(f"marked call {index} ({name}) raised: {type(cause).__name__}: {cause}")
-        self.index, self.cause = index, cause
+    def __init__(self, index: int, name: str, cause: BaseException, refused: bool = False):
+        what = str(cause) if refused else f"raised: {type(cause).__name__}: {cause}"
+        super().__init__(f"marked call {index} ({name}) {what}")
+        self.index, self.cause, self.refused = index, cause, refused
 
 
 class _Counter:
@@ -43,13 +45,17 @@ class _Counter:
         except Exception as e:  # noqa: BLE001 - named by call, not by piece
             raise _MarkedCallFailed(self.calls, getattr(fn, "__qualname__", repr(fn)), e) from e
 
-    def record(self, fn: Callable, args: tuple, kwargs: dict, out: Any) -> EagerCall:
+    def record(self, fn: Callable, args: tuple, kwargs: dict, out: Any, before: ArgumentsSeen) -> EagerCall:
         """The call just made, recorded (its ``eager(bind=)`` runs here: a failure there is
-        this call's, as one of the call itself)."""
+        this call's, as one of the call itself; so is what no replay can honour, refused
+        by ``EagerCall``: an output that is no tensor, an argument replaced or reshaped)."""
+        name = getattr(fn, "__qualname__", repr(fn))
         try:
-            return EagerCall(fn, args, kwargs, out)
+            return EagerCall(fn, args, kwargs, out, before)
+        except CaptureError as e:
+            raise _MarkedCallFailed(self.calls, name, e, refused=True) from e
         except Exception as e:  # noqa: BLE001 - named by call, not by piece
-            raise _MarkedCallFailed(self.calls, getattr(fn, "__qualname__", repr(fn)), e) from e
+            raise _MarkedCallFailed(self.calls, name, e) from e
 
 
 class _CudaRecorder(_Counter):
@@ -80,8 +86,9 @@ class _CudaRecorder(_Counter):
 
     def __call__(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         self.end().replay()
+        before = ArgumentsSeen(args, kwargs)
         out = super().__call__(fn, args, kwargs)
-        self.recorded.append(self.record(fn, args, kwargs, out))
+        self.recorded.append(self.record(fn, args, kwargs, out, before))
         self.begin()
         return out
 
@@ -134,7 +141,8 @@ def capture_pieces(width: int, run: Callable[[], Any], *, pool, stream: torch.cu
 
 def _failure(width: int, rec: _Counter, e: Exception, explain: Callable[[], tuple]) -> CaptureError:
     if isinstance(e, _MarkedCallFailed):
-        return CaptureError(f"width {width}: {e} while capturing in pieces", width=width, cause=e.cause)
+        return CaptureError(f"width {width}: {e}{'' if e.refused else ' while capturing in pieces'}", width=width,
+                            cause=e.cause)
     hazards = explain()
     where = "".join(f"\n  {h}" for h in hazards) or "\n  (the hazard finder saw no known hazard)"
     first = (str(e).strip().splitlines() or [""])[0]
@@ -151,8 +159,9 @@ class _EmulatedRecorder(_Counter):
         self.recorded: list[EagerCall] = []
 
     def __call__(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        before = ArgumentsSeen(args, kwargs)
         out = super().__call__(fn, args, kwargs)
-        self.recorded.append(self.record(fn, args, kwargs, out))
+        self.recorded.append(self.record(fn, args, kwargs, out, before))
         return out
 
 
@@ -173,7 +182,8 @@ def emulate_pieces(width: int, run: Callable[[], Any], replay: Callable[[], Any]
         with torch.inference_mode(), frozen(), marked_calls(rec):
             out = run()
     except _MarkedCallFailed as e:
-        raise CaptureError(f"width {width}: {e} during emulated capture", width=width, cause=e.cause) from e.cause
+        raise CaptureError(f"width {width}: {e}{'' if e.refused else ' during emulated capture'}", width=width,
+                           cause=e.cause) from e.cause
     except CgrtError as e:
         if not isinstance(e, CaptureError):
             raise

@@ -16,15 +16,31 @@ What a marked call may rely on, and what it costs:
   :func:`step_values`, which reads what the runtime's ``step_values`` function made from
   this slice's own rows, never a capture-time value; or the call reads them from its
   static tensors itself (a host sync: allowed there, the call runs outside the graphs);
+* it may write its tensor arguments in place (an ``out=`` buffer, a cache, a tensor of a
+  list it was given): the code after it reads what it wrote. At a CUDA replay the call
+  writes the capture's tensors, which the next piece reads; an emulated replay copies
+  what it left in them back into the re-run's tensors. What no replay can honour is
+  refused at capture (CaptureError naming the width and the call): replacing an entry
+  of a list or dict argument (or adding or removing one), or changing a tensor
+  argument's shape or memory in place (``resize_``, ``set_``, ``unsqueeze_``): the code
+  after the call would go on reading what it read at capture. Return the new value;
 * its outputs at capture are the static tensors the next piece reads. At a replay each
   output the call returns is copied into them (one device copy per output tensor), unless
   the call wrote it in place (it returned the very tensor, e.g. an ``out=`` argument it
   was given): then nothing is copied;
+* its outputs are tensors (or None): any other value (an int read from
+  :func:`step_values`, a float read from a tensor) is refused at capture (CaptureError
+  naming the width, the call and the output). The code after the call is a graph at
+  every replay: the capture's value is baked into it (a shape, a kernel argument, a
+  branch taken) and no replay can hand it a new one, so a live value cannot be had and a
+  stale one would be silent. A per-step host value is read through :func:`step_values`
+  inside the marked call that needs it;
 * a marked call costs what it costs eagerly (its launches, its host work) plus one graph
   launch per piece; everything between marked calls replays from the graphs.
 
 Where no width is captured in pieces (graphs off, a whole graph, the dynamic path) a
-marked call is a plain call, captured inline in a whole graph. :func:`step_values` refuses
+marked call is a plain call, captured inline in a whole graph (nothing of it is recorded
+or checked there). :func:`step_values` refuses
 (CaptureError) to be read while a whole graph or a piece captures, outside a marked call:
 a value read there would be frozen into the graph.
 
@@ -44,8 +60,8 @@ from torch.utils._pytree import tree_flatten
 
 from .errors import CaptureError, CgrtError, InputError, expected
 
-__all__ = ["eager", "step_values", "is_marked", "EagerCall", "PiecewiseGraph", "PieceLaunch", "EmulatedPieces",
-           "StepValues"]
+__all__ = ["eager", "step_values", "is_marked", "EagerCall", "ArgumentsSeen", "PiecewiseGraph", "PieceLaunch",
+           "EmulatedPieces", "StepValues"]
 
 
 class _Now(threading.local):
@@ -238,13 +254,19 @@ class EagerCall:
     reads). ``replay()`` runs it again on the same arguments and puts what it returns into
     those outputs (a copy per output tensor it did not write in place); CgrtError when
     it returns another structure or an output tensor of another shape. A ``bind`` that
-    raises or returns no callable fails here, at record."""
+    raises or returns no callable fails here, at record, and so does (CaptureError) what
+    no replay can honour: an output that is not a tensor or None, or, given the
+    arguments as they were before the call (``before``), an argument the call replaced
+    (an entry of a list or dict it was given) or whose shape or memory it changed."""
 
-    def __init__(self, fn: Callable, args: tuple, kwargs: dict, out: Any):
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict, out: Any, before: "ArgumentsSeen | None" = None):
         self.fn, self.args, self.kwargs, self.out = fn, args, kwargs, out
         self.name = _name(fn)
         self._static = [t for t in tree_flatten(out)[0]]
+        _check_outputs(self._static)
         self._arg_leaves, self._arg_spec = tree_flatten((args, kwargs))
+        if before is not None:
+            before.check_unchanged(self._arg_leaves, self._arg_spec)
         bind = getattr(fn, "_cgrt_bind", None) if isinstance(fn, types.FunctionType) else None
         self.bound = bind is not None  # replays run what eager(bind=) made of these arguments
         self._run = bind(*args, **kwargs) if bind is not None else functools.partial(fn, *args, **kwargs)
@@ -275,24 +297,108 @@ class EagerCall:
                 dst.copy_(src)
         return self.out
 
-    def absorb(self, index: int, args: tuple, kwargs: dict) -> None:
+    def absorb(self, index: int, args: tuple, kwargs: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Emulated replays: the arguments the re-run step passed (fresh tensors) are what
-        its piece wrote into the capture's tensors: copied there. A constant that differs
-        from the capture's is refused (a CUDA graph would replay the capture's value)."""
+        its piece wrote into the capture's tensors: copied there. Returns the pairs
+        ``(capture's, re-run's)`` copied, for :meth:`give_back`. A constant that differs
+        from the capture's, or a tensor of another shape, is refused (a CUDA graph would
+        replay the capture's)."""
         leaves, spec = tree_flatten((args, kwargs))
         if spec != self._arg_spec:
             raise CgrtError(f"marked call {index} ({self.name}): called with other arguments at replay than at "
                             f"capture ({spec} vs {self._arg_spec})")
+        copied = []
         for i, (rec, now) in enumerate(zip(self._arg_leaves, leaves)):
             if isinstance(rec, torch.Tensor):
                 if now is not rec and not _same_memory(rec, now):
-                    with torch.no_grad():
-                        rec.copy_(now)
+                    if not isinstance(now, torch.Tensor) or now.shape != rec.shape:
+                        got = tuple(now.shape) if isinstance(now, torch.Tensor) else type(now).__name__
+                        raise CgrtError(f"marked call {index} ({self.name}): argument {i} is {got} at this replay, "
+                                        f"{tuple(rec.shape)} at capture (a CUDA graph replays the capture's)")
+                    _copy_into(rec, now, lambda: f"marked call {index} ({self.name}): argument {i}")
+                    copied.append((rec, now))
             elif not _equal(rec, now):
                 raise CgrtError(
                     f"marked call {index} ({self.name}): argument {i} is {now!r} at this replay, {rec!r} at "
                     "capture: a CUDA graph replays the capture's value; pass per-step host values through "
                     "step_values() (GraphRuntime(step_values=...)), not as arguments")
+        return copied
+
+    def give_back(self, copied: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Emulated replays, after the call: what it left in the capture's tensors (what it
+        wrote in place) copied back into the re-run's, which the code after it reads, as
+        the next piece reads the capture's at a CUDA replay."""
+        for rec, now in copied:
+            _copy_into(now, rec, lambda: f"marked call {self.name}: an argument")
+
+
+class ArgumentsSeen:
+    """A marked call's arguments just before it runs at capture: their structure, every
+    leaf, and each tensor's shape, strides, dtype and address. ``check_unchanged`` (after
+    the call) refuses, with CaptureError, what a replay cannot honour: the call replaced
+    an entry of a list or dict it was given (or added or removed one), or changed a tensor
+    argument's shape or memory in place (``resize_``, ``set_``, ``unsqueeze_``). A replay
+    runs the call on the capture's arguments while the code after it (the next piece) goes
+    on reading what it read at capture; writing into an argument's memory is fine."""
+
+    def __init__(self, args: tuple, kwargs: dict):
+        self.leaves, self.spec = tree_flatten((args, kwargs))
+        self.layouts = [_layout(t) if isinstance(t, torch.Tensor) else None for t in self.leaves]
+
+    def check_unchanged(self, leaves: list, spec) -> None:
+        fix = (": a replay runs the call on the capture's arguments, and the code after it goes on reading what "
+               "it read at capture; return the new value instead")
+        if spec != self.spec:
+            raise CaptureError("changed the structure of its arguments (a list or dict it was given gained or lost "
+                               f"an entry: {self.spec} before the call, {spec} after it)" + fix)
+        for i, (was, now, lay) in enumerate(zip(self.leaves, leaves, self.layouts)):
+            if now is not was:
+                raise CaptureError(f"replaced argument {i} (a {type(was).__name__}) by another object "
+                                   f"(a {type(now).__name__}) in a list or dict it was given" + fix)
+            if lay is not None and _layout(now) != lay:
+                (shape, stride, dtype, _), (shape2, stride2, dtype2, _) = lay, _layout(now)
+                what = (f"shape {shape} stride {stride} {dtype} before the call, shape {shape2} stride {stride2} "
+                        f"{dtype2} after it" if (shape, stride, dtype) != (shape2, stride2, dtype2) else
+                        "it points at other memory after the call (set_, resize_)")
+                raise CaptureError(f"changed argument {i} in place: {what}" + fix)
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    if t.layout is not torch.strided:  # (sparse: no strides, no one address) its shape and dtype only
+        return tuple(t.shape), t.layout, t.dtype, 0
+    return tuple(t.shape), t.stride(), t.dtype, t.data_ptr()
+
+
+def _check_outputs(leaves: list) -> None:
+    """CaptureError unless every output leaf of a marked call is a tensor or None."""
+    for i, leaf in enumerate(leaves):
+        if leaf is not None and not isinstance(leaf, torch.Tensor):
+            raise CaptureError(
+                f"returned {type(leaf).__name__} as output {i} ({_short(leaf)}): the code after a marked call is a "
+                "graph at every replay, which keeps the value the capture saw; return tensors (or None), and read a "
+                "per-step host value through step_values() (GraphRuntime(step_values=...)) in the marked call that "
+                "needs it")
+
+
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor, what: Callable[[], str]) -> None:
+    """``dst.copy_(src)`` (same shape) through the memory ``dst`` really has: a dim it
+    repeats (stride 0, as ``expand()`` makes) is written once. Another view whose elements
+    share memory (``unfold``, ``as_strided``) cannot be written: CgrtError naming it."""
+    with torch.no_grad():
+        if 0 in dst.stride():
+            one = tuple(slice(0, 1) if st == 0 else slice(None) for st in dst.stride())
+            dst, src = dst[one], src[one]
+        try:
+            dst.copy_(src)
+        except RuntimeError as e:
+            raise CgrtError(f"{what()}: the emulated replay cannot copy it between the capture's tensor and the "
+                            f"re-run's ({e}); pass a tensor whose elements do not share memory (.contiguous()): a "
+                            "CUDA replay runs the call on it as it is") from None
 
 
 def _same_memory(a: torch.Tensor, b: Any) -> bool:
@@ -372,8 +478,9 @@ class EmulatedPieces:
     """One width captured in pieces under ``graphs="emulate"``: a replay runs the width's
     body again; at each marked call the fresh arguments are copied into the capture's
     tensors (what the piece before it writes at a CUDA replay), the recorded call runs on
-    those (as at a CUDA replay) and the capture's outputs go on to the code after it (what
-    the next piece reads). A call that differs from the capture's (another function, a
+    those (as at a CUDA replay), what it left in them is copied back into the fresh ones
+    (what it wrote in place, which the next piece reads) and the capture's outputs go on
+    to the code after it (what the next piece reads). A call that differs from the capture's (another function, a
     constant that changed, one call more or fewer) raises CgrtError: a CUDA graph would
     silently replay the capture's. The width's outputs are copied into its static
     outputs, as an emulated whole graph's. Lifetime: the runtime's graphs."""
@@ -399,8 +506,10 @@ class EmulatedPieces:
                             "recorded: the step took another path than at capture")
         self._next = i + 1
         call = self.calls[i]
-        call.absorb(i + 1, args, kwargs)
-        return call.replay()
+        copied = call.absorb(i + 1, args, kwargs)
+        out = call.replay()
+        call.give_back(copied)
+        return out
 
     def replay(self, values: Any = None) -> None:
         self._next = 0

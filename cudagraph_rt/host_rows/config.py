@@ -26,7 +26,11 @@ class HostRows:
       later steps may run before the commit (up to ``depth`` steps later).
 
     ``source`` names the output ([N, H]) whose rows are shipped: a dict key, or a tuple
-    index. ``capacity`` is the most rows one step ships (default: the runtime's dynamic
+    or list index (negative from the end), or a NamedTuple's field name; so do
+    ``rows_output`` and ``count_output``. The outputs may come in any container torch's
+    pytree takes apart (dict, list, tuple, NamedTuple, OrderedDict, defaultdict), and a
+    step hands them out in that container; another is refused at capture
+    (StepFunctionError naming the step function's output), before the ring is built. ``capacity`` is the most rows one step ships (default: the runtime's dynamic
     limit); ``depth`` the number of ring slots (at least 2, so the host reads step k
     while step k+1 runs).
     """

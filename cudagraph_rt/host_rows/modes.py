@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..digest import fingerprint
 from ..errors import CapacityError, InputError, StaleRowsError, StepFunctionError, expected
@@ -47,13 +48,16 @@ class Control:
 
 
 def output(out: Any, key: str | int, what: str) -> torch.Tensor:
-    """``out[key]`` as a tensor, or StepFunctionError naming ``what``."""
+    """``out[key]`` (a NamedTuple's field also by name) as a tensor, or StepFunctionError
+    naming ``what``."""
     try:
         t = out[key]
     except (KeyError, IndexError, TypeError):
-        raise StepFunctionError(
-            expected(what, f"the step function's output {key!r}", f"outputs of type {type(out).__name__}")
-        ) from None
+        if not (isinstance(key, str) and key in getattr(out, "_fields", ())):
+            raise StepFunctionError(
+                expected(what, f"the step function's output {key!r}", f"outputs of type {type(out).__name__}")
+            ) from None
+        t = getattr(out, key)
     if not isinstance(t, torch.Tensor):
         raise StepFunctionError(expected(what, "a tensor", type(t).__name__))
     return t
@@ -139,6 +143,12 @@ class RowsMode:
         if isinstance(out, torch.Tensor) or not isinstance(out, (dict, tuple, list)):
             raise StepFunctionError(expected("step_fn output", "a dict or tuple when HostRows is used",
                                              type(out).__name__))
+        leaves = tree_flatten(out)[0]
+        if len(leaves) == 1 and leaves[0] is out:  # a container torch's pytree does not know
+            raise StepFunctionError(expected(
+                "step_fn output", "a dict, list or tuple torch's pytree takes apart (a NamedTuple, an OrderedDict or "
+                "a defaultdict does; register another with torch.utils._pytree.register_pytree_node)",
+                type(out).__name__))
         src = output(out, self.config.source, "HostRows.source")
         if src.dim() != 2 or src.shape[0] != width:
             raise StepFunctionError(expected("HostRows.source", f"an output of shape [{width}, H]", tuple(src.shape)))
@@ -153,8 +163,8 @@ class RowsMode:
         inputs.reset()
         out = step_fn(inputs.views(w))
         src = self.check_probe(out, w)
+        layout.check(w, out)  # before the ring: a refused probe builds nothing, and the next step probes again
         self.make_buffers(src.shape[1], src.dtype)
-        layout.check(w, out)
         return True
 
     @torch.inference_mode(False)
@@ -311,7 +321,11 @@ class DeviceChosen(RowsMode):
 
     def count_leaf(self, out: Any, leaves: list) -> int:
         c = output(out, self.config.count_output, "HostRows.count_output")
-        return next(i for i, t in enumerate(leaves) if t is c)
+        i = next((i for i, t in enumerate(leaves) if t is c), None)
+        if i is None:
+            raise StepFunctionError(expected("HostRows.count_output", "an output of the step function's structure",
+                                             f"outputs of type {type(out).__name__}"))
+        return i
 
     def step_rows(self, rows, T, first_width, sliced):
         if rows is not None:
@@ -388,13 +402,25 @@ def _commit_gather(gather: Callable, snap: torch.Tensor, ring: HostRowRing, cont
 
 
 def _replace(outputs: Any, new: dict) -> Any:
-    """``outputs`` (dict, list or tuple) with the entries of ``new`` replaced."""
-    if isinstance(outputs, dict):
+    """``outputs`` with the entries of ``new`` replaced, in the container the step function
+    returned: a dict, list or tuple, or another kind torch's pytree takes apart (a
+    NamedTuple, its fields by index or by name; an OrderedDict; a defaultdict)."""
+    if type(outputs) is dict:
         return {**outputs, **new}
-    out = list(outputs)
-    for k, v in new.items():
-        out[k] = v
-    return type(outputs)(out)
+    entries, spec = tree_flatten(outputs, is_leaf=lambda x: x is not outputs)  # one level, rebuilt by its spec
+    for key, value in new.items():
+        entries[_position(outputs, key)] = value
+    return tree_unflatten(entries, spec)
+
+
+def _position(outputs: Any, key: str | int) -> int:
+    """Where ``outputs[key]`` is among its entries (pytree's order: a mapping's keys, a
+    sequence's indices)."""
+    if isinstance(outputs, dict):
+        return list(outputs).index(key)
+    if isinstance(key, str):
+        return outputs._fields.index(key)  # a NamedTuple's field (output() found it)
+    return key % len(outputs)
 
 
 class Committed(RowsMode):

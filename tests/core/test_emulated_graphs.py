@@ -14,7 +14,7 @@ import torch
 
 from cudagraph_rt import CgrtError, GraphRuntime, HostRows, InputError, InputSpec
 from cudagraph_rt.graph_mode import EmulatedGraph
-from tests.support.models_for_tests import SlotModel
+from tests.support.models_for_tests import InPlaceArgsModel, SlotModel
 from tests.support.seeds import seeded_rng
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
@@ -114,6 +114,23 @@ def test_a_replay_by_hand_re_runs_the_width():
     assert rt.stats().steps == 0  # a replay by hand is no step
     with pytest.raises(CgrtError, match=r"an emulated graph cannot be reset .*recapture\(\)"):
         rt.graphs_captured[8].reset()
+
+
+def test_a_marked_call_inline_in_a_whole_graph_writes_its_arguments_for_the_code_after_it():
+    """A whole graph captures a call marked ``cudagraph_rt.eager`` inline, as a plain call:
+    what it writes into its arguments (a tensor of a list, a column view by keyword) is
+    what the rest of the graph reads, at every replay (the static output poisoned first;
+    the reference written out). Pieces: test_pieces.py."""
+    m = InPlaceArgsModel()
+    rt = GraphRuntime(m, m.specs(), widths=(1, 2, 4, 8), graphs="emulate", device="cpu")
+    rt.capture()
+    g = gen()
+    for T in (3, 8, 1, 6, 3):
+        x = m.random_inputs(T, gen=g)["x"]
+        with torch.inference_mode():
+            rt.static_outputs(rt.plan(T)[0].width)["y"].fill_(float("nan"))
+        assert torch.equal(rt.step(x=x).outputs["y"], m.reference(x)), T
+    assert dict(rt.stats().width_modes) == {w: "graph" for w in rt.widths}
 
 
 def test_a_step_function_that_raises_at_capture_is_a_capture_error_or_runs_eagerly():

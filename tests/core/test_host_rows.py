@@ -2,6 +2,8 @@
 with graphs on: all three ways of choosing rows, the ring, and its errors."""
 import gc
 import threading
+from collections import OrderedDict, defaultdict
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -9,6 +11,7 @@ import torch
 
 from cudagraph_rt import (
     BusyError, CapacityError, DeviceRowIndexError, GraphRuntime, HostRows, InputError, StaleRowsError,
+    StepFunctionError,
 )
 from tests.support.models_for_tests import ChoosingSlotModel, SlotModel, chosen_rows
 from tests.support.reliability_harness import TOL, Rig, ScaleChooser, refused, warm
@@ -787,3 +790,130 @@ def test_duplicate_host_rows_beyond_the_rows_a_step_runs_are_a_capacity_error():
         want = ref(x)["hidden"]
         torch.testing.assert_close(h.rows(), want[[1] * n], rtol=1e-5, atol=1e-5)
         h.release()
+
+
+# ---- the step function's output container, in every mode (issue 35) -------------------
+class ChooserOutputs(NamedTuple):
+    hidden: torch.Tensor
+    tok: torch.Tensor
+    accept_rows: torch.Tensor
+    accept_count: torch.Tensor
+
+
+class StepOutputs(NamedTuple):
+    hidden: torch.Tensor
+    tok: torch.Tensor
+
+
+FIELDS = ChooserOutputs._fields
+
+
+def _named(d):
+    return ChooserOutputs(**d) if len(d) == 4 else StepOutputs(**d)
+
+
+# name -> (how the step packs its outputs, (source, rows_output, count_output) keys)
+CONTAINERS = {
+    "named-tuple-by-index": (_named, (0, 2, 3)),
+    "named-tuple-by-field": (_named, FIELDS[:1] + FIELDS[2:]),
+    "named-tuple-from-the-end": (_named, (0, -2, -1)),
+    "ordered-dict": (lambda d: OrderedDict((k, d[k]) for k in reversed(d)), FIELDS[:1] + FIELDS[2:]),
+    "defaultdict": (lambda d: defaultdict(list, d), FIELDS[:1] + FIELDS[2:]),
+    "list": (lambda d: list(d.values()), (0, 2, 3)),
+    "tuple": (lambda d: tuple(d.values()), (0, 2, 3)),
+}
+
+
+class PackedChooser(ScaleChooser):
+    """ScaleChooser whose outputs come in another container than a dict (``pack``); with
+    ``chooses`` False, only SlotModel's (host and commit mode: no [1] count)."""
+
+    pack = staticmethod(dict)
+    chooses = True
+
+    def __call__(self, x):
+        out = super().__call__(x) if self.chooses else SlotModel.__call__(self, x)
+        return self.pack(out)
+
+
+def _field(out, key):
+    return getattr(out, key) if isinstance(key, str) and hasattr(out, "_fields") else out[key]
+
+
+@pytest.mark.parametrize("graphs", GRAPH_PATHS, ids=GRAPH_IDS)
+@pytest.mark.parametrize("mode", ["host", "device", "commit"])
+@pytest.mark.parametrize("container", list(CONTAINERS))
+def test_every_host_row_mode_takes_the_step_functions_output_container(graphs, mode, container):
+    """A NamedTuple (keys by index, by field name or from the end), an OrderedDict, a
+    defaultdict, a list or a tuple of outputs: every mode ships the right rows, and a step
+    hands its outputs out in the container the step function returned, one slice or sliced.
+    Device mode rebuilt a tuple with ``type(outputs)(list)``: a raw TypeError at every step
+    of a NamedTuple, after the step ran and the arena, ring and counters changed; an
+    OrderedDict came back a dict."""
+    device = "cuda" if graphs is True else "cpu"
+    pack, (source, rows_key, count_key) = CONTAINERS[container]
+    m, ref = PackedChooser(device, seed=5), SlotModel(device, seed=5)
+    m.pack, m.chooses = pack, mode == "device"
+    rt = GraphRuntime(m, m.specs(), widths=(1, 2, 4, 8), dynamic_limit=8, graphs=graphs, device=device,
+                      host_rows=HostRows(source=source, mode=mode, rows_output=rows_key, count_output=count_key,
+                                         capacity=16))
+    rt.capture()
+    want_type = type(pack({k: torch.zeros(1) for k in (FIELDS if m.chooses else FIELDS[:2])}))
+    gen = seeded()
+    for T in [3, 8, 12, 1, 16, 5]:  # one slice, and sliced (8 + 4, 8 + 8)
+        x = m.random_inputs(T, gen=gen)
+        want = ref({n: v.to(device) for n, v in x.items()})["hidden"]
+        rows = torch.randperm(T, generator=gen)[:max(1, T // 2)].tolist() if mode == "host" else None
+        res = rt.step(**({"rows": rows} if rows is not None else {}), **x)
+        out = res.outputs
+        assert type(out) is want_type, (T, type(out))
+        torch.testing.assert_close(_field(out, source), want, **TOL)
+        if mode == "commit":
+            if len(res.slices) > 1:
+                continue  # sliced steps keep no snapshot
+            rows = list(range(0, T, 2))
+            h = rt.commit(res, rows)
+        else:
+            h = res.host_rows
+            if mode == "device":
+                rows = scale_chosen(x)
+                assert int(_field(out, count_key).reshape(-1)[0]) == len(rows)
+                assert _field(out, rows_key)[:len(rows)].tolist() == rows
+        assert h.indices().tolist() == rows, (T, [(s.width, s.length) for s in res.slices])
+        torch.testing.assert_close(h.rows(), want[rows].cpu(), **TOL)
+        h.release()
+    assert rt.stats().steps == 6
+
+
+class Unknown(dict):
+    """A dict subclass torch's pytree does not take apart (a leaf to it)."""
+
+
+class UnknownTuple(tuple):
+    """A tuple subclass that is no NamedTuple (a leaf to torch's pytree)."""
+
+
+@pytest.mark.parametrize("graphs", [False, "emulate"], ids=["graphs-off", "emulated"])
+@pytest.mark.parametrize("mode", ["host", "device", "commit"])
+@pytest.mark.parametrize("pack,keys", [(Unknown, ("hidden", "accept_rows", "accept_count")),
+                                       (lambda d: UnknownTuple(d.values()), (0, 2, 3))],
+                         ids=["dict-subclass", "tuple-subclass"])
+def test_an_output_container_the_runtime_cannot_take_apart_is_refused_at_capture(graphs, mode, pack, keys):
+    """A container torch's pytree does not know: refused at capture by a StepFunctionError
+    naming the step function's output and its type, before the ring is built (the digest
+    has none), and the same at the next try (device mode raised a raw StopIteration, and
+    then, the ring built, skipped the check)."""
+    m = PackedChooser("cpu", seed=5)
+    m.pack, m.chooses = pack, mode == "device"
+    source, rows_key, count_key = keys
+    rt = GraphRuntime(m, m.specs(), widths=(1, 2, 4), graphs=graphs, device="cpu",
+                      host_rows=HostRows(source=source, mode=mode, rows_output=rows_key, count_output=count_key))
+    for _ in range(2):
+        with pytest.raises(StepFunctionError, match=r"step_fn output: expected a dict, list or tuple .*, got "
+                                                    r"Unknown(Tuple)?"):
+            rt.capture()
+        assert rt.state_digest().ring == "-" and rt.stats().steps == 0
+    plain = GraphRuntime(m, m.specs(), widths=(1, 2, 4), graphs=graphs, device="cpu")  # no HostRows: the same hint
+    with pytest.raises(StepFunctionError, match=r"step_fn output leaf 0: expected a tensor, got Unknown(Tuple)? \(a "
+                                                r"container torch's pytree does not take apart"):
+        plain.step(**m.random_inputs(3, gen=seeded()))

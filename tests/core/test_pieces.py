@@ -20,7 +20,7 @@ from cudagraph_rt.debug.hazards import find_capture_hazards
 from cudagraph_rt.debug.inspect import inspect_runtime
 from cudagraph_rt.pieces import EagerCall, EmulatedPieces, PieceLaunch, PiecewiseGraph, is_marked
 from cudagraph_rt.testing.checks import check_pad_rows
-from tests.support.models_for_tests import MarkedSlotModel, SlotModel
+from tests.support.models_for_tests import InPlaceArgsModel, MarkedSlotModel, SlotModel
 from tests.support.reliability_harness import ScaleChooser, chosen_by_scale
 from tests.support.seeds import seeded_rng
 
@@ -377,6 +377,194 @@ def test_a_step_that_takes_another_path_than_at_capture_is_caught_at_an_emulated
         rt.step(x=[1.0])
 
 
+# -- what a marked call writes into its arguments and returns (issue 35) ----------------------
+@pytest.mark.parametrize("graphs,pieces", [(False, False), ("emulate", True)], ids=["graphs-off", "emulated"])
+def test_what_a_marked_call_writes_into_its_arguments_reaches_the_code_after_it(graphs, pieces):
+    """A CUDA replay in pieces runs the recorded call on the capture's own tensors, and the
+    next piece reads those tensors: a write into an argument (a tensor of a list argument,
+    overwritten or added to; a column view passed by keyword) is what the code after the
+    call reads. The emulation ran the call on the capture's tensors while the code after it
+    read the re-run's own, never written ([1, 1, 1] for [3, 5, 7]). Every step against the
+    reference written out: one graph, dynamic and sliced steps. (A whole graph, where the
+    call runs inline: test_emulated_graphs.py.)"""
+    m = InPlaceArgsModel()
+    rt = GraphRuntime(m, m.specs(), widths=(1, 2, 4, 8), dynamic_limit=12, graphs=graphs, pieces=pieces,
+                      device="cpu")
+    g = gen()
+    for T in (3, 1, 8, 5, 11, 20, 2, 3):
+        x = m.random_inputs(T, gen=g)["x"]
+        assert torch.equal(rt.step(x=x).outputs["y"], m.reference(x)), (T, rt.plan(T))
+    if pieces:
+        assert dict(rt.stats().width_modes) == {w: "pieces" for w in rt.widths}
+        assert {w.eager_calls for w in rt.capture_report.widths} == {("_fill_in_place",)}
+
+
+def test_an_expanded_argument_made_by_the_step_is_copied_at_an_emulated_replay():
+    """An argument made with ``expand()`` (its rows share memory) is copied into the
+    capture's at an emulated replay through the memory it really has (a plain ``copy_``
+    into it raised a raw RuntimeError at every step); a CUDA replay just runs the call on it."""
+    @cudagraph_rt.eager
+    def add_column_sums(x, mask):
+        return x + mask.sum(0)
+
+    def step(v):
+        x = v["x"]
+        return {"y": add_column_sums(x, (x * 2)[None, :].expand(3, -1))}
+
+    rt = GraphRuntime(step, {"x": InputSpec((), torch.float32, 0.0)}, widths=(1, 2, 4), graphs="emulate",
+                      pieces=True, device="cpu")
+    g = gen()
+    for T in (3, 4, 1, 3):
+        x = torch.randint(-50, 50, (T,), generator=g).to(torch.float32)
+        assert torch.equal(rt.step(x=x).outputs["y"], x * 7), T
+
+
+def test_a_sparse_argument_passes_the_capture_check_of_a_marked_calls_arguments():
+    """The arguments' check at record reads shapes and strides: a sparse tensor has no
+    strides (its ``stride()`` raises), and a capture in pieces must not fail on it."""
+    sparse = torch.eye(4).to_sparse()
+
+    @cudagraph_rt.eager
+    def add_total(x, s):
+        return x + torch.sparse.sum(s)
+
+    rt = GraphRuntime(lambda v: {"y": add_total(v["x"], sparse)}, {"x": InputSpec((), torch.float32, 0.0)},
+                      widths=(1, 2), graphs="emulate", pieces=True, device="cpu")
+    x = torch.tensor([1.0, -2.0])
+    assert torch.equal(rt.step(x=x).outputs["y"], x + 4)
+    assert {w.mode for w in rt.capture_report.widths} == {"pieces"}
+
+
+@cudagraph_rt.eager
+def _replaces_an_entry(x, box):
+    box[0] = x * 3
+
+
+@cudagraph_rt.eager
+def _appends(x, box):
+    box.append(x * 3)
+
+
+@cudagraph_rt.eager
+def _adds_a_key(x, box):
+    box["new"] = x * 3
+
+
+@cudagraph_rt.eager
+def _reshapes(x, out):
+    out.unsqueeze_(0)
+    out.copy_(x[None] * 3)
+
+
+@cudagraph_rt.eager
+def _reallocates(x, out):
+    out.set_(x * 3)
+
+
+ARG_CHANGES = [  # (marked call, its container argument, where the new value is read, message)
+    (_replaces_an_entry, list, lambda box, out: box[0], r"replaced argument 1 \(a Tensor\) by another object"),
+    (_appends, list, lambda box, out: box[-1], r"changed the structure of its arguments"),
+    (_adds_a_key, dict, lambda box, out: box["new"], r"changed the structure of its arguments"),
+    (_reshapes, None, lambda box, out: out[0], r"changed argument 1 in place: shape \(4,\) stride \(1,\)"),
+    (_reallocates, None, lambda box, out: out, r"changed argument 1 in place: .*other memory"),
+]
+
+
+@pytest.mark.parametrize("call,box,read,msg", ARG_CHANGES, ids=[c[0].__name__.strip("_") for c in ARG_CHANGES])
+def test_a_marked_call_that_replaces_or_reshapes_an_argument_is_refused_at_capture(call, box, read, msg):
+    """What a replay cannot honour, on either path: the recorded call replaces an entry of
+    a list or dict it was given (or adds one), or changes a tensor argument's shape or
+    memory in place; the code after it (the next piece) keeps reading what it read at
+    capture. Refused when the width is captured in pieces (CaptureError naming the width
+    and the call); graphs off and a whole graph (the call inline) run it as written."""
+    def step(v):
+        x = v["x"]
+        b = [x * 1] if box is list else ({"old": x * 1} if box is dict else None)
+        out = x * 1
+        call(x, b if box is not None else out)
+        return {"y": read(b, out) + 1}
+
+    specs = {"x": InputSpec((), torch.float32, 0.0)}
+    for graphs, pieces in ((False, False), ("emulate", False)):
+        rt = GraphRuntime(step, specs, widths=(1, 2, 4), graphs=graphs, pieces=pieces, device="cpu")
+        x = torch.tensor([1.0, -2.0, 5.0])
+        assert torch.equal(rt.step(x=x).outputs["y"], x * 3 + 1)
+    rt = GraphRuntime(step, specs, widths=(1, 2, 4), graphs="emulate", pieces=True, device="cpu")
+    with pytest.raises(CaptureError, match=r"width 4: marked call 1 \(.*" + call.__name__ + r"\) " + msg) as ei:
+        rt.capture()
+    assert ei.value.width == 4 and "return the new value" in str(ei.value) and not rt.graphs_captured
+    eager = GraphRuntime(step, specs, widths=(1, 2, 4), graphs="emulate", pieces=True, device="cpu",
+                         on_capture_error="eager")
+    assert {w.mode for w in eager.capture().widths} == {"eager"}
+    x = torch.tensor([4.0, 0.5])
+    assert torch.equal(eager.step(x=x).outputs["y"], x * 3 + 1)
+
+
+@cudagraph_rt.eager
+def _rows_and_their_sum(x):
+    return x * 1, cudagraph_rt.step_values()  # an int of this slice's rows
+
+
+@cudagraph_rt.eager
+def _rows_and_a_host_read(x):
+    return x * 1, float(x.sum())  # a host sync: allowed in a marked call
+
+
+@cudagraph_rt.eager
+def _rows_and_a_list(x):
+    return {"rows": x * 1, "n": [x.shape[0]]}
+
+
+@pytest.mark.parametrize("call,read,what", [
+    (_rows_and_their_sum, lambda out: out[0] + out[1], "int"),
+    (_rows_and_a_host_read, lambda out: out[0] + out[1], "float"),
+    (_rows_and_a_list, lambda out: out["rows"] + out["n"][0], "int"),
+], ids=["step-values-int", "host-read-float", "int-in-a-list"])
+def test_a_marked_call_that_returns_a_host_value_is_refused_at_capture(call, read, what):
+    """A non-tensor output of a marked call: the code after the call is a graph at every
+    replay, which keeps the value it had at capture (graphs on and emulated gave [3, 6]
+    where graphs off gave [6, 9]). It cannot be made live (a graph cannot take a new host
+    value: it may be a shape, a kernel argument, a branch taken), so it is refused at
+    capture, naming the width, the call and the output; a per-step host value belongs in
+    ``step_values()``, read by the call that needs it. Graphs off, or the widths run
+    eagerly after the refusal, use the live value."""
+    specs = {"x": InputSpec((), torch.float32, 0.0)}
+    values = lambda rows, width: int(rows["x"].sum())  # noqa: E731
+
+    def step(v):
+        return {"y": read(call(v["x"]))}
+
+    def want(x):
+        return x + (x.shape[0] if call is _rows_and_a_list else x.sum())
+
+    steps = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 3.0]), torch.tensor([4.0])]
+    off = GraphRuntime(step, specs, widths=(1, 2), graphs=False, device="cpu", step_values=values)
+    for x in steps:
+        assert torch.equal(off.step(x=x).outputs["y"], want(x))
+    rt = GraphRuntime(step, specs, widths=(1, 2), graphs="emulate", pieces=True, device="cpu", step_values=values)
+    with pytest.raises(CaptureError, match=r"width 2: marked call 1 \(.*" + call.__name__ + r"\) returned " + what +
+                       r" as output 1 .*step_values\(\)") as ei:
+        rt.capture()
+    assert ei.value.width == 2 and not rt.graphs_captured
+    eager = GraphRuntime(step, specs, widths=(1, 2), graphs="emulate", pieces=True, device="cpu", step_values=values,
+                         on_capture_error="eager")
+    assert {w.mode for w in eager.capture().widths} == {"eager"}
+    for x in steps:
+        assert torch.equal(eager.step(x=x).outputs["y"], want(x))
+
+
+def test_a_marked_call_may_return_none_beside_its_tensors():
+    @cudagraph_rt.eager
+    def scaled(x):
+        return x * 2, None
+
+    rt = GraphRuntime(lambda v: {"y": scaled(v["x"])[0] + 1}, {"x": InputSpec((), torch.float32, 0.0)},
+                      widths=(1, 2), graphs="emulate", pieces=True, device="cpu")
+    for x in (torch.tensor([1.0, 2.0]), torch.tensor([-3.0])):
+        assert torch.equal(rt.step(x=x).outputs["y"], x * 2 + 1)
+    assert {w.mode for w in rt.capture_report.widths} == {"pieces"}
+
+
 # -- capture failures, contained -----------------------------------------------------------
 class FailsInPiece2(MarkedSlotModel):
     """Raises after its first marked call, before the second (in piece 2), at width 16,
@@ -640,6 +828,60 @@ def test_cuda_sweep_in_pieces(attention):
     if attention == "eager-piece":
         rep = run_sweep(ToyAdapter(device="cuda", attention=attention, pieces=True), graphs="both", repeats=1)
         assert rep.ok, rep.summary()
+
+
+@pytest.mark.cuda
+def test_cuda_what_a_marked_call_writes_into_its_arguments_reaches_the_next_piece():
+    """The real thing behind the emulation's promise: the recorded call writes the
+    capture's tensors, which the next piece reads (against the reference written out)."""
+    m = InPlaceArgsModel("cuda")
+    rt = GraphRuntime(m, m.specs(), widths=(1, 2, 4, 8), dynamic_limit=12, graphs=True, pieces=True, device="cuda")
+    g = gen()
+    for T in (3, 1, 8, 5, 11, 20, 2, 3):
+        x = m.random_inputs(T, gen=g)["x"]
+        assert torch.equal(rt.step(x=x).outputs["y"].cpu(), m.reference(x)), T
+    assert dict(rt.stats().width_modes) == {w: "pieces" for w in rt.widths}
+
+
+@pytest.mark.cuda
+def test_cuda_a_marked_call_that_replaces_an_argument_is_refused():
+    """Refused at a real capture in pieces too, and the CUDA context stays usable."""
+    specs = {"x": InputSpec((), torch.float32, 0.0)}
+
+    def replaced(v):
+        box = [v["x"] * 1]
+        _replaces_an_entry(v["x"], box)
+        return {"y": box[0] + 1}
+
+    rt = GraphRuntime(replaced, specs, widths=(1, 2), graphs=True, pieces=True, device="cuda")
+    with pytest.raises(CaptureError, match=r"width 2: marked call 1 \(.*\) replaced argument 1 \(a Tensor\)"):
+        rt.capture()
+    assert not torch.cuda.is_current_stream_capturing()
+    m = InPlaceArgsModel("cuda")
+    ok = GraphRuntime(m, m.specs(), widths=(1, 2), graphs=True, pieces=True, device="cuda")
+    x = torch.tensor([2.0, -7.0])
+    assert torch.equal(ok.step(x=x).outputs["y"].cpu(), m.reference(x))
+
+
+@pytest.mark.cuda
+def test_cuda_a_marked_call_that_returns_a_host_value_is_refused():
+    """A real capture in pieces refuses it too (the call read a tensor on the host: allowed
+    in a marked call); the widths then run eagerly with the live value."""
+    specs = {"x": InputSpec((), torch.float32, 0.0)}
+
+    def step(v):
+        y, s = _rows_and_a_host_read(v["x"])
+        return {"y": y + s}
+
+    rt = GraphRuntime(step, specs, widths=(1, 2), graphs=True, pieces=True, device="cuda")
+    with pytest.raises(CaptureError, match=r"width 2: marked call 1 \(.*_rows_and_a_host_read\) returned float as "
+                                           r"output 1"):
+        rt.capture()
+    assert not torch.cuda.is_current_stream_capturing()
+    eager = GraphRuntime(step, specs, widths=(1, 2), graphs=True, pieces=True, device="cuda", on_capture_error="eager")
+    assert {w.mode for w in eager.capture().widths} == {"eager"}
+    for x in (torch.tensor([1.0, 2.0]), torch.tensor([3.0, 3.0])):
+        assert torch.equal(eager.step(x=x).outputs["y"].cpu(), x + x.sum())
 
 
 class _Piece:

@@ -51,6 +51,8 @@ PDL = ("tests/kernels/test_dependent_launch_order.py",)
 BENCH = ("tests/tools/test_bench.py", "tests/tools/test_bench_timing.py", "tests/tools/test_bench_attention.py")
 RUNNER = ("tests/runner/test_runner_contract.py", "tests/runner/test_fuzz_runner.py")
 BOUND = ("tests/core/test_bound_calls.py",)
+MARKED = ("tests/core/test_pieces.py", "tests/properties/test_fuzz_marked_calls.py")
+OUTPUTS = ("tests/core/test_host_rows.py",)
 
 M = Mutation
 CATALOGUE: tuple[Mutation, ...] = (
@@ -404,4 +406,35 @@ CATALOGUE: tuple[Mutation, ...] = (
       "counts.append(torch.ones(c.length, dtype=torch.bool) if clear is None else (clear[rows].all() | ~want))",
       "a chunk's tokens count only where all its margins are clear: the near-tie of a prefill row (which wants "
       "no token) excuses a wrong token of its chunk's last row", SWEEP),
+    # ---------------------------------------------------------------- marked calls (issue 35)
+    M(74, "marked calls", "cudagraph_rt/pieces.py",
+      "call.give_back(copied)",
+      "pass",
+      "the emulated replay runs the call on the capture's tensors and never copies back: the code after "
+      "it reads the re-run's own, never written ([1, 1, 1] for [3, 5, 7])", MARKED, graph_path=True),
+    M(75, "marked calls", "cudagraph_rt/pieces.py",
+      "if 0 in dst.stride():",
+      "if False:",
+      "a plain copy_ into an argument made with expand(): a raw RuntimeError at every emulated replay",
+      MARKED, graph_path=True),
+    M(76, "marked calls", "cudagraph_rt/pieces.py",
+      "_check_outputs(self._static)",
+      "pass",
+      "a host value a marked call returns is recorded like a tensor: every replay keeps the capture's "
+      "value where graphs off uses the live one", MARKED, graph_path=True),
+    M(77, "marked calls", "cudagraph_rt/pieces.py",
+      "if now is not was:",
+      "if False:",
+      "only the arguments' structure and tensor layouts compared: an entry of a list argument replaced "
+      "by the call is lost at every replay without a word", MARKED, graph_path=True),
+    M(78, "output containers", "cudagraph_rt/host_rows/modes.py",
+      "return tree_unflatten(entries, spec)",
+      "return type(outputs)(entries)",
+      "device mode rebuilds the outputs with the container's constructor: a NamedTuple's refuses a "
+      "list (a raw TypeError after the step ran)", OUTPUTS),
+    M(79, "output containers", "cudagraph_rt/host_rows/modes.py",
+      "if type(outputs) is dict:",
+      "if isinstance(outputs, dict):",
+      "the plain dict's fast path taken by every mapping: an OrderedDict or a defaultdict of outputs "
+      "comes back a plain dict", OUTPUTS),
 )

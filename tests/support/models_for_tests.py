@@ -157,3 +157,42 @@ class BoundMarkedSlotModel(MarkedSlotModel):
     run the bound callable, not the function (the same ops: the same outputs)."""
 
     state_rw = staticmethod(_bound_state_rw)
+
+
+@eager
+def _fill_in_place(x, outs, *, col):
+    """Writes its tensor arguments in place and returns nothing: the first tensor of a list
+    argument is overwritten, the second added to, and a column view of a buffer (passed by
+    keyword) overwritten."""
+    outs[0].copy_(x * 2 + 1)
+    outs[1].add_(x)
+    col.copy_(x - 1)
+
+
+class InPlaceArgsModel:
+    """A step whose marked call (``_fill_in_place``) writes its arguments in place, and
+    whose code after the call reads those arguments only, never a result of the call.
+    What the call writes starts as NaN, or as a value of the code before it (the call adds
+    to it), so a write the code after the call misses shows in the output.
+    ``reference(x)``: the output, written out with integer-valued rows (exact in float32)."""
+
+    def __init__(self, device="cpu"):
+        self.device = device
+
+    def specs(self):
+        return {"x": InputSpec((), torch.float32, 0.0)}
+
+    def __call__(self, v):
+        x = v["x"]
+        a = torch.full_like(x, float("nan"))
+        b = x * 0 + 3
+        buf = torch.stack([torch.full_like(x, float("nan")), x], 1)
+        _fill_in_place(x, [a, b], col=buf[:, 0])
+        return {"y": a * 10 + b + buf.sum(1)}
+
+    @staticmethod
+    def reference(x: torch.Tensor) -> torch.Tensor:
+        return (x * 2 + 1) * 10 + (x + 3) + ((x - 1) + x)
+
+    def random_inputs(self, T, gen=None):
+        return {"x": torch.randint(-60, 60, (T,), generator=gen).to(torch.float32)}
