@@ -7,6 +7,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
+from .checks import resolve_device
 from .errors import InputError, expected
 from .graph_mode import GraphMode, graph_mode_for
 from .host_rows import HostRows
@@ -24,20 +25,11 @@ def _int(name: str, v: Any, lo: int, what: str) -> int:
 
 
 def _device(device: Any, mode: GraphMode) -> torch.device:
-    """The resolved device ("cuda" -> "cuda:<current>"); InputError for what cannot run."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise InputError(expected("device", "a torch device", repr(device))) from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise InputError(expected("device", "a device this machine has", f"{device} (no CUDA here)"))
-        return torch.device("cuda", torch.cuda.current_device()) if dev.index is None else dev
-    if dev.type != "cpu":
-        raise InputError(expected("device", "'cuda' or 'cpu'", str(dev)))
-    mode.check_device(dev)
+    """The resolved device ("cuda" -> "cuda:<current>"); InputError for what cannot run
+    (the check every constructor shares, then the graph mode's own)."""
+    dev = resolve_device(device)
+    if dev.type == "cpu":
+        mode.check_device(dev)
     return dev
 
 

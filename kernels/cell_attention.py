@@ -89,6 +89,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from cudagraph_rt.checks import as_int, resolve_device
 from cudagraph_rt.errors import CaptureError, InputError, expected
 
 try:  # Triton is optional: without it every path runs the torch reference.
@@ -736,8 +737,9 @@ def new_attention_counters(device, entries: int = COUNTERS) -> Tensor:
     KV head, row slot of a tile: the power of two >= rows per tile) counters. The kernel
     leaves it zero after every launch. Keep it alive (and
     at its address) as long as any graph that captured a launch with it; launches that
-    may run at the same time (other streams) each need their own."""
-    return torch.zeros(entries, dtype=torch.int32, device=device)
+    may run at the same time (other streams) each need their own. InputError for a device
+    this machine lacks (:func:`cudagraph_rt.checks.resolve_device`) or ``entries`` < 1."""
+    return torch.zeros(as_int("entries", entries, 1), dtype=torch.int32, device=resolve_device(device))
 
 
 _COUNTER_BUFFERS: dict[torch.device, list[Tensor]] = {}
@@ -749,11 +751,13 @@ def attention_counters(device, need: int = 1) -> Tensor:
     a bigger one when a launch needs more. Old buffers stay alive (graphs captured with
     them keep replaying them). Raises CaptureError when it would have to allocate while
     the current stream captures (a buffer allocated in a capture belongs to the graph):
-    make one launch of the widest grid before capturing, or pass ``counters``."""
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    bufs = _COUNTER_BUFFERS.setdefault(dev, [])
+    make one launch of the widest grid before capturing, or pass ``counters``. InputError
+    for a device this machine lacks."""
+    bufs = _COUNTER_BUFFERS.get(device) if isinstance(device, torch.device) else None
+    dev = device
+    if bufs is None:  # a device not seen before (a launch's are): checked once, then a key
+        dev = resolve_device(device)
+        bufs = _COUNTER_BUFFERS.setdefault(dev, [])
     if bufs and bufs[-1].numel() >= need:
         return bufs[-1]
     if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():

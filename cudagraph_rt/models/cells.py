@@ -1,6 +1,6 @@
 """What every model on the paged KV pool (``pool.py``) shares: its per-row inputs and their
-pads, the checks of a step's rows and of a reference's tokens, the device it resolves to,
-the pool's cells by (sequence, position), ``verify_step`` and ``reference``.
+pads, the checks of a step's rows and of a reference's tokens (devices and token lists
+are checked by :mod:`cudagraph_rt.checks`), the pool's cells by (sequence, position), ``verify_step`` and ``reference``.
 
 A model mixes in :class:`CellPoolModel` and provides ``config`` (``vocab``, ``max_seqs``,
 ``max_len``), ``device``, ``pool`` (a :class:`~cudagraph_rt.models.pool.KVPool`),
@@ -8,9 +8,12 @@ A model mixes in :class:`CellPoolModel` and provides ``config`` (``vocab``, ``ma
 :class:`~cudagraph_rt.models.protocol.Decoder`."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import Tensor
 
+from ..checks import as_int, token_ids
 from ..errors import InputError, expected
 from ..pieces import eager
 from ..specs import InputSpec
@@ -73,27 +76,23 @@ def greedy_tokens(logits: Tensor) -> Tensor:
     return (chunk * (vocab // c) + where.gather(-1, chunk)).squeeze(-1)
 
 
-def resolve_device(device) -> torch.device:
-    """``device``, or CUDA when there is one, else the CPU; ``"cuda"`` becomes
-    ``cuda:<current>`` (``"cuda" != "cuda:0"`` in the step's input checks)."""
-    dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
-
-
 def take_rows(inputs: dict[str, Tensor], names: tuple[str, ...], device: torch.device) -> list[Tensor]:
     """``inputs[name]`` for each name, checked: present, 1-D, one N (the rows of
     ``tokens``), int64, on ``device``. Reads no device value (capturable)."""
+    if not isinstance(inputs, Mapping):
+        raise InputError(expected("inputs", f"a dict of tensors {list(names)}", type(inputs).__name__))
     missing = [k for k in names if k not in inputs]
     if missing:
         raise InputError(expected("inputs", f"keys {list(names)}", f"missing {missing}"))
-    n = inputs["tokens"].shape[0] if "tokens" in inputs else None
+    tokens = inputs.get("tokens")
+    n = tokens.shape[0] if isinstance(tokens, Tensor) and tokens.dim() == 1 else None
+    rows = "" if n is None else f" of {n} rows"
     out = []
     for k in names:
         v = inputs[k]
         if not isinstance(v, Tensor) or v.dim() != 1 or (n is not None and v.shape[0] != n):
-            raise InputError(expected(k, f"a 1-D tensor of {n} rows", getattr(v, "shape", type(v))))
+            got = tuple(v.shape) if isinstance(v, Tensor) else type(v).__name__
+            raise InputError(expected(k, f"a 1-D tensor{rows}", got))
         if v.dtype != torch.int64 or v.device != device:
             raise InputError(expected(k, f"int64 on {device}", f"{v.dtype} on {v.device}"))
         out.append(v)
@@ -201,16 +200,21 @@ class CellPoolModel:
         return take_rows(inputs, names, self.device)
 
     def _reference_tokens(self, tokens) -> list[int]:
-        """``tokens`` as ints, checked: 1..max_len of them, ids in ``[0, vocab)`` (InputError)."""
-        n, vocab, limit = len(tokens), self.config.vocab, self.config.max_len
-        if not 1 <= n <= limit:
-            raise InputError(expected("tokens", f"1..{limit} tokens", n))
-        if any(not 0 <= int(t) < vocab for t in tokens):
-            raise InputError(expected("tokens", f"ids in [0, {vocab})", list(tokens)))
-        return [int(t) for t in tokens]
+        """``tokens`` as ints, checked: 1..max_len token ids in ``[0, vocab)`` (a list of
+        ints or a 1-D integer array or tensor: :func:`~cudagraph_rt.checks.token_ids`),
+        else InputError naming ``tokens``."""
+        ids = token_ids("tokens", tokens, self.config.vocab)
+        if not 1 <= len(ids) <= self.config.max_len:
+            raise InputError(expected("tokens", f"1..{self.config.max_len} tokens", len(ids)))
+        return list(ids)
 
-    def _check_generate(self, prompt, n: int) -> None:
-        """InputError when ``prompt`` and ``n`` new tokens do not fit ``max_len`` positions
-        (the last new token is not fed)."""
+    def _check_generate(self, prompt, n) -> tuple[tuple[int, ...], int]:
+        """``prompt`` (token ids, as :meth:`_reference_tokens`) and ``n`` (an int >= 0),
+        checked: InputError when either is not one, or when they do not fit ``max_len``
+        positions (the last new token is not fed)."""
+        prompt, n = token_ids("prompt", prompt, self.config.vocab), as_int("n", n, 0)
+        if not prompt:
+            raise InputError(expected("prompt", "at least one token", "none"))
         if len(prompt) + max(n, 1) - 1 > self.config.max_len:
             raise InputError(expected("prompt + n", f"<= {self.config.max_len + 1} tokens", len(prompt) + n))
+        return prompt, n

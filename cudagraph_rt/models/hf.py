@@ -35,9 +35,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..checks import resolve_device
 from ..errors import InputError, expected
 from . import attention_op, hf_rotary
-from .cells import ROW_INPUTS as _INPUTS, CellPoolModel, check_attention, eager_pool_attend, greedy_tokens, resolve_device
+from .cells import ROW_INPUTS as _INPUTS, CellPoolModel, check_attention, eager_pool_attend, greedy_tokens
 from .compiled import CompiledRows
 from .pool import DEFAULT_BLOCK_SIZE, KVPool, default_cells
 
@@ -359,10 +360,10 @@ class HFDecoder(CellPoolModel):
     def greedy_generate(self, prompt: list[int], n: int) -> list[int]:
         """The ``n`` tokens ``model.generate(do_sample=False)`` appends to ``prompt`` (its own
         dynamic cache, batch 1, no padding, no stop at EOS)."""
-        self._check_generate(prompt, n)
+        prompt, n = self._check_generate(prompt, n)
         if n < 1:
             return []
-        ids = torch.tensor([[int(t) for t in prompt]], dtype=torch.int64, device=self.device)
+        ids = torch.tensor([list(prompt)], dtype=torch.int64, device=self.device)
         # eos_token_id=None: no stop at the config's EOS (min_new_tokens would instead forbid
         # EOS, which changes the greedy tokens where EOS wins).
         out = self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,

@@ -64,6 +64,7 @@ import operator
 import torch
 from torch import Tensor
 
+from ..checks import resolve_device
 from ..errors import CapacityError, CaptureError, InputError, expected
 from ..kernels.cell_attention import (bind_cell_attention, bind_write_cells, cell_attention, cell_attention_reference,
                                       new_attention_counters, write_cells, write_cells_reference)
@@ -104,19 +105,22 @@ class KVPool:
     (the attention's split counters on CUDA, None elsewhere), ``block_size``,
     ``num_blocks`` (blocks for sequences, the scratch block not counted), ``free_blocks``,
     ``scratch_block``, ``scratch_cell``, ``max_seqs``, ``max_seq_len``, ``max_blocks`` (the
-    table's width). The step functions read ``k``, ``v`` and ``block_table`` only through
+    table's width). ``device``: one this machine has (None: CUDA when there is one, else
+    the CPU; see :func:`cudagraph_rt.checks.resolve_device`); the sizes are ints (numpy
+    integers taken as the plain int). The step functions read ``k``, ``v`` and ``block_table`` only through
     :meth:`attend` and :meth:`device_cells` (capturable); every other method is host-side
     and must run outside a graph capture.
     """
 
     def __init__(self, *, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device,
                  cells: int, max_seqs: int, max_seq_len: int, block_size: int = DEFAULT_BLOCK_SIZE):
-        for name, v in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim), ("cells", cells),
-                        ("max_seqs", max_seqs), ("max_seq_len", max_seq_len), ("block_size", block_size)):
-            _count(f"KVPool.{name}", v)
+        layers, kv_heads, head_dim, cells, max_seqs, max_seq_len, block_size = (
+            _count(f"KVPool.{name}", v) for name, v in (
+                ("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim), ("cells", cells),
+                ("max_seqs", max_seqs), ("max_seq_len", max_seq_len), ("block_size", block_size)))
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise InputError(expected("KVPool.dtype", "a floating torch.dtype", repr(dtype)))
-        self.device = torch.device(device)
+        self.device = resolve_device(device, "KVPool.device")
         self.block_size, self.max_seqs, self.max_seq_len = block_size, max_seqs, max_seq_len
         self.num_blocks = cdiv(cells, block_size)
         self.scratch_block = self.num_blocks

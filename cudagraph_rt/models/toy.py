@@ -29,9 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..checks import as_int, resolve_device
 from ..errors import InputError, expected
 from . import attention_op
-from .cells import ROW_INPUTS as _INPUTS, CellPoolModel, check_attention, resolve_device
+from .cells import ROW_INPUTS as _INPUTS, CellPoolModel, check_attention
 from .pool import DEFAULT_BLOCK_SIZE, KVPool, default_cells
 
 _EMB = 4.0  # scale of the one-hot token codes
@@ -81,13 +82,15 @@ class ToyConfig:
         return cls(**{**base, **overrides})
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "taps", tuple(self.taps))
         for name in ("vocab", "hidden", "layers", "heads", "max_seqs", "max_len", "seed", "block_size", "cells"):
             if name == "cells" and self.cells is None:
                 object.__setattr__(self, "cells", default_cells(self.max_seqs, self.max_len, self.block_size))
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "seed" else 1):
-                raise InputError(expected(f"ToyConfig.{name}", "a positive int", repr(v)))
+            v = as_int(f"ToyConfig.{name}", getattr(self, name), 0 if name == "seed" else 1)
+            object.__setattr__(self, name, v)  # numpy integers kept as the plain int
+        taps = self.taps if isinstance(self.taps, (tuple, list)) else None
+        if not taps:
+            raise InputError(expected("ToyConfig.taps", f"layer indices in [0, {self.layers})", repr(self.taps)))
+        object.__setattr__(self, "taps", tuple(as_int("ToyConfig.taps", t, 0, self.layers - 1) for t in taps))
         if self.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise InputError(expected("ToyConfig.dtype", "float32, float16 or bfloat16", self.dtype))
         a, b = self.factors
@@ -97,8 +100,6 @@ class ToyConfig:
             raise InputError(expected("ToyConfig.heads", f"a divisor of hidden with head dim >= {b}", self.heads))
         if self.hidden < a + 2 * b + 8:
             raise InputError(expected("ToyConfig.hidden", f">= {a + 2 * b + 8} for vocab {self.vocab}", self.hidden))
-        if not self.taps or any(not isinstance(t, int) or not 0 <= t < self.layers for t in self.taps):
-            raise InputError(expected("ToyConfig.taps", f"layer indices in [0, {self.layers})", self.taps))
 
     @property
     def factors(self) -> tuple[int, int]:
@@ -259,8 +260,8 @@ class ToyDecoder(CellPoolModel):
 
     def greedy_generate(self, prompt: list[int], n: int) -> list[int]:
         """The ``n`` tokens plain greedy decoding appends to ``prompt`` (through :meth:`reference`)."""
-        self._check_generate(prompt, n)
-        seq = [int(t) for t in prompt]
+        prompt, n = self._check_generate(prompt, n)
+        seq = list(prompt)
         for _ in range(n):
             seq.append(int(self.reference(seq)[0][-1]))
         return seq[len(prompt):]

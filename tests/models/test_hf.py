@@ -214,6 +214,26 @@ def test_bad_inputs_name_the_argument():
         hf.HFDecoder(m.model, max_len=10**7)
 
 
+@pytest.mark.parametrize("device", ["gpu", "meta", 1.5] + ([] if torch.cuda.is_available() else ["cuda:0"]),
+                         ids=repr)
+def test_build_on_a_device_this_machine_lacks_is_an_input_error(device):
+    """hf.build(device="gpu") raised torch's RuntimeError, "cuda:0" on a CPU machine an
+    AssertionError, before or while building the model: InputError naming it, first."""
+    with pytest.raises(InputError, match=r"^device: expected"):
+        hf.build("llama", "tiny", device=device)
+
+
+def test_token_lists_that_are_not_ids_are_refused_by_the_references():
+    """HFDecoder.reference([1.5, 2]) fed token 1; greedy_generate([1.5]) likewise."""
+    m = model_for("llama")
+    for bad in ([1.5, 2], [True, 2], torch.tensor([1.0, 2.0])):
+        for call in (m.reference, m.reference_logits, lambda t: m.greedy_generate(t, 2)):
+            with pytest.raises(InputError, match=r"^(tokens|prompt): expected"):
+                call(bad)
+    toks = [3, 17, 42]
+    assert m.greedy_generate(torch.tensor(toks), 3) == m.greedy_generate(toks, 3)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_verify_step_acceptance(rng, family):
     """Drafts from plain greedy decoding with random wrong tokens: committed rows follow the

@@ -544,3 +544,53 @@ def test_runner_on_a_small_pool_admits_by_free_blocks_and_frees_on_retire(rng):
     for s in runner.finished:
         assert s.generated == m.greedy_generate(list(s.prompt), s.max_new), s.uid
     assert m.pool.free_blocks == m.pool.num_blocks
+
+
+# ----------------------------------------------------------------------------- bad arguments (issue 35)
+def _no_cuda_devices() -> list:
+    """Devices this machine lacks or torch cannot place a pool on (CUDA ones only without CUDA)."""
+    lacking = ["gpu", "cuda:99", 99, "meta", object(), 1.5, True]
+    return lacking + (["cuda", "cuda:0", 0] if not torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", _no_cuda_devices(), ids=repr)
+def test_a_device_this_machine_lacks_is_an_input_error_naming_it(device):
+    """KVPool(device="gpu") raised torch's RuntimeError, device=None a TypeError and
+    "cuda:0" on a CPU machine an AssertionError ('Torch not compiled with CUDA'), where the
+    docstring promises InputError (GraphRuntime's check, shared now)."""
+    with pytest.raises(InputError, match=r"^KVPool\.device: expected"):
+        KVPool(layers=1, kv_heads=1, head_dim=2, dtype=torch.float32, device=device, cells=8, max_seqs=2,
+               max_seq_len=8, block_size=4)
+    with pytest.raises(InputError, match=r"^device: expected"):
+        ToyDecoder(ToyConfig.tiny(layers=1, taps=(0,)), device)
+    from cudagraph_rt.kernels.cell_attention import attention_counters, new_attention_counters
+    for make in (new_attention_counters, attention_counters):
+        with pytest.raises(InputError, match=r"^device: expected"):
+            make(device)
+
+
+def test_no_device_means_cuda_when_there_is_one_else_the_cpu():
+    want = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    pool = KVPool(layers=1, kv_heads=1, head_dim=2, dtype=torch.float32, device=None, cells=8, max_seqs=2,
+                  max_seq_len=8, block_size=4)
+    assert pool.device == pool.k.device == want
+
+
+def test_numpy_integer_sizes_build_the_plain_pool():
+    """The sizes were checked through operator.index but kept as given: np.int64 block
+    sizes leaked into the cells handed out (np.int64 cells, np.int64 arithmetic)."""
+    import numpy as np
+    plain = small_pool()
+    pool = KVPool(layers=np.int64(2), kv_heads=np.int32(1), head_dim=np.int64(2), dtype=torch.float32, device="cpu",
+                  cells=np.int64(24), max_seqs=np.int16(3), max_seq_len=np.int64(20), block_size=np.int64(4))
+    for name in ("block_size", "max_seqs", "max_seq_len", "num_blocks", "scratch_cell", "max_blocks"):
+        assert type(getattr(pool, name)) is int and getattr(pool, name) == getattr(plain, name), name
+    assert pool.cell_range(1, 0, 6) == plain.cell_range(1, 0, 6)
+    assert all(type(c) is int for c in pool.cell_range(2, 0, 5))
+
+
+@pytest.mark.parametrize("entries", [True, 0, 2.0, "8"])
+def test_bad_counter_sizes_are_refused(entries):
+    from cudagraph_rt.kernels.cell_attention import new_attention_counters
+    with pytest.raises(InputError, match=r"^entries: expected"):
+        new_attention_counters("cpu", entries)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -419,3 +420,64 @@ def test_compiled_step_attends_through_the_opaque_op(rng):
     assert len(calls) == m.config.layers, [str(n.target) for g in graphs for n in g.graph.nodes][:40]
     torch.testing.assert_close(got["hidden"], want["hidden"], rtol=1e-5, atol=1e-5)
     assert torch.equal(got["tokens"], want["tokens"])
+
+
+# --------------------------------------------------------------------------- bad arguments (issue 35)
+@pytest.mark.parametrize("bad", [dict(taps=(True,)), dict(taps=(0, False)), dict(taps=(1.0,)), dict(layers=2.0),
+                                 dict(seed=True), dict(block_size=np.float64(16))], ids=repr)
+def test_bools_and_floats_are_not_config_ints(bad):
+    """ToyConfig(taps=(True,)) was taken as taps=(1,)."""
+    name = next(iter(bad))
+    with pytest.raises(InputError, match=rf"^ToyConfig\.{name}: expected"):
+        ToyConfig.tiny(**bad)
+
+
+def test_numpy_integer_config_is_the_plain_config():
+    cfg = ToyConfig.tiny(vocab=np.int64(128), layers=np.int32(2), taps=(np.int64(1), 0), seed=np.uint8(3),
+                         block_size=np.int64(8))
+    assert cfg == ToyConfig.tiny(taps=(1, 0), seed=3, block_size=8)
+    assert all(type(getattr(cfg, f)) is int for f in ("vocab", "layers", "seed", "block_size", "cells"))
+    assert all(type(t) is int for t in cfg.taps)
+
+
+@pytest.mark.parametrize("tokens", [[1.5, 2], [1, 2.0], [True, 2], np.array([1.0, 2.0]), torch.tensor([1.5]),
+                                    np.array([[1, 2]]), "12", 7, [1, None]], ids=repr)
+def test_token_lists_that_are_not_ids_are_refused_by_every_reference_entry(tokens):
+    """ToyDecoder.reference([1.5, 2]) fed token 1 (int(1.5)); greedy_generate likewise."""
+    m = model_for()
+    for call in (m.reference, m.reference_logits, lambda t: m.greedy_generate(t, 2)):
+        with pytest.raises(InputError, match=r"^(tokens|prompt): expected"):
+            call(tokens)
+
+
+def test_numpy_and_torch_token_lists_are_the_plain_lists(rng):
+    m = model_for()
+    toks = [rng.randrange(m.config.vocab) for _ in range(9)]
+    want_tokens, want_hidden = m.reference(toks)
+    gen = m.greedy_generate(toks, 4)
+    for same in (np.array(toks), np.array(toks, np.int32), torch.tensor(toks), tuple(np.int64(t) for t in toks)):
+        got_tokens, got_hidden = m.reference(same)
+        assert torch.equal(got_tokens, want_tokens) and torch.equal(got_hidden, want_hidden)
+        assert m.greedy_generate(same, 4) == gen
+
+
+@pytest.mark.parametrize("n", [True, 1.0, -1, "2"], ids=repr)
+def test_greedy_generate_takes_a_count_of_new_tokens(n):
+    with pytest.raises(InputError, match=r"^n: expected"):
+        model_for().greedy_generate([1, 2], n)
+
+
+def test_a_step_of_lists_or_a_non_dict_is_an_input_error():
+    """ToyDecoder.step with a list of tokens raised AttributeError ('list' object has no
+    attribute 'shape'): the step takes tensors, and says so."""
+    m = model_for()
+    good = build(m, chunk_rows(m, 0, [1, 2], 0, [1, 1]), 2)
+    for t in (m.pool.k, m.pool.v):
+        t.fill_(7.0)
+    for name in good:
+        bad = {**good, name: good[name].tolist()}
+        with pytest.raises(InputError, match=rf"^{name}: expected a 1-D tensor"):
+            m.step(bad)
+    with pytest.raises(InputError, match=r"^inputs: expected a dict"):
+        m.step(list(good.values()))
+    assert (m.pool.k == 7.0).all() and (m.pool.v == 7.0).all()
