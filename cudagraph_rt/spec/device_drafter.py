@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .drafting import CommittedRows, DraftRule, _Seen, controlled_drafts
+from .drafting import CommittedRows, DraftRule, _Seen, check_drafter, controlled_drafts
+from ..checks import as_int
 from ..errors import InputError, expected
 from ..runtime import GraphRuntime
 from ..specs import InputSpec
@@ -47,15 +48,17 @@ class DeviceDrafter:
     ``model``: the target toy (its greedy rule, token codes and row width); ``hidden``:
     the head's width; ``graphs``: capture the drafter's widths (CUDA only); ``depth``: pinned
     output buffers (a runner refuses fewer than its lanes + 1). The drafter owns ``self.rt`` and its
-    stream; ``close()`` frees them. Raises InputError for a bad ``accept_prob``, ``k`` or
-    ``depth``; ``propose`` raises RuntimeError when a sequence's rows failed the device check
+    stream; ``close()`` frees them. Raises InputError naming a bad ``model`` (a toy),
+    ``accept_prob`` (a number in [0, 1]), ``seed`` (any integer), ``k`` (>= 1), ``hidden``
+    (>= 1), ``depth`` (>= 2) or ``graphs`` (GraphRuntime's): numpy integers are taken as
+    ints, bools and floats are not; ``propose`` raises RuntimeError when a sequence's rows failed the device check
     or were not observed since its tokens changed.
     """
 
     def __init__(self, model, accept_prob: float, seed: int = 0, *, k: int = 4, hidden: int = 512,
                  graphs: bool = False, depth: int = 3):
-        if k < 1 or depth < 2:
-            raise InputError(expected("k, depth", "k >= 1 and depth >= 2", (k, depth)))
+        accept_prob, seed = check_drafter(model, accept_prob, seed, toy=True)
+        k, hidden, depth = as_int("k", k, 1), as_int("hidden", hidden, 1), as_int("depth", depth, 2)
         self.model, self.p, self.seed, self.k, self.depth = model, accept_prob, seed, k, depth
         dev, cfg = model.device, model.config
         self.rule = DraftRule.for_toy(model, accept_prob, seed, device=dev)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..checks import as_int, as_real
 from ..errors import InputError, expected
 
 if TYPE_CHECKING:  # annotations only: the models import nothing from here
@@ -102,6 +103,18 @@ def controlled_drafts_py(rule: "DraftRule", seqs, k: int) -> list[list[int]]:
     return out
 
 
+def check_drafter(model, accept_prob, seed, *, toy: bool) -> tuple[float, int]:
+    """A drafter's shared arguments checked (InputError naming the first bad one):
+    ``model`` a Decoder (the toy for a drafter that knows its rule), ``accept_prob`` a
+    real number in [0, 1], ``seed`` any integer (numpy ones too); as a float and an int."""
+    from ..models.protocol import Decoder
+    from ..models.toy import ToyDecoder
+    want = (ToyDecoder, "a ToyDecoder (the drafter knows its greedy rule)") if toy else (Decoder, "a Decoder")
+    if not isinstance(model, want[0]):
+        raise InputError(expected("model", want[1], type(model).__name__))
+    return as_real("accept_prob", accept_prob, 0.0, 1.0), as_int("seed", seed)
+
+
 @dataclass(frozen=True)
 class DraftRule:
     """What a controlled drafter needs of the toy: its greedy rule as two permutation tables
@@ -118,8 +131,9 @@ class DraftRule:
 
     @classmethod
     def for_toy(cls, model: ToyDecoder, accept_prob: float, seed: int, device=None) -> "DraftRule":
-        if not 0.0 <= accept_prob <= 1.0:
-            raise InputError(expected("accept_prob", "a probability in [0, 1]", accept_prob))
+        """The toy's rule with the coin of ``accept_prob`` and ``seed`` (checked: see
+        :func:`check_drafter`)."""
+        accept_prob, seed = check_drafter(model, accept_prob, seed, toy=True)
         b = model.config.factors[1]
         pa, pb = np.asarray(model._pi_a, dtype=np.int64), np.asarray(model._pi_b, dtype=np.int64)
         if device is not None:
@@ -210,6 +224,7 @@ class ToyDrafter:
     """
 
     def __init__(self, model: ToyDecoder, accept_prob: float, seed: int = 0):
+        accept_prob, seed = check_drafter(model, accept_prob, seed, toy=True)
         self.model, self.p, self.seed = model, accept_prob, seed
         rule = DraftRule.for_toy(model, accept_prob, seed)
         # the permutation tables as lists: read per draft with Python ints
@@ -253,8 +268,7 @@ class ReferenceDrafter:
     """
 
     def __init__(self, model: Decoder, accept_prob: float, seed: int = 0):
-        if not 0.0 <= accept_prob <= 1.0:
-            raise InputError(expected("accept_prob", "a probability in [0, 1]", accept_prob))
+        accept_prob, seed = check_drafter(model, accept_prob, seed, toy=False)
         self.model, self.p, self.seed = model, accept_prob, seed
         self._plans: dict[tuple[int, ...], list[int]] = {}  # prompt or prefix -> full token list
         self._seen = _Seen()

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from .drafting import CommittedRows, ReferenceDrafter, ToyDrafter
+from ..checks import as_bool, as_int, token_ids
 from ..errors import InputError, expected
 from ..host_rows import HostRows, HostRowsHandle
 from ..models.pool import cdiv
@@ -138,6 +139,29 @@ def make_runtime(model: Decoder, *, graphs: bool, rows_per_step: int, depth: int
                         host_rows=hr)
 
 
+def _check_runner(model, drafter, k, slots, lanes, chunk, record_rows) -> tuple[int, int, int, int, bool]:
+    """SpecRunner's arguments checked (InputError naming the first bad one), as plain values."""
+    if not isinstance(model, Decoder):
+        raise InputError(expected("model", "a Decoder (cudagraph_rt.models.Decoder)", type(model).__name__))
+    if not all(callable(getattr(drafter, call, None)) for call in ("observe", "propose", "forget")):
+        raise InputError(expected("drafter", "an object with observe, propose and forget", type(drafter).__name__))
+    max_seqs = model.config.max_seqs
+    k = as_int("k", k, 0)
+    slots = max_seqs if slots is None else as_int("slots", slots, 1, max_seqs)
+    lanes = as_int("lanes", lanes, 1, slots)
+    chunk = as_int("chunk", chunk, 1)
+    record_rows = as_bool("record_rows", record_rows)
+    depth = getattr(drafter, "depth", None)  # a drafter that holds results per observe
+    if depth is not None and depth < lanes + 1:
+        raise InputError(expected("drafter.depth", f">= lanes + 1 = {lanes + 1} (a lane's drafts must outlive "
+                                  "the other lanes' observes)", depth))
+    drafts = getattr(drafter, "k", None)  # a drafter that drafts at most k per sequence
+    if drafts is not None and drafts < k:
+        raise InputError(expected("drafter.k", f">= the runner's k = {k} (it proposes k drafts per sequence)",
+                                  drafts))
+    return k, slots, lanes, chunk, record_rows
+
+
 class SpecRunner:
     """Serves requests with speculative decoding through one GraphRuntime.
 
@@ -156,29 +180,18 @@ class SpecRunner:
     slot's leftover blocks (from an earlier user of the model) are freed when it is handed
     to a new sequence.
 
-    Raises InputError for a configuration whose verify rows would not fit the first slice
-    of a step (acceptance is decided per slice, so a sequence's rows must share one);
+    Raises InputError naming the argument, before the model's pool is touched: ``k``,
+    ``slots``, ``lanes`` and ``chunk`` are ints (numpy integers taken as ints, bools and
+    floats refused), ``record_rows`` a bool, ``model`` a Decoder and ``drafter`` one with
+    the three calls; and for a configuration whose verify rows would not fit the first
+    slice of a step (acceptance is decided per slice, so a sequence's rows must share one).
     ``submit`` raises it for a request that does not fit the model (its positions or the
-    whole pool).
+    whole pool) or whose prompt is not a list of token ids.
     """
 
     def __init__(self, model: Decoder, drafter, *, k: int = 4, slots: int | None = None, lanes: int = 2,
                  chunk: int = 128, graphs: bool = False, record_rows: bool = False):
-        if slots is None:
-            slots = model.config.max_seqs
-        if not (1 <= lanes <= slots <= model.config.max_seqs):
-            raise InputError(expected("lanes, slots", f"1 <= lanes <= slots <= {model.config.max_seqs}",
-                                      (lanes, slots)))
-        if k < 0 or chunk < 1:
-            raise InputError(expected("k, chunk", "k >= 0 and chunk >= 1", (k, chunk)))
-        depth = getattr(drafter, "depth", None)  # a drafter that holds results per observe
-        if depth is not None and depth < lanes + 1:
-            raise InputError(expected("drafter.depth", f">= lanes + 1 = {lanes + 1} (a lane's drafts must outlive "
-                                      "the other lanes' observes)", depth))
-        drafts = getattr(drafter, "k", None)  # a drafter that drafts at most k per sequence
-        if drafts is not None and drafts < k:
-            raise InputError(expected("drafter.k", f">= the runner's k = {k} (it proposes k drafts per sequence)",
-                                      drafts))
+        k, slots, lanes, chunk, record_rows = _check_runner(model, drafter, k, slots, lanes, chunk, record_rows)
         self.model, self.drafter, self.k, self.chunk, self.record_rows = model, drafter, k, chunk, record_rows
         caps = [slots // lanes + (i < slots % lanes) for i in range(lanes)]
         # A step commits at most k + 1 rows per sequence; while one lane steps, every other
@@ -200,31 +213,31 @@ class SpecRunner:
     # -- public --------------------------------------------------------------------------
     def submit(self, requests) -> list[int]:
         """Queue requests; returns their uids. All or none: InputError (naming the request)
-        if one does not fit the model or its ``max_new`` is not an int >= 1, and then none
-        of them is queued (a retry serves each once)."""
-        requests = list(requests)
-        for i, r in enumerate(requests):
-            self._check_request(i, r)
+        if one does not fit the model, its ``max_new`` is not an int >= 1 or its prompt is
+        not a list of token ids, and then none of them is queued (a retry serves each once).
+        A prompt may be a list or tuple of ints or a 1-D integer numpy array or torch tensor;
+        it is queued (and served, as ``Sequence.prompt``) as a tuple of ints."""
+        requests = [self._check_request(i, r) for i, r in enumerate(list(requests))]
         uids = list(range(self._next_uid, self._next_uid + len(requests)))
         self.waiting.extend(zip(uids, requests))
         self._next_uid += len(requests)
         return uids
 
-    def _check_request(self, i: int, r) -> None:
+    def _check_request(self, i: int, r) -> Request:
+        """``r`` checked, as a Request of a tuple of ints and an int."""
         cfg = self.model.config
-        n = r.max_new
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-            raise InputError(expected(f"requests[{i}].max_new", "an int >= 1", repr(n)))
-        if not r.prompt or len(r.prompt) + n - 1 > cfg.max_len:
+        if not hasattr(r, "prompt") or not hasattr(r, "max_new"):
+            raise InputError(expected(f"requests[{i}]", "a Request(prompt, max_new)", type(r).__name__))
+        n = as_int(f"requests[{i}].max_new", r.max_new, 1)
+        prompt = token_ids(f"requests[{i}].prompt", r.prompt, cfg.vocab)
+        if not prompt or len(prompt) + n - 1 > cfg.max_len:
             raise InputError(expected(f"requests[{i}]", f"a prompt and max_new >= 1 within {cfg.max_len} positions",
-                                      (len(r.prompt), n)))
+                                      (len(prompt), n)))
         pool = self.model.pool
-        if self._blocks_for(len(r.prompt), n) > pool.num_blocks:
+        if self._blocks_for(len(prompt), n) > pool.num_blocks:
             raise InputError(expected(f"requests[{i}]", f"at most {pool.num_blocks * pool.block_size} positions "
-                                      "(the model's whole KV pool)", (len(r.prompt), n)))
-        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < cfg.vocab
-                   for t in r.prompt):
-            raise InputError(expected(f"requests[{i}].prompt", f"token ids in [0, {cfg.vocab})", r.prompt))
+                                      "(the model's whole KV pool)", (len(prompt), n)))
+        return Request(prompt, n)
 
     def run(self, max_steps: int | None = None) -> RunReport:
         """Serve until every request is done (or ``max_steps`` more steps were launched;

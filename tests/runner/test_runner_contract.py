@@ -368,3 +368,100 @@ def test_the_reference_drafter_refuses_a_row_with_one_non_finite_entry(bad):
     rows[j, int(torch.randint(0, rows.shape[1], (1,), generator=gen))] = bad
     with pytest.raises(RuntimeError, match=rf"sequence 7: non-finite host rows at position {2 + j}"):
         drafter.observe(CommittedRows.of(seq, 2, rows))
+
+
+# ----------------------------------------------------------------------------- bad arguments (issue 35)
+def _served(runner, reqs) -> tuple:
+    """What a run of ``reqs`` produced: each request's tokens, and the runner's counters."""
+    runner.submit(reqs)
+    rep = runner.run()
+    done = sorted(runner.finished, key=lambda s: s.uid)
+    return [s.generated for s in done], rep.steps, rep.tokens, rep.accept_hist
+
+
+@pytest.mark.parametrize("kw, name", [
+    (dict(k=True), "k"), (dict(k=-1), "k"), (dict(k=2.0), "k"), (dict(k="2"), "k"),
+    (dict(lanes=1.0), "lanes"), (dict(lanes=True), "lanes"), (dict(lanes=0), "lanes"),
+    (dict(chunk=2.5), "chunk"), (dict(chunk=0), "chunk"), (dict(chunk=False), "chunk"),
+    (dict(slots=2.0), "slots"), (dict(slots=True), "slots"), (dict(slots=np.float64(2)), "slots"),
+    (dict(record_rows=1), "record_rows"), (dict(record_rows="yes"), "record_rows"),
+])
+def test_bad_runner_arguments_are_refused_naming_them_before_any_block_is_taken(kw, name):
+    """SpecRunner(k=True) was taken as k=1 by the checks and failed raw in run() ('an integer
+    is required') after the sequence took a KV block; lanes=1.0 and chunk=2.5 failed raw in
+    the constructor (TypeError from range / torch.empty)."""
+    MODEL.reset_cache()
+    free = MODEL.pool.free_blocks
+    with pytest.raises(InputError, match=rf"^{name}\b.*: expected"):
+        SpecRunner(MODEL, ToyDrafter(MODEL, 0.5, 0), **kw)
+    assert MODEL.pool.free_blocks == free
+
+
+def test_numpy_integers_are_taken_as_ints_by_the_runner():
+    """k=np.int64(2) was refused naming 'HostRows.capacity' (the runner passed it on); numpy
+    integers are integers: the run is the plain ints' run, token for token."""
+    reqs = [Request((1, 2, 3), 9), Request((4, 5), 7), Request((6,), 8)]
+    MODEL.reset_cache()
+    plain = _served(SpecRunner(MODEL, ToyDrafter(MODEL, 0.6, 1), k=2, lanes=2, slots=3, chunk=5), reqs)
+    MODEL.reset_cache()
+    runner = SpecRunner(MODEL, ToyDrafter(MODEL, 0.6, 1), k=np.int64(2), lanes=np.int32(2), slots=np.int64(3),
+                        chunk=np.uint8(5))
+    assert type(runner.k) is int and type(runner.chunk) is int
+    assert _served(runner, reqs) == plain
+
+
+def test_numpy_and_torch_prompts_are_served_as_lists_of_ints():
+    """A numpy or torch prompt failed raw in submit ('truth value of an array ... is
+    ambiguous'); a 1-D integer array or tensor is a list of token ids."""
+    prompts = [(1, 2, 3), (4, 5, 6, 7), (8,)]
+    MODEL.reset_cache()
+    plain = _served(SpecRunner(MODEL, ToyDrafter(MODEL, 0.5, 3), k=2), [Request(p, 6) for p in prompts])
+    for make in (lambda p: np.array(p, np.int64), lambda p: np.array(p, np.uint16), lambda p: torch.tensor(p),
+                 lambda p: torch.tensor(p, dtype=torch.int32), lambda p: [np.int64(t) for t in p]):
+        MODEL.reset_cache()
+        runner = SpecRunner(MODEL, ToyDrafter(MODEL, 0.5, 3), k=2)
+        assert _served(runner, [Request(make(p), 6) for p in prompts]) == plain
+        assert all(type(s.prompt) is tuple and all(type(t) is int for t in s.prompt) for s in runner.finished)
+
+
+@pytest.mark.parametrize("prompt", [np.array([1.0, 2.0]), torch.tensor([1.5, 2.0]), np.array([[1, 2]]),
+                                    torch.tensor([True, False]), [1, True], [1.5, 2], (1, np.float64(2.0)),
+                                    "12", torch.tensor(3), np.array([1, 2**40])],
+                         ids=["np-float", "torch-float", "2-d", "torch-bool", "bool-token", "float-token",
+                              "np-float-token", "str", "0-d", "past-vocab"])
+def test_prompts_that_are_not_token_lists_are_refused_at_submit(prompt):
+    MODEL.reset_cache()
+    runner = SpecRunner(MODEL, ToyDrafter(MODEL, 0.5, 0), k=2)
+    with pytest.raises(InputError, match=r"^requests\[0\]\.prompt: expected"):
+        runner.submit([Request(prompt, 3)])
+    assert not runner.waiting and MODEL.pool.free_blocks == MODEL.pool.num_blocks
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda: ToyDrafter(MODEL, True), "accept_prob"), (lambda: ToyDrafter(MODEL, "0.5"), "accept_prob"),
+    (lambda: ToyDrafter(MODEL, float("nan")), "accept_prob"), (lambda: ToyDrafter(MODEL, 0.5, 1.5), "seed"),
+    (lambda: ToyDrafter(MODEL, 0.5, True), "seed"), (lambda: ToyDrafter(object(), 0.5), "model"),
+    (lambda: ReferenceDrafter(MODEL, 0.5, seed=2.5), "seed"), (lambda: ReferenceDrafter(MODEL, False), "accept_prob"),
+    (lambda: ReferenceDrafter(MODEL, [0.5]), "accept_prob"), (lambda: ReferenceDrafter(None, 0.5), "model"),
+    (lambda: DeviceDrafter(MODEL, 0.5, k=True), "k"), (lambda: DeviceDrafter(MODEL, 0.5, depth=3.0), "depth"),
+    (lambda: DeviceDrafter(MODEL, 0.5, hidden=0), "hidden"), (lambda: DeviceDrafter(MODEL, 0.5, seed=0.5), "seed"),
+    (lambda: DeviceDrafter(MODEL, 0.5, graphs="no"), "graphs"),
+])
+def test_bad_drafter_arguments_are_refused_naming_them(make, name):
+    """ToyDrafter(accept_prob="0.5") and seed=1.5 failed raw (TypeError); ReferenceDrafter
+    took seed=2.5 and failed later, inside propose; DeviceDrafter(k=True) drafted 1."""
+    with pytest.raises(InputError, match=rf"^{name}: expected"):
+        make()
+
+
+def test_numpy_drafter_arguments_draft_as_the_plain_ones():
+    """accept_prob may be any real number in [0, 1] (numpy floats, an int 0 or 1), seed and
+    k any integer (numpy ones included): the same drafts as the plain values."""
+    reqs = [Request((1, 2, 3), 9), Request((4, 5), 7)]
+    runs = []
+    for p, seed, k in ((0.5, 7, 3), (np.float32(0.5), np.int64(7), np.int8(3))):
+        MODEL.reset_cache()
+        runs.append(_served(SpecRunner(MODEL, DeviceDrafter(MODEL, p, seed, k=k), k=3), reqs))
+        MODEL.reset_cache()
+        runs.append(_served(SpecRunner(MODEL, ToyDrafter(MODEL, p, seed), k=3), reqs))
+    assert runs[0] == runs[1] == runs[2] == runs[3]
