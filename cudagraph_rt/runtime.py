@@ -223,7 +223,8 @@ class GraphRuntime:
         """The outputs the graph of ``width`` writes at each replay (the step function's
         structure, ``width`` rows): for a caller replaying ``graphs_captured[width]`` by
         hand. Valid while that graph lives (until ``recapture()`` or ``close()``)."""
-        e = self._by_width.get(width)
+        is_int = isinstance(width, int) and not isinstance(width, bool)  # True == 1, 4.0 == 4 as dict keys
+        e = self._by_width.get(width) if is_int else None
         if not isinstance(e, GraphSlice):
             raise InputError(expected("width", f"a captured width ({sorted(self.graphs_captured)})", width))
         return e.static_out
@@ -305,21 +306,26 @@ class GraphRuntime:
             return self._inputs.device_views(T)
 
     def _single_slice(self, T: int, what: str) -> Slice:
-        plan = self.plan(T)
-        if len(plan) > 1:
+        """T's one slice; CapacityError for a T that would need more, found in O(1) (a
+        plan of T rows is O(T / rows) slices: never built only to be refused)."""
+        if isinstance(T, int) and T > self.config.rows:
             raise CapacityError(expected(f"{what}(T)", f"T <= {self.config.rows} (one slice)", T))
-        return plan[0]
+        return self.plan(T)[0]
 
     # -- one step: validate and plan (writes nothing), then execute ---------------------
     def _plan_step(self, rows: Any, inputs: Mapping[str, Any]) -> PlannedStep:
         prep = self._inputs.prepare(inputs)
         T = prep.T
-        slices = self._planner(T)
-        if prep.zero_copy and len(slices) > 1:
+        sliced = T > self.config.rows  # more than one slice
+        # A sliced step's whole plan (O(T / rows) slices) waits until the checks took it.
+        slices = (self._planner.first(T),) if sliced else self._planner(T)
+        if prep.zero_copy and sliced:
             raise CapacityError(expected("zero-copy inputs", f"a step of at most {self.config.rows} rows", T))
         hr = self._rows_mode
         first = slices[0].width if slices[0].path == "graph" else slices[0].length
-        idx = hr.step_rows(rows, T, first, len(slices) > 1)
+        idx = hr.step_rows(rows, T, first, sliced)
+        if sliced:
+            slices = self._planner(T)
         if not self._ready:
             self.capture()
         self._watch.check()

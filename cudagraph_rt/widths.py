@@ -66,6 +66,24 @@ def default_dynamic_limit(widths: tuple[int, ...]) -> int:
     return widths[-1] * 3 // 2
 
 
+def _check_T(T: int, limit: int, slicing: bool) -> None:
+    if isinstance(T, bool) or not isinstance(T, int) or T < 1:
+        raise InputError(expected("T (rows in the step)", "a positive int", repr(T)))
+    if T > limit and not slicing:
+        raise CapacityError(expected("T (rows in the step)", f"at most {limit} with slicing off", T))
+
+
+def _slice_at(start: int, T: int, widths: tuple[int, ...], limit: int) -> Slice:
+    """The slice that runs rows ``[start, ...)`` of a step of T rows (the rule below)."""
+    left, widest = T - start, widths[-1]
+    if left <= widest:
+        return Slice("graph", widths[bisect.bisect_left(widths, left)], start, left)
+    n = min(left, limit)
+    if n <= widest:  # only when dynamic_limit == widest: slice at the widest graph
+        return Slice("graph", widest, start, n)
+    return Slice("dynamic", n, start, n)
+
+
 def plan_step(
     T: int, widths: tuple[int, ...], dynamic_limit: int, slicing: bool = True
 ) -> tuple[Slice, ...]:
@@ -76,31 +94,25 @@ def plan_step(
     - ``T > dynamic_limit``: consecutive slices, each planned by the same rule on what is
       left (so the head runs at ``dynamic_limit`` and the tail on a graph or dynamically).
 
-    Raises InputError for a non-positive T, CapacityError for T over every limit with
-    ``slicing`` off.
+    One Slice per slice: O(T / max(widths[-1], dynamic_limit)), what a step of T rows runs
+    (:func:`first_slice` is the first alone, in O(1)). Raises InputError for a
+    non-positive T, CapacityError for T over every limit with ``slicing`` off, both
+    before any slice is built.
     """
-    if isinstance(T, bool) or not isinstance(T, int) or T < 1:
-        raise InputError(expected("T (rows in the step)", "a positive int", repr(T)))
-    widest = widths[-1]
-    limit = max(dynamic_limit, widest)
-    if T > limit and not slicing:
-        raise CapacityError(
-            expected("T (rows in the step)", f"at most {limit} with slicing off", T)
-        )
+    limit = max(dynamic_limit, widths[-1])
+    _check_T(T, limit, slicing)
     out, start = [], 0
     while start < T:
-        left = T - start
-        if left <= widest:
-            w = widths[bisect.bisect_left(widths, left)]
-            out.append(Slice("graph", w, start, left))
-            break
-        n = min(left, limit)
-        if n <= widest:  # only when dynamic_limit == widest: slice at the widest graph
-            out.append(Slice("graph", widest, start, n))
-        else:
-            out.append(Slice("dynamic", n, start, n))
-        start += n
+        out.append(_slice_at(start, T, widths, limit))
+        start += out[-1].length
     return tuple(out)
+
+
+def first_slice(T: int, widths: tuple[int, ...], dynamic_limit: int, slicing: bool = True) -> Slice:
+    """``plan_step(T, ...)[0]`` in O(1), whatever T: the same slice and the same errors."""
+    limit = max(dynamic_limit, widths[-1])
+    _check_T(T, limit, slicing)
+    return _slice_at(0, T, widths, limit)
 
 
 class Planner:
@@ -111,6 +123,10 @@ class Planner:
         self.widths, self.dynamic_limit, self.slicing = widths, dynamic_limit, slicing
         self._cache: dict[int, tuple[Slice, ...]] = {}
         self._bound = 4 * max(widths[-1], dynamic_limit)  # never more than a few hundred entries
+
+    def first(self, T: int) -> Slice:
+        """The first slice of T's plan (:func:`first_slice`): O(1), nothing cached."""
+        return first_slice(T, self.widths, self.dynamic_limit, self.slicing)
 
     def __call__(self, T: int) -> tuple[Slice, ...]:
         plan = self._cache.get(T) if type(T) is int else None

@@ -14,6 +14,7 @@ from cudagraph_rt import (
     StepFunctionError,
 )
 from tests.support.models_for_tests import ChoosingSlotModel, SlotModel, chosen_rows
+from tests.support.planting import no_whole_plan_past
 from tests.support.reliability_harness import TOL, Rig, ScaleChooser, refused, warm
 from tests.support.ring_hooks import host_ring
 
@@ -248,6 +249,25 @@ def test_device_mode_default_capacity_refuses_wider_steps_up_front():
     rows = chosen_rows(want["tok"])
     assert h.indices().tolist() == rows
     torch.testing.assert_close(h.rows(), want["hidden"][rows], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("graphs", [False, "emulate"])
+def test_a_step_refused_for_its_size_is_not_planned_whole(monkeypatch, graphs):
+    """The refusal above came after the step had planned every slice of its rows (O(T /
+    rows) slices: 52 here, millions for a step of 10**8 rows). The first slice (what the
+    host-row check needs) is worked out alone; the whole plan waits until the step is
+    taken (issue 35)."""
+    T = 5000
+    m = ChoosingSlotModel("cpu", seed=5, n_slots=T + 64)
+    rt = GraphRuntime(m, m.specs(), graphs=graphs, device="cpu", host_rows=HostRows(source="hidden", mode="device"))
+    gen = seeded()
+    rt.step(**m.random_inputs(5, gen=gen))
+    x = m.random_inputs(T, gen=gen)
+    before = rt.state_digest()
+    no_whole_plan_past(monkeypatch, 96)
+    with pytest.raises(CapacityError, match=rf"step inputs: expected at most 96 rows .* got {T} rows"):
+        rt.step(**x)
+    assert rt.state_digest() == before
 
 
 def test_device_accepting_more_than_an_explicit_capacity_names_the_capacity():

@@ -5,6 +5,7 @@ import pytest
 
 from cudagraph_rt import CapacityError, InputError, Slice, default_widths, plan_step
 from cudagraph_rt.widths import check_widths
+from tests.support.planting import no_whole_plan_past
 from tests.support.reliability_harness import Rig, refused, warm
 
 WIDTH_SETS = [default_widths(64), (1, 2, 3, 4, 8, 24, 64)]
@@ -128,3 +129,31 @@ def test_slicing_off_refuses_wide_step_in_host_mode_before_the_ring():
     x = rig.inputs(97)
     refused(rig, CapacityError, r"T \(rows in the step\): expected at most 96 with slicing off, got 97",
             lambda: rig.rt.step(rows=[0], **x))
+
+
+# ======================================================================================
+# Huge T (issue 35): a size that is refused anyway is refused before its plan is built.
+# plan_step builds one Slice per slice a step runs, O(T / rows): fine for a step that runs
+# them (its inputs are O(T) already), not for a call that refuses T.
+# ======================================================================================
+@pytest.mark.usefixtures("rig_graphs", "one_thread")  # graphs off, then emulated
+@pytest.mark.parametrize("T", [97, 5000, 2 * 10**6, 10**9, 10**18])
+def test_handed_views_refuse_a_huge_T_in_constant_time(monkeypatch, T):
+    """host_inputs(T) / device_inputs(T) built T's whole plan before the documented
+    CapacityError: T = 2e6 took 2.5 s and 51 MB, T = 1e9 killed the process. What they hand
+    out is at most the arena's rows (one slice): T past it is refused without a plan."""
+    rig = Rig("host", capacity=16)
+    warm(rig, 1)
+    no_whole_plan_past(monkeypatch, rig.max_T())  # the valid step after the refusal may be sliced
+    for what, call in (("host_inputs", rig.rt.host_inputs), ("device_inputs", rig.rt.device_inputs)):
+        refused(rig, CapacityError, rf"^{what}\(T\): expected T <= 96 \(one slice\), got {T}$", lambda: call(T))
+
+
+@pytest.mark.usefixtures("rig_graphs", "one_thread")  # graphs off, then emulated
+@pytest.mark.parametrize("width", [[4], True, 4.0, "4", None, (4,)], ids=repr)
+def test_static_outputs_takes_a_captured_int_width(width):
+    """static_outputs([4]) raised TypeError ('unhashable type: list'); True and 4.0 found
+    the outputs of widths 1 and 4 (dict keys equal to them) under emulated graphs."""
+    rig = Rig(None)
+    warm(rig, 1)
+    refused(rig, InputError, r"^width: expected a captured width", lambda: rig.rt.static_outputs(width))

@@ -50,3 +50,18 @@ def plan_one_width_wider(monkeypatch: pytest.MonkeyPatch) -> None:
             out = out[:-1] + (Slice("graph", widths[widths.index(s.width) + 1], s.start, s.length),)
         return out
     plant(monkeypatch, widths_mod, "plan_step", mutant)
+
+
+def no_whole_plan_past(monkeypatch: pytest.MonkeyPatch, rows: int) -> None:
+    """A tripwire, not a bug: from here on, building the whole plan of a step of more than
+    ``rows`` rows (``widths.plan_step``, through any Planner) fails the test at once with
+    AssertionError, instead of planning a T whose plan may not fit in memory."""
+    import cudagraph_rt.widths as widths_mod
+
+    original = widths_mod.plan_step
+
+    def tripwire(T, *a, **kw):
+        if type(T) is int and T > rows:
+            raise AssertionError(f"planned a step of {T} rows whole")
+        return original(T, *a, **kw)
+    plant(monkeypatch, widths_mod, "plan_step", tripwire)
