@@ -83,6 +83,7 @@ autotuning at call time (an autotune during capture would time padding rows).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from dataclasses import dataclass
 
@@ -110,6 +111,7 @@ LOG2E = 1.4426950408889634
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
 MAX_CELLS = 2**31 - 1  # a chunk's cells are gathered as int32
+INT32_MAX = 2**31 - 1  # window and bias_shift: kernel scalars, distances between positions
 
 
 # --------------------------------------------------------------------------------------
@@ -595,6 +597,8 @@ CPU_RUNS_KERNELS = os.environ.get("CGRT_CPU_KERNELS", "") == "1"
 
 
 def _runs_kernel(t: Tensor) -> bool:
+    if not isinstance(t, Tensor):
+        return False  # the reference's checks name it
     mode = kernel_mode()
     if t.device.type == "cuda":
         return mode == "compiled"
@@ -631,8 +635,13 @@ def _check_caches(rows: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
         raise InputError(expected("k_cache", f"at most {MAX_CELLS} cells", k_cache.shape[0]))
 
 
+def _is_int(v) -> bool:
+    """A plain int (a bool is not one here: ``window=True`` is a mistake, not 1)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _check_attention_args(q, k_cache, v_cache, block_table, seq_ids, positions, block_size, window, slopes,
-                          out, splits, counters=None, dependent=False) -> None:
+                          out, splits, counters=None, dependent=False, scale=1.0, bias_shift=0) -> None:
     """Raise InputError naming the first argument that breaks the contract."""
     _check_tensor("q", q, 3, SUPPORTED_DTYPES)
     N, Hq, D = q.shape
@@ -649,10 +658,17 @@ def _check_attention_args(q, k_cache, v_cache, block_table, seq_ids, positions, 
         _check_tensor(name, t, 1, (torch.int32, torch.int64), q.device)
         if t.shape[0] != N:
             raise InputError(expected(name, f"{N} entries (q's rows)", tuple(t.shape)))
-    if not isinstance(block_size, int) or block_size < 1:
-        raise InputError(expected("block_size", "an int >= 1", block_size))
-    if window is not None and (not isinstance(window, int) or window < 1):
-        raise InputError(expected("window", "None or an int >= 1", window))
+    if not _is_int(block_size) or block_size < 1:
+        raise InputError(expected("block_size", "an int >= 1", repr(block_size)))
+    if k_cache.shape[0] % block_size:  # the kernel reads whole blocks: a partial last one would be skipped
+        raise InputError(expected("k_cache", f"whole blocks of block_size {block_size} cells",
+                                  f"{k_cache.shape[0]} cells"))
+    if window is not None and (not _is_int(window) or not 1 <= window <= INT32_MAX):
+        raise InputError(expected("window", f"None or an int in [1, {INT32_MAX}]", repr(window)))
+    if not _is_int(bias_shift) or not -INT32_MAX <= bias_shift <= INT32_MAX:  # a shift of positions
+        raise InputError(expected("bias_shift", f"an int in [-{INT32_MAX}, {INT32_MAX}]", repr(bias_shift)))
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise InputError(expected("scale", "a finite float", repr(scale)))
     if slopes is not None:
         _check_tensor("slopes", slopes, 1, (torch.float32,), q.device)
         if slopes.shape[0] != Hq:
@@ -661,8 +677,8 @@ def _check_attention_args(q, k_cache, v_cache, block_table, seq_ids, positions, 
                             or out.device != q.device or out.stride(2) != 1):
         raise InputError(expected("out", f"None or a tensor like q ({_desc(q)}, last dimension contiguous)",
                                   _desc(out)))
-    if splits is not None and (not isinstance(splits, int) or splits < 1):
-        raise InputError(expected("splits", "None or an int >= 1", splits))
+    if splits is not None and (not _is_int(splits) or splits < 1):
+        raise InputError(expected("splits", "None or an int >= 1", repr(splits)))
     if not isinstance(dependent, bool):
         raise InputError(expected("dependent", "a bool", repr(dependent)))
     if counters is not None:
@@ -674,11 +690,15 @@ def _check_attention_args(q, k_cache, v_cache, block_table, seq_ids, positions, 
 def _check_plan(plan) -> None:
     """A plan given explicitly (tests, tuning) must describe a kernel that can exist."""
     c = getattr(plan, "config", None)
-    if not isinstance(plan, AttentionPlan) or not isinstance(c, AttentionConfig) or plan.rows_per_tile < 1 \
+    ints = ()
+    if isinstance(plan, AttentionPlan) and isinstance(c, AttentionConfig):
+        ints = (plan.rows_per_tile, plan.programs_per_tile, plan.splits, c.tile_n, c.num_warps, c.num_stages,
+                c.min_chunk, c.chunk_n, c.short_n)
+    if not ints or not all(_is_int(i) for i in ints) or plan.rows_per_tile < 1 \
             or not 1 <= plan.programs_per_tile <= plan.rows_per_tile or plan.splits < 1 or c.tile_n < 16 \
             or c.tile_n & (c.tile_n - 1) or c.num_warps < 1 or c.num_stages < 1 or c.chunk_n < 1 or c.short_n < 1:
-        raise InputError(expected("plan", "None or an AttentionPlan with 1 <= programs <= rows, splits >= 1, a "
-                                  "power-of-two tile_n >= 16, warps, stages, chunk_n and short_n >= 1", plan))
+        raise InputError(expected("plan", "None or an AttentionPlan of ints with 1 <= programs <= rows, splits "
+                                  ">= 1, a power-of-two tile_n >= 16, warps, stages, chunk_n and short_n >= 1", plan))
 
 
 def _check_write_args(k, v, k_cache, v_cache, cells) -> None:
@@ -834,7 +854,7 @@ def cell_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tab
     the block table reads nothing (its row comes out 0), and positions past the table's
     width or blocks outside the caches read nothing."""
     _check_attention_args(q, k_cache, v_cache, block_table, seq_ids, positions, block_size, window, slopes,
-                          out, splits, counters, dependent)
+                          out, splits, counters, dependent, scale, bias_shift)
     if kernel_mode() == "unavailable":
         raise RuntimeError("cell_attention_triton: triton is not installed; use cell_attention_reference")
     N, Hq, D = q.shape
@@ -948,14 +968,14 @@ def bind_cell_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
     if out is None:
         raise InputError(expected("out", "a tensor like q (a bound launch writes in place)", "None"))
     _check_attention_args(q, k_cache, v_cache, block_table, seq_ids, positions, block_size, window, slopes, out,
-                          None, counters, dependent)
-    if not _runs_kernel(q):
-        kw = dict(block_size=block_size, scale=scale, window=window, slopes=slopes, bias_shift=bias_shift, out=out)
-        return lambda: cell_attention_reference(q, k_cache, v_cache, block_table, seq_ids, positions, **kw)
+                          None, counters, dependent, scale, bias_shift)
     N, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     plan = plan_attention(N, Hq, Hkv, D) if plan is None else plan
-    _check_plan(plan)
+    _check_plan(plan)  # where the reference runs too: the argument is checked either way
+    if not _runs_kernel(q):
+        kw = dict(block_size=block_size, scale=scale, window=window, slopes=slopes, bias_shift=bias_shift, out=out)
+        return lambda: cell_attention_reference(q, k_cache, v_cache, block_table, seq_ids, positions, **kw)
     if N == 0:
         return lambda: out
     grid = (-(-N // plan.rows_per_tile) * plan.programs_per_tile, Hkv, plan.splits)
@@ -1025,8 +1045,12 @@ def cell_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_
     """The contract above in plain torch, on any device. No host read of a device value
     and no data-dependent shape (it runs inside captured step functions and under the
     hazard finder): every row gathers the static bound of ``MB * block_size`` positions
-    and masks what it may not see. ``splits``, ``counters`` and ``dependent`` are accepted
-    and ignored."""
+    and masks what it may not see. ``splits``, ``counters`` and ``dependent`` are checked
+    as the kernel's, and ignored. Raises InputError before anything is read or written
+    when an argument breaks the contract (the kernel's checks: metadata only)."""
+    _check_attention_args(q, k_cache, v_cache, block_table, seq_ids, positions, block_size, window, slopes,
+                          out, splits, counters, dependent, scale, bias_shift)
+    scale = float(scale)  # an int scale past torch's scalar range multiplies as its float
     N, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     G = Hq // Hkv
@@ -1072,5 +1096,10 @@ def cell_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Ten
 
 def write_cells(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, cells: Tensor) -> None:
     """``k_cache[cells] = k``, ``v_cache[cells] = v``: one Triton launch on CUDA tensors,
-    the torch reference elsewhere (same switch as :func:`cell_attention`)."""
-    (write_cells_triton if _runs_kernel(k) else write_cells_reference)(k, v, k_cache, v_cache, cells)
+    the torch reference elsewhere (same switch as :func:`cell_attention`). Checks its
+    arguments first either way (InputError, nothing written)."""
+    if _runs_kernel(k):
+        write_cells_triton(k, v, k_cache, v_cache, cells)
+        return
+    _check_write_args(k, v, k_cache, v_cache, cells)
+    write_cells_reference(k, v, k_cache, v_cache, cells)

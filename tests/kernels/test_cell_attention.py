@@ -479,6 +479,7 @@ def test_shared_counters_are_never_allocated_during_capture(monkeypatch):
     refused (a buffer allocated there would belong to the graph's pool)."""
     dev = torch.device("cuda", 7)
     monkeypatch.setattr(ca, "_COUNTER_BUFFERS", {})
+    monkeypatch.setattr(ca, "resolve_device", lambda d: d)  # a GPU this machine may lack: its check is not this test's
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(CaptureError, match="outside graph capture"):
         ca.attention_counters(dev, 10)
@@ -607,6 +608,85 @@ def test_bad_input_names_the_argument(rng, bad, name):
     with pytest.raises(InputError, match=rf"^{name}: expected"):
         ca.cell_attention_triton(**kw)
     assert before is None or torch.equal(out, before)
+
+
+ENTRY_POINTS = {"kernel": lambda **kw: ca.cell_attention_triton(**kw),
+                "reference": lambda **kw: ca.cell_attention_reference(**kw),
+                "dispatch": lambda **kw: ca.cell_attention(**kw),
+                "bind": lambda **kw: ca.bind_cell_attention(**{"out": torch.zeros_like(kw["q"]), **kw})()}
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+@pytest.mark.parametrize("bad, name", [
+    (dict(window=True), "window"), (dict(window=2.0), "window"), (dict(block_size=True), "block_size"),
+    (dict(block_size=4.0), "block_size"), (dict(splits=True), "splits"), (dict(bias_shift=1.5), "bias_shift"),
+    (dict(bias_shift=True), "bias_shift"), (dict(bias_shift=None), "bias_shift"), (dict(scale="1"), "scale"),
+    (dict(scale=float("nan")), "scale"), (dict(scale=True), "scale"), (dict(window=0), "window"),
+], ids=lambda v: repr(v) if isinstance(v, dict) else v)
+def test_bools_and_floats_are_not_ints_at_any_entry_point(rng, entry, bad, name):
+    """cell_attention_triton(window=True) / block_size=True were taken as 1, bias_shift=1.5
+    as 1; the reference (and cell_attention on a CPU, which runs it) checked nothing."""
+    if entry in ("kernel", "bind") and MODE == "unavailable":
+        pytest.skip("triton is not installed")
+    pb = Problem(rng, [(0, 3), (1, 5)], device=torch.device("cpu"))
+    kw = {**dict(q=pb.q, k_cache=pb.k, v_cache=pb.v, block_table=pb.block_table, seq_ids=pb.seq_ids,
+                 positions=pb.positions, block_size=pb.bs, scale=1.0), **bad}
+    if entry == "bind" and "splits" in bad:
+        kw["plan"] = small(splits=kw.pop("splits"))
+        name = "plan"
+    with pytest.raises(InputError, match=rf"^{name}: expected"):
+        ENTRY_POINTS[entry](**kw)
+
+
+@pytest.mark.parametrize("name", ["q", "k_cache", "seq_ids"])
+def test_the_dispatch_names_an_argument_that_is_not_a_tensor(rng, name):
+    """cell_attention(q=[...]) raised AttributeError ('list' object has no attribute
+    'device') while choosing the kernel or the reference, before any check."""
+    pb = Problem(rng, [(0, 3), (1, 5)], device=torch.device("cpu"))
+    kw = dict(q=pb.q, k_cache=pb.k, v_cache=pb.v, block_table=pb.block_table, seq_ids=pb.seq_ids,
+              positions=pb.positions, block_size=pb.bs, scale=1.0)
+    kw[name] = kw[name].tolist()
+    with pytest.raises(InputError, match=rf"^{name}: expected"):
+        ca.cell_attention(**kw)
+    with pytest.raises(InputError, match=r"^k: expected"):
+        ca.write_cells(pb.q.tolist(), pb.q, pb.k, pb.v, pb.seq_ids)
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_a_cache_that_ends_in_a_partial_block_is_refused(rng, entry):
+    """A cache of 2 blocks and 3 cells of block size 4: the kernel read blocks up to
+    cells // block_size only, so a row whose table held the partial block skipped its
+    existing cells, where the reference raised IndexError. The pool never makes such a
+    cache (it allocates whole blocks and a scratch block): both refuse it, naming the
+    cache and the block size, before anything runs."""
+    if entry in ("kernel", "bind") and MODE == "unavailable":
+        pytest.skip("triton is not installed")
+    pb = Problem(rng, [(0, 6), (0, 9)], S=1, MB=3, spare_blocks=0, device=torch.device("cpu"))
+    assert pb.k.shape[0] == 12
+    k, v = pb.k[:11], pb.v[:11]
+    out = torch.full_like(pb.q, float("nan"))
+    kw = dict(q=pb.q, k_cache=k, v_cache=v, block_table=pb.block_table, seq_ids=pb.seq_ids, positions=pb.positions,
+              block_size=pb.bs, scale=1.0, out=out)
+    with pytest.raises(InputError, match=r"^k_cache: expected whole blocks of block_size 4 cells, got 11 cells"):
+        ENTRY_POINTS[entry](**kw)
+    assert out.isnan().all()
+
+
+@pytest.mark.parametrize("entry", ["triton", "dispatch", "bind"])
+def test_write_cells_entry_points_check_their_arguments(rng, entry):
+    """write_cells on a CPU (the reference) wrote what it was given: a cells tensor of floats
+    or of the wrong length raised torch's errors, or wrote."""
+    if entry in ("triton", "bind") and MODE == "unavailable":
+        pytest.skip("triton is not installed")
+    run = {"triton": ca.write_cells_triton, "dispatch": ca.write_cells,
+           "bind": lambda *a: ca.bind_write_cells(*a)()}[entry]
+    k, kc = torch.randn(3, 2, 16), torch.zeros(8, 2, 16)
+    vc = kc.clone()
+    for cells, name in ((torch.zeros(2, dtype=torch.int64), "cells"), (torch.zeros(3), "cells"),
+                        ([0, 1, 2], "cells")):
+        with pytest.raises(InputError, match=rf"^{name}: expected"):
+            run(k, k, kc, vc, cells)
+    assert not kc.any() and not vc.any()
 
 
 def test_bad_plans_are_refused(rng):
