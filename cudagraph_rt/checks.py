@@ -30,13 +30,15 @@ def _int_range(lo: int | None, hi: int | None) -> str:
     return "an int" + (f" >= {lo}" if lo is not None else f" <= {hi}" if hi is not None else "")
 
 
-def as_int(name: str, v: Any, lo: int | None = None, hi: int | None = None) -> int:
-    """``v`` as a plain int in ``[lo, hi]`` (either bound optional), else InputError."""
+def as_int(name: str, v: Any, lo: int | None = None, hi: int | None = None, what: str | None = None) -> int:
+    """``v`` as a plain int in ``[lo, hi]`` (either bound optional), else InputError
+    (``what``: the message's own words for what was expected)."""
+    what = what or _int_range(lo, hi)
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
-        raise InputError(expected(name, _int_range(lo, hi), repr(v)))
+        raise InputError(expected(name, what, repr(v)))
     i = int(v)
     if (lo is not None and i < lo) or (hi is not None and i > hi):
-        raise InputError(expected(name, _int_range(lo, hi), i))
+        raise InputError(expected(name, what, i))
     return i
 
 

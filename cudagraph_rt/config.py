@@ -7,7 +7,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from .checks import resolve_device
+from .checks import as_bool, resolve_device
 from .errors import InputError, expected
 from .graph_mode import GraphMode, graph_mode_for
 from .host_rows import HostRows
@@ -93,6 +93,7 @@ class RuntimeConfig:
         _int("warmup", warmup, 0, "an int >= 0")
         if host_rows is not None and not isinstance(host_rows, HostRows):
             raise InputError(expected("host_rows", "a HostRows or None", type(host_rows).__name__))
+        slicing = as_bool("slicing", slicing)
         mode = graph_mode_for(graphs)
         dev = _device(device, mode)
         return cls(step_fn, specs, ws, limit, slicing, mode.value, dev, dynamic_fn, host_rows, on_capture_error,

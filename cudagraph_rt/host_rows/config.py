@@ -57,6 +57,13 @@ class HostRows:
             isinstance(self.capacity, bool) or not isinstance(self.capacity, int) or self.capacity < 1
         ):
             raise InputError(expected("HostRows.capacity", "a positive int or None", repr(self.capacity)))
+        for name in ("source", "rows_output", "count_output"):  # an output: a dict key or a tuple index
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (str, int)):
+                raise InputError(expected(f"HostRows.{name}", "an output's name (str) or index (int)", repr(v)))
+        if not isinstance(self.allow_duplicates, (bool, np.bool_)):
+            raise InputError(expected("HostRows.allow_duplicates", "True or False", repr(self.allow_duplicates)))
+        object.__setattr__(self, "allow_duplicates", bool(self.allow_duplicates))
 
 
 def check_host_rows(rows: Any, T: int, capacity: int, allow_duplicates: bool) -> torch.Tensor:

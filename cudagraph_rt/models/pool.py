@@ -59,31 +59,24 @@ the blocks asked and free), a table update while the current stream captures a g
 from __future__ import annotations
 
 import functools
-import operator
 
 import torch
 from torch import Tensor
 
-from ..checks import resolve_device
+from ..checks import as_int, resolve_device
 from ..errors import CapacityError, CaptureError, InputError, expected
-from ..kernels.cell_attention import (bind_cell_attention, bind_write_cells, cell_attention, cell_attention_reference,
-                                      new_attention_counters, write_cells, write_cells_reference)
+from ..kernels.cell_attention import (MAX_CELLS, bind_cell_attention, bind_write_cells, cell_attention,
+                                      cell_attention_reference, new_attention_counters, write_cells,
+                                      write_cells_reference)
 from ..kernels.rotary_cells import rotary_write_cells, rotary_write_cells_reference
 
 DEFAULT_BLOCK_SIZE = 16
 
 
 def _count(name: str, v, lo: int = 1) -> int:
-    """``v`` as an int >= ``lo`` (bools refused), else InputError naming ``name``."""
-    if isinstance(v, bool):
-        raise InputError(expected(name, f"an int >= {lo}", repr(v)))
-    try:
-        i = operator.index(v)
-    except TypeError:
-        raise InputError(expected(name, f"an int >= {lo}", repr(v))) from None
-    if i < lo:
-        raise InputError(expected(name, f"an int >= {lo}", i))
-    return i
+    """``v`` as an int >= ``lo`` (numpy integers taken; bools, floats and tensors refused),
+    else InputError naming ``name``."""
+    return as_int(name, v, lo)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -120,6 +113,9 @@ class KVPool:
                 ("max_seqs", max_seqs), ("max_seq_len", max_seq_len), ("block_size", block_size)))
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise InputError(expected("KVPool.dtype", "a floating torch.dtype", repr(dtype)))
+        if (cdiv(cells, block_size) + 1) * block_size > MAX_CELLS:  # checked before a byte is allocated
+            raise InputError(expected("KVPool.cells", f"at most {MAX_CELLS} cells with the scratch block (the "
+                                      "attention addresses a cache's cells as int32)", cells))
         self.device = resolve_device(device, "KVPool.device")
         self.block_size, self.max_seqs, self.max_seq_len = block_size, max_seqs, max_seq_len
         self.num_blocks = cdiv(cells, block_size)
@@ -354,23 +350,11 @@ class KVPool:
     def _layer(self, layer) -> int:
         """``layer`` as an index in ``[0, layers)``, else InputError (a negative one would
         silently pick a layer from the end)."""
-        try:
-            i = None if isinstance(layer, bool) else operator.index(layer)
-        except TypeError:
-            i = None
-        if i is None or not 0 <= i < self.k.shape[0]:
-            raise InputError(expected("layer", f"an int in [0, {self.k.shape[0]})", repr(layer)))
-        return i
+        return as_int("layer", layer, 0, self.k.shape[0] - 1, f"an int in [0, {self.k.shape[0]})")
 
     def _seq(self, seq, name: str) -> int:
         """``seq`` as a sequence id in ``[0, max_seqs)``, else InputError naming ``name``."""
-        try:
-            s = None if isinstance(seq, bool) else operator.index(seq)
-        except TypeError:
-            s = None
-        if s is None or not 0 <= s < self.max_seqs:
-            raise InputError(expected(name, f"a sequence id in [0, {self.max_seqs})", repr(seq)))
-        return s
+        return as_int(name, seq, 0, self.max_seqs - 1, f"a sequence id in [0, {self.max_seqs})")
 
     def _host_side(self) -> None:
         """CaptureError while the current stream captures: a table update in a graph would

@@ -85,7 +85,8 @@ class ToyConfig:
         for name in ("vocab", "hidden", "layers", "heads", "max_seqs", "max_len", "seed", "block_size", "cells"):
             if name == "cells" and self.cells is None:
                 object.__setattr__(self, "cells", default_cells(self.max_seqs, self.max_len, self.block_size))
-            v = as_int(f"ToyConfig.{name}", getattr(self, name), 0 if name == "seed" else 1)
+            lo, hi = (0, 2**64 - 1) if name == "seed" else (1, None)  # a seed is a torch.Generator's
+            v = as_int(f"ToyConfig.{name}", getattr(self, name), lo, hi)
             object.__setattr__(self, name, v)  # numpy integers kept as the plain int
         taps = self.taps if isinstance(self.taps, (tuple, list)) else None
         if not taps:
@@ -188,6 +189,8 @@ class ToyDecoder(CellPoolModel):
     def __init__(self, config: ToyConfig | None = None, device: str | torch.device | None = None, *,
                  attention: str = "cells"):
         self.attention = check_attention(attention, ("cells", "eager-piece"))
+        if config is not None and not isinstance(config, ToyConfig):
+            raise InputError(expected("config", "a ToyConfig or None", type(config).__name__))
         self.config = cfg = config or ToyConfig.tiny()
         self.device = resolve_device(device)
         w, q, self._pi_a, self._pi_b = _design_weights(cfg)

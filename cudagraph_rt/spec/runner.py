@@ -148,7 +148,7 @@ def _check_runner(model, drafter, k, slots, lanes, chunk, record_rows) -> tuple[
     max_seqs = model.config.max_seqs
     k = as_int("k", k, 0)
     slots = max_seqs if slots is None else as_int("slots", slots, 1, max_seqs)
-    lanes = as_int("lanes", lanes, 1, slots)
+    lanes = as_int("lanes", lanes, 1, slots, f"an int in [1, slots = {slots}]")
     chunk = as_int("chunk", chunk, 1)
     record_rows = as_bool("record_rows", record_rows)
     depth = getattr(drafter, "depth", None)  # a drafter that holds results per observe
@@ -200,7 +200,10 @@ class SpecRunner:
         if max(caps) * (k + 1) > self.rt.dynamic_limit:  # verify rows go first: they must fit slice 0
             raise InputError(expected("k", f"(k + 1) * {max(caps)} sequences per lane <= {self.rt.dynamic_limit}", k))
         pin = model.device.type == "cuda"
-        self.lanes = [_Lane(c, torch.empty(c * (k + 1) + chunk, dtype=torch.int64, pin_memory=pin)) for c in caps]
+        # A lane step's rows: its verify rows and at most chunk prompt rows, which its
+        # sequences' prompts bound too (a chunk past them is no chunking, not a bigger buffer).
+        rows = [c * (k + 1) + min(chunk, c * model.config.max_len) for c in caps]
+        self.lanes = [_Lane(c, torch.empty(n, dtype=torch.int64, pin_memory=pin)) for c, n in zip(caps, rows)]
         self.waiting: deque[tuple[int, Request]] = deque()
         self.finished: list[Sequence] = []
         self._free_slots = list(range(slots))

@@ -387,10 +387,21 @@ def test_device_mode_outputs_say_what_was_shipped_one_slice_or_sliced(graphs):
     (dict(capacity=0), r"HostRows.capacity: expected a positive int or None, got 0"),
     (dict(capacity=8.0), r"HostRows.capacity: expected a positive int or None, got 8.0"),
     (dict(capacity=False), r"HostRows.capacity: expected a positive int or None, got False"),
+    # issue 35: taken as they came (allow_duplicates="no" allowed duplicates; source=True read output 1)
+    (dict(allow_duplicates="no"), r"HostRows.allow_duplicates: expected True or False, got 'no'"),
+    (dict(allow_duplicates=1), r"HostRows.allow_duplicates: expected True or False, got 1"),
+    (dict(source=True), r"HostRows.source: expected an output's name \(str\) or index \(int\), got True"),
+    (dict(rows_output=None), r"HostRows.rows_output: expected an output's name"),
+    (dict(count_output=1.0), r"HostRows.count_output: expected an output's name"),
 ])
 def test_bad_host_rows_config(kw, msg):
     with pytest.raises(InputError, match=msg):
         HostRows(**kw)
+
+
+def test_numpy_bool_allow_duplicates_is_the_plain_bool():
+    assert HostRows(allow_duplicates=np.True_) == HostRows(allow_duplicates=True)
+    assert type(HostRows(allow_duplicates=np.False_).allow_duplicates) is bool
 
 
 class RaisesBelow64(SlotModel):

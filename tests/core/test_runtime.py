@@ -417,6 +417,8 @@ ONE_INPUT = {"a": InputSpec((), torch.int64, 0)}
     (dict(dynamic_limit=True, widths=(1,)), r"dynamic_limit: expected an int >= the widest graph \(1\), got True"),
     (dict(warmup=1.5), r"warmup: expected an int >= 0, got 1.5"),
     (dict(warmup=True), r"warmup: expected an int >= 0, got True"),
+    (dict(slicing="no"), r"slicing: expected True or False, got 'no'"),  # issue 35: taken as slicing on
+    (dict(slicing=0), r"slicing: expected True or False, got 0"),
     (dict(on_capture_error=None), r"on_capture_error: expected 'raise', 'eager' or 'pieces', got None"),
     (dict(device=object()), r"device: expected a torch device"),
     (dict(device="meta"), r"device: expected 'cuda' or 'cpu', got meta"),

@@ -112,6 +112,10 @@ def test_capacity_error_is_all_or_nothing():
     (lambda p: p.fork(0, 1, 21), "upto"),
     (lambda p: p.fork(1, 2, 3), "src: expected a sequence holding positions \\[0, 3\\), got seq 1 without block"),
     (lambda p: p.refcount(6), "block"),
+    # issue 35: a 0-d tensor or array passed operator.index (a device sync on CUDA), a bool as a count
+    (lambda p: p.cell_for(torch.tensor(1), 0), "seq: expected a sequence id in \\[0, 3\\), got tensor\\(1\\)"),
+    (lambda p: p.cell_range(0, __import__("numpy").array(0), 2), "pos0: expected an int >= 0, got array\\(0\\)"),
+    (lambda p: p.cell_range(0, 0, True), "n: expected an int >= 0, got True"),
 ])
 def test_bad_arguments_change_nothing(call, match):
     pool = small_pool()
@@ -587,6 +591,16 @@ def test_numpy_integer_sizes_build_the_plain_pool():
         assert type(getattr(pool, name)) is int and getattr(pool, name) == getattr(plain, name), name
     assert pool.cell_range(1, 0, 6) == plain.cell_range(1, 0, 6)
     assert all(type(c) is int for c in pool.cell_range(2, 0, 5))
+
+
+@pytest.mark.parametrize("cells, block_size", [(2**31, 16), (2**31 - 16, 16), (2**40, 1), (10**18, 4)])
+def test_a_pool_past_what_the_attention_addresses_is_refused_before_allocating(cells, block_size):
+    """KVPool(cells=2**31) tried to allocate its caches (16 GiB and up; torch's 'can't allocate
+    memory', or the OOM killer) for a cache the attention refuses anyway (fewer than 2**31
+    cells, the scratch block included): InputError naming cells, before any allocation."""
+    with pytest.raises(InputError, match=r"^KVPool\.cells: expected at most 2147483647 cells"):
+        KVPool(layers=1, kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu", cells=cells, max_seqs=1,
+               max_seq_len=8, block_size=block_size)
 
 
 @pytest.mark.parametrize("entries", [True, 0, 2.0, "8"])

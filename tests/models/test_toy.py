@@ -432,6 +432,14 @@ def test_bools_and_floats_are_not_config_ints(bad):
         ToyConfig.tiny(**bad)
 
 
+def test_a_seed_past_what_a_generator_takes_is_refused_by_the_config():
+    """ToyConfig(seed=2**64) was taken, and ToyDecoder then failed raw in torch.Generator
+    ('Overflow when unpacking long long')."""
+    assert ToyConfig.tiny(seed=2**64 - 1).seed == 2**64 - 1
+    with pytest.raises(InputError, match=r"^ToyConfig\.seed: expected an int in \[0, 18446744073709551615\]"):
+        ToyConfig.tiny(seed=2**64)
+
+
 def test_numpy_integer_config_is_the_plain_config():
     cfg = ToyConfig.tiny(vocab=np.int64(128), layers=np.int32(2), taps=(np.int64(1), 0), seed=np.uint8(3),
                          block_size=np.int64(8))
@@ -481,3 +489,10 @@ def test_a_step_of_lists_or_a_non_dict_is_an_input_error():
     with pytest.raises(InputError, match=r"^inputs: expected a dict"):
         m.step(list(good.values()))
     assert (m.pool.k == 7.0).all() and (m.pool.v == 7.0).all()
+
+
+@pytest.mark.parametrize("config", [5, "tiny", {"vocab": 128}, ToyConfig], ids=repr)
+def test_a_config_that_is_not_a_toy_config_is_refused(config):
+    """ToyDecoder(5) raised AttributeError ('int' object has no attribute 'seed')."""
+    with pytest.raises(InputError, match=r"^config: expected a ToyConfig or None"):
+        ToyDecoder(config, "cpu")

@@ -465,3 +465,15 @@ def test_numpy_drafter_arguments_draft_as_the_plain_ones():
         MODEL.reset_cache()
         runs.append(_served(SpecRunner(MODEL, ToyDrafter(MODEL, p, seed), k=3), reqs))
     assert runs[0] == runs[1] == runs[2] == runs[3]
+
+
+def test_a_chunk_past_every_prompt_is_no_chunking():
+    """chunk=10**9 ('never split a prompt') allocated a pinned token buffer of 10**9 rows per
+    lane (8 GB; 'can't allocate memory' or the OOM killer). A lane step's prompt rows are
+    bounded by its sequences' prompts: the run is the one of a chunk as long as max_len."""
+    reqs = [Request(tuple(range(1, 40)), 5), Request((4, 5, 6), 6)]
+    runs = []
+    for chunk in (MODEL.config.max_len, 10**9, 2**62):
+        MODEL.reset_cache()
+        runs.append(_served(SpecRunner(MODEL, ToyDrafter(MODEL, 0.5, 2), k=2, chunk=chunk), reqs))
+    assert runs[0] == runs[1] == runs[2]
