@@ -53,13 +53,14 @@ RUNNER = ("tests/runner/test_runner_contract.py", "tests/runner/test_fuzz_runner
 BOUND = ("tests/core/test_bound_calls.py",)
 MARKED = ("tests/core/test_pieces.py", "tests/properties/test_fuzz_marked_calls.py")
 OUTPUTS = ("tests/core/test_host_rows.py",)
+ARGS = ("tests/properties/test_bad_arguments.py",)  # the bad-argument fuzz (issue 35)
 
 M = Mutation
 CATALOGUE: tuple[Mutation, ...] = (
     # ---------------------------------------------------------------- the planner
     M(1, "planner", "cudagraph_rt/widths.py",
-      "w = widths[bisect.bisect_left(widths, left)]",
-      "w = widths[bisect.bisect_right(widths, left)]",
+      'return Slice("graph", widths[bisect.bisect_left(widths, left)], start, left)',
+      'return Slice("graph", widths[bisect.bisect_right(widths, left)], start, left)',
       "bisect_right for bisect_left: a T equal to a width pads to the next one (or past the widest)", PLANNER),
     M(2, "planner", "cudagraph_rt/widths.py",
       "while w < max_width:",
@@ -437,4 +438,53 @@ CATALOGUE: tuple[Mutation, ...] = (
       "if isinstance(outputs, dict):",
       "the plain dict's fast path taken by every mapping: an OrderedDict or a defaultdict of outputs "
       "comes back a plain dict", OUTPUTS),
+    # ---------------------------------------------------------------- bad arguments (issue 35)
+    M(80, "argument checks", "cudagraph_rt/checks.py",
+      "if not torch.cuda.is_available():",
+      "if torch.cuda.device_count() < 0:",
+      "the shared device check trusts torch.device: 'cuda:0' on a machine without CUDA reaches torch's "
+      "AssertionError (KVPool, ToyDecoder, hf.build, GraphRuntime) instead of an InputError naming device",
+      POOL + ("tests/core/test_runtime.py",)),
+    M(81, "argument checks", "cudagraph_rt/checks.py",
+      "if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):",
+      "if not isinstance(v, (int, np.integer)):",
+      "a bool is an int to isinstance: SpecRunner(k=True) runs with k=1, ToyConfig(taps=(True,)) taps layer 1",
+      RUNNER + ("tests/models/test_toy.py",) + ARGS),
+    M(82, "argument checks", "cudagraph_rt/checks.py",
+      "bad = [t for t in tokens if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer))]",
+      "bad = [t for t in tokens if isinstance(t, (str, type(None)))]",
+      "token lists read with int(): reference([1.5, 2]) feeds token 1, a float prompt is served truncated",
+      ("tests/models/test_toy.py",) + RUNNER),
+    M(83, "handed views", "cudagraph_rt/runtime.py",
+      "if isinstance(T, int) and T > self.config.rows:",
+      "if isinstance(T, int) and T < 0:",
+      "host_inputs(T)'s size check left to the plan: T = 10**9 plans 10**7 slices before the CapacityError "
+      "(and here a T past the rows gets its first slice's views)", ("tests/core/test_widths.py",)),
+    M(84, "planner", "cudagraph_rt/runtime.py",
+      "slices = (self._planner.first(T),) if sliced else self._planner(T)",
+      "slices = self._planner(T)",
+      "a step plans every slice before the host-row mode refuses its size", ("tests/core/test_host_rows.py",)),
+    M(85, "handed views", "cudagraph_rt/runtime.py",
+      "e = self._by_width.get(width) if is_int else None",
+      "e = self._by_width.get(width)",
+      "static_outputs looks the width up as given: [4] raises TypeError, True and 4.0 find widths 1 and 4",
+      ("tests/core/test_widths.py",) + ARGS, graph_path=True),
+    M(86, "attention kernel", "kernels/cell_attention.py",
+      "if k_cache.shape[0] % block_size:  # the kernel reads whole blocks: a partial last one would be skipped",
+      "if k_cache.shape[0] < block_size:",
+      "a cache ending in a partial block passes: the kernel skips its cells, the reference indexes past it",
+      ATTN),
+    M(87, "attention kernel", "kernels/cell_attention.py",
+      "return isinstance(v, int) and not isinstance(v, bool)",
+      "return isinstance(v, int)",
+      "window=True / block_size=True taken as 1 by the kernel, its reference and its bind", ATTN + ARGS),
+    M(88, "KV pool", "cudagraph_rt/models/pool.py",
+      'self.device = resolve_device(device, "KVPool.device")',
+      "self.device = torch.device(device)",
+      "the pool takes its device as torch reads it: 'gpu' and None raise torch's errors, 'cuda:0' on a CPU "
+      "machine an AssertionError, 'meta' builds a pool nothing can step", POOL + ARGS),
+    M(89, "spec runner", "cudagraph_rt/spec/runner.py",
+      'k = as_int("k", k, 0)',
+      "k = int(k)",
+      "k read with int(): k=True drafts 1, k=2.5 drafts 2, k='2' drafts 2", RUNNER + ARGS),
 )
