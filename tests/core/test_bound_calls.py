@@ -21,10 +21,10 @@ import pytest  # noqa: E402
 import cudagraph_rt  # noqa: E402
 from cudagraph_rt import CaptureError, GraphRuntime, InputError, InputSpec  # noqa: E402
 from cudagraph_rt.kernels import cell_attention as ca  # noqa: E402
+from tests.support.extras import kernel_skip, needs_kernel  # noqa: E402
 from tests.support.seeds import seeded_rng  # noqa: E402
 
 MODE = ca.kernel_mode()
-needs_kernel = pytest.mark.skipif(MODE == "unavailable", reason="triton is not installed")
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 NAN = float("nan")
 
@@ -131,7 +131,7 @@ def _problem(g, device, rows, *, Hq=4, Hkv=2, D=16, bs=4, S=3, MB=6, dtype=torch
 
 
 INTERPRETER_PLAN = ca.AttentionPlan(4, 1, 2, ca.AttentionConfig(tile_n=16, min_chunk=16))  # the merge runs
-interpreter_only = pytest.mark.skipif(MODE != "interpreter", reason="the Triton interpreter (a CPU machine)")
+interpreter_only = kernel_skip(MODE != "interpreter", "the Triton interpreter (a CPU machine)")
 
 
 def _check_bound_attention(dev, plan, window):

@@ -18,6 +18,7 @@ import cudagraph_rt  # noqa: E402
 from cudagraph_rt import CaptureError, CgrtError, GraphRuntime, InputError, InputSpec  # noqa: E402
 from cudagraph_rt.kernels import cell_attention as ca  # noqa: E402
 from cudagraph_rt.pieces import is_marked  # noqa: E402
+from tests.support.extras import kernel_skip  # noqa: E402
 
 NAN = float("nan")
 
@@ -195,7 +196,7 @@ def _problem(device="cpu", rows=((0, 9), (1, 5), (-1, 0)), Hq=4, Hkv=2, D=16, bs
 
 
 PLAN = ca.AttentionPlan(4, 1, 2, ca.AttentionConfig(tile_n=16, min_chunk=16))  # two splits: the scratch is used
-interpreter_only = pytest.mark.skipif(ca.kernel_mode() != "interpreter", reason="the Triton interpreter")
+interpreter_only = kernel_skip(ca.kernel_mode() != "interpreter", "the Triton interpreter")
 
 
 @interpreter_only

@@ -20,6 +20,7 @@ from cudagraph_rt.debug.hazards import find_capture_hazards
 from cudagraph_rt.debug.inspect import inspect_runtime
 from cudagraph_rt.pieces import EagerCall, EmulatedPieces, PieceLaunch, PiecewiseGraph, is_marked
 from cudagraph_rt.testing.checks import check_pad_rows
+from tests.support.extras import require
 from tests.support.models_for_tests import InPlaceArgsModel, MarkedSlotModel, SlotModel
 from tests.support.reliability_harness import ScaleChooser, chosen_by_scale
 from tests.support.seeds import seeded_rng
@@ -208,7 +209,7 @@ def test_sweep_passes_the_toy_in_pieces_emulated_and_off():
 
 
 def test_a_transformers_model_in_pieces_equals_its_whole_graph():
-    pytest.importorskip("transformers")
+    require("transformers")
     from cudagraph_rt.models import hf
     seed = seeded_rng("CGRT_PIECES_SEED").randrange(2**31)
     base = hf.build("qwen2", "tiny")  # a sliding layer and a full one
@@ -227,7 +228,7 @@ def test_a_transformers_model_in_pieces_equals_its_whole_graph():
 
 @pytest.mark.parametrize("attention", ["eager-piece", "varlen"])
 def test_sweep_passes_a_transformers_model_in_pieces(attention):
-    pytest.importorskip("transformers")
+    require("transformers")
     from cudagraph_rt.testing import HFAdapter, run_sweep
     adapter = HFAdapter("llama", "tiny", device="cpu", widths=(1, 2, 4, 8), attention=attention, pieces=True)
     for graphs in ("emulate", "off"):
@@ -803,7 +804,7 @@ def test_cuda_host_rows_through_pieces(mode):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_varlen_attention_in_pieces_equals_graphs_off(dtype):
-    pytest.importorskip("transformers")
+    require("transformers")
     from cudagraph_rt.models import hf
     base = hf.build("llama", "tiny", device="cuda", dtype=dtype)
     seed = seeded_rng("CGRT_PIECES_SEED").randrange(2**31)
@@ -820,7 +821,7 @@ def test_cuda_varlen_attention_in_pieces_equals_graphs_off(dtype):
 @pytest.mark.cuda
 @pytest.mark.parametrize("attention", ["eager-piece", "varlen"])
 def test_cuda_sweep_in_pieces(attention):
-    pytest.importorskip("transformers")
+    require("transformers")
     from cudagraph_rt.testing import HFAdapter, ToyAdapter, run_sweep
     rep = run_sweep(HFAdapter("llama", "tiny", device="cuda", attention=attention, pieces=True), graphs="both",
                     repeats=1)

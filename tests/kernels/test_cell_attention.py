@@ -22,12 +22,12 @@ from hypothesis import strategies as st  # noqa: E402
 from cudagraph_rt.errors import CaptureError, InputError  # noqa: E402
 from cudagraph_rt.kernels import cell_attention as ca  # noqa: E402
 from tests.support import run_compile_script  # noqa: E402
+from tests.support.extras import needs_kernel, require  # noqa: E402
 from tests.support.seeds import seeded_rng  # noqa: E402
 from tests.support.step_rows import draw_step_rows  # noqa: E402
 
 MODE = ca.kernel_mode()
 DEV = torch.device("cuda") if MODE == "compiled" else torch.device("cpu")
-needs_kernel = pytest.mark.skipif(MODE == "unavailable", reason="triton is not installed")
 cuda_only = pytest.mark.skipif(MODE != "compiled", reason="needs a CUDA GPU (compiled Triton)")
 
 
@@ -594,7 +594,8 @@ def test_plans_depend_on_shapes_only():
     (dict(block_size=0), "block_size"),
     (dict(v_cache=torch.zeros(10, 2, 8)), "v_cache"),
     (dict(counters=torch.zeros(16)), "counters"),
-    (dict(counters=torch.zeros(1, dtype=torch.int32)), "counters"),  # the default plan splits: 2 triples
+    pytest.param(dict(counters=torch.zeros(1, dtype=torch.int32)), "counters",  # the default plan splits: 2 triples
+                 marks=needs_kernel),  # too few: known from the kernel's launch plan
     (dict(dependent="yes"), "dependent"),
     (dict(dependent=1), "dependent"),
 ])
@@ -626,8 +627,8 @@ ENTRY_POINTS = {"kernel": lambda **kw: ca.cell_attention_triton(**kw),
 def test_bools_and_floats_are_not_ints_at_any_entry_point(rng, entry, bad, name):
     """cell_attention_triton(window=True) / block_size=True were taken as 1, bias_shift=1.5
     as 1; the reference (and cell_attention on a CPU, which runs it) checked nothing."""
-    if entry in ("kernel", "bind") and MODE == "unavailable":
-        pytest.skip("triton is not installed")
+    if entry in ("kernel", "bind"):  # the Triton kernel's entry points
+        require("triton")
     pb = Problem(rng, [(0, 3), (1, 5)], device=torch.device("cpu"))
     kw = {**dict(q=pb.q, k_cache=pb.k, v_cache=pb.v, block_table=pb.block_table, seq_ids=pb.seq_ids,
                  positions=pb.positions, block_size=pb.bs, scale=1.0), **bad}
@@ -659,8 +660,8 @@ def test_a_cache_that_ends_in_a_partial_block_is_refused(rng, entry):
     existing cells, where the reference raised IndexError. The pool never makes such a
     cache (it allocates whole blocks and a scratch block): both refuse it, naming the
     cache and the block size, before anything runs."""
-    if entry in ("kernel", "bind") and MODE == "unavailable":
-        pytest.skip("triton is not installed")
+    if entry in ("kernel", "bind"):  # the Triton kernel's entry points
+        require("triton")
     pb = Problem(rng, [(0, 6), (0, 9)], S=1, MB=3, spare_blocks=0, device=torch.device("cpu"))
     assert pb.k.shape[0] == 12
     k, v = pb.k[:11], pb.v[:11]
@@ -676,8 +677,8 @@ def test_a_cache_that_ends_in_a_partial_block_is_refused(rng, entry):
 def test_write_cells_entry_points_check_their_arguments(rng, entry):
     """write_cells on a CPU (the reference) wrote what it was given: a cells tensor of floats
     or of the wrong length raised torch's errors, or wrote."""
-    if entry in ("triton", "bind") and MODE == "unavailable":
-        pytest.skip("triton is not installed")
+    if entry in ("triton", "bind"):  # the Triton kernel's entry points
+        require("triton")
     run = {"triton": ca.write_cells_triton, "dispatch": ca.write_cells,
            "bind": lambda *a: ca.bind_write_cells(*a)()}[entry]
     k, kc = torch.randn(3, 2, 16), torch.zeros(8, 2, 16)
@@ -689,6 +690,7 @@ def test_write_cells_entry_points_check_their_arguments(rng, entry):
     assert not kc.any() and not vc.any()
 
 
+@needs_kernel
 def test_bad_plans_are_refused(rng):
     pb = Problem(rng, [(0, 3)], device=torch.device("cpu"))
     for plan in (small(tile_n=24), small(rows=2, programs=3), small(splits=0), small(chunk_n=0), small(short_n=0),
@@ -711,6 +713,7 @@ def test_kernels_compile_for_sm90_and_pipeline_their_loads():
     accepts what the compiler may reject) and load their K/V tiles asynchronously."""
     if torch.cuda.is_available():
         pytest.skip("the cuda tests compile the kernels for real here")
+    require("triton")
     pytest.importorskip("triton.backends.nvidia.compiler")
     done = run_compile_script("compile_cell_attention.py")
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]

@@ -20,9 +20,10 @@ from hypothesis import strategies as st
 
 from cudagraph_rt.kernels import cell_attention as ca
 from cudagraph_rt.kernels import rotary_cells as rc
+from tests.support.extras import kernel_skip
 from tests.support.step_rows import draw_step_rows
 
-pytestmark = pytest.mark.skipif(ca.kernel_mode() != "interpreter", reason="the interpreter's trace (CPU)")
+pytestmark = kernel_skip(ca.kernel_mode() != "interpreter", "the interpreter's trace (CPU)")
 
 
 @contextlib.contextmanager

@@ -11,11 +11,11 @@ from hypothesis import strategies as st  # noqa: E402
 from cudagraph_rt.errors import InputError  # noqa: E402
 from cudagraph_rt.kernels import cell_attention as ca  # noqa: E402
 from cudagraph_rt.kernels import rotary_cells as rc  # noqa: E402
+from tests.support.extras import needs, needs_kernel  # noqa: E402
 from tests.support.seeds import seeded_rng  # noqa: E402
 
 MODE = ca.kernel_mode()
 DEV = torch.device("cuda") if MODE == "compiled" else torch.device("cpu")
-needs_kernel = pytest.mark.skipif(MODE == "unavailable", reason="triton is not installed")
 cuda_only = pytest.mark.skipif(MODE != "compiled", reason="needs a CUDA GPU (compiled Triton)")
 
 
@@ -60,9 +60,9 @@ def hf_rotate(x, cos, sin):
     return out[0].permute(1, 0, 2)
 
 
+@needs("transformers")
 def test_reference_is_transformers_rotation():
     """In fp32 (one rounding either way) the reference is transformers' function."""
-    pytest.importorskip("transformers")
     r = Rows(seeded_rng("CGRT_TEST_SEED"), 5, device=torch.device("cpu"))
     torch.testing.assert_close(rc.rotate_reference(r.q, r.cos, r.sin, torch.float32), hf_rotate(r.q, r.cos, r.sin))
 

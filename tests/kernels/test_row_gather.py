@@ -32,6 +32,7 @@ import pytest  # noqa: E402
 from cudagraph_rt.errors import InputError  # noqa: E402
 from cudagraph_rt.kernels import row_gather as rg  # noqa: E402
 from tests.support.models_for_tests import warm_and_capture  # noqa: E402
+from tests.support.extras import kernel_skip  # noqa: E402
 from tests.support.seeds import seeded_rng  # noqa: E402
 
 MODE = rg.kernel_mode()
@@ -42,9 +43,7 @@ elif MODE == "compiled" and torch.cuda.is_available():
 else:
     KDEV = None
 
-needs_kernel = pytest.mark.skipif(
-    KDEV is None, reason=f"kernel mode {MODE!r}: needs CUDA or TRITON_INTERPRET=1 set before import"
-)
+needs_kernel = kernel_skip(KDEV is None, f"kernel mode {MODE!r}: needs CUDA or TRITON_INTERPRET=1 set before import")
 _no_cuda = pytest.mark.skipif(
     not torch.cuda.is_available() or MODE != "compiled", reason="needs a CUDA GPU (compiled Triton)"
 )

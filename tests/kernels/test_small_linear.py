@@ -18,6 +18,7 @@ import torch
 from cudagraph_rt.errors import CaptureError, InputError
 from cudagraph_rt.kernels import small_linear as sl
 from tests.support import run_compile_script
+from tests.support.extras import needs_kernel, require
 from tests.support.seeds import seeded_rng
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
@@ -68,6 +69,7 @@ def assert_matches(y, x, weight, bias, msg):
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "default" if c is None else
                          f"n{c.block_n}k{c.block_k}s{c.split_k}{'' if c.dot else 'bcast'}")
+@needs_kernel
 def test_random_shapes_match_the_reference_and_float64(config, rng):
     for case in range(4):
         m, n, k = rng.randrange(1, 17), rng.randrange(1, 120), rng.randrange(1, 300)
@@ -80,6 +82,7 @@ def test_random_shapes_match_the_reference_and_float64(config, rng):
         assert_matches(y, x, weight, bias, f"case {case}: M={m} N={n} K={k} {config}")
 
 
+@needs_kernel
 def test_a_new_output_and_empty_rows(rng):
     x, weight, bias = strided_case(rng, 3, 40, 70, bias=True)
     assert_matches(sl.small_linear(x, weight, bias), x, weight, bias, "new output")
@@ -87,6 +90,7 @@ def test_a_new_output_and_empty_rows(rng):
     assert empty.shape == (0, 40)
 
 
+@needs_kernel
 def test_split_counters_reset_and_repeated_calls_stay_right(rng):
     """Every N block's counter is back at 0 after each launch, so the next launch (a
     graph replay in real use) reduces at the right program again, with new x."""
@@ -154,6 +158,7 @@ def test_the_default_plan_keeps_every_sm_busy_and_the_table_wins(monkeypatch):
     assert sl.plan_linear(3, 2048, 8192, torch.float32, "cpu") != entry  # another element size
 
 
+@needs_kernel
 def test_fp16_runs_too(rng):
     x, weight, bias = strided_case(rng, 5, 50, 64, bias=True, dtype=torch.float16)
     y = sl.small_linear(x, weight, bias, config=sl.LinearConfig(block_n=16, block_k=32, split_k=2))
@@ -167,6 +172,7 @@ def test_the_launches_compile_for_sm90_with_16_byte_loads():
     weight with 16-byte loads and, split, bump their counter with an acq_rel atomic."""
     if torch.cuda.is_available():
         pytest.skip("the cuda tests compile the kernel for real here")
+    require("triton")
     pytest.importorskip("triton.backends.nvidia.compiler")
     done = run_compile_script("compile_small_linear.py")
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]

@@ -19,7 +19,6 @@ COMPILE_TEST_SEED=<n> replays a run's inputs.
 from __future__ import annotations
 
 import gc
-import importlib
 import re
 from dataclasses import dataclass, field
 
@@ -30,20 +29,15 @@ from cudagraph_rt import GraphRuntime
 from cudagraph_rt.models import attention_op
 from cudagraph_rt.models.compiled import CompiledRows
 from tests.support.compile_stand_ins import HFStandIn, PlainDecoder, StandInPool
+from tests.support.extras import needs, require
 from tests.support.seeds import seeded_rng
 
-try:
-    importlib.import_module("transformers")
-    HAVE_HF = True
-except ImportError:
-    HAVE_HF = False
 
 
 # ------------------------------------------------------------------------------ models
 def _hf_stand_in(family, fuse, small_m=False, **config):
     def make(seed):
-        if not HAVE_HF:
-            pytest.skip("needs transformers")
+        require("transformers")
         return HFStandIn(family, seed=seed, fuse=fuse, small_m=small_m, **config)
     return make
 
@@ -51,8 +45,7 @@ def _hf_stand_in(family, fuse, small_m=False, **config):
 def _hf_decoder(family, fuse):
     """The real HFDecoder (same weights for the same seed), once it has a KVPool."""
     def make(seed):
-        if not HAVE_HF:
-            pytest.skip("needs transformers")
+        require("transformers")
         from cudagraph_rt.models import hf
         m = hf.build(family, "tiny", seed=seed, max_seqs=4, max_len=64)
         if not callable(getattr(getattr(m, "pool", None), "attend", None)):
@@ -346,7 +339,7 @@ def test_step_options_sit_between_the_mode_and_the_callers_options():
     assert tuned["combo_kernels"] is True and tuned["max_autotune"] is True
 
 
-@pytest.mark.skipif(not HAVE_HF, reason="needs transformers")
+@needs("transformers")
 def test_hfdecoder_compiles_its_rows_and_refuses_modes_with_cuda_graphs():
     """HFDecoder.compile_decoder: InputError before anything changes; a CompiledRows
     (nothing compiled yet) for a mode without graphs; None and eager again for None."""
@@ -362,7 +355,7 @@ def test_hfdecoder_compiles_its_rows_and_refuses_modes_with_cuda_graphs():
     assert m.compile_decoder(None) is None and m._rows == m._step_rows
 
 
-@pytest.mark.skipif(not HAVE_HF, reason="needs transformers")
+@needs("transformers")
 def test_sweep_of_the_compiled_decoder_through_the_graph_path(tmp_path):
     """``cgrt sweep --model hf:qwen3 --compile default``: the adapter compiles the decoder,
     every width of the sweep (graph path emulated on a CPU, and graphs off) steps the

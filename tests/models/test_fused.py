@@ -11,7 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-pytest.importorskip("transformers")
+from tests.support.extras import require
+
+require("transformers")
 
 import transformers  # noqa: E402
 

@@ -12,7 +12,9 @@ import random
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+from tests.support.extras import require
+
+require("transformers")
 
 from cudagraph_rt import GraphRuntime, InputError, InputSpec  # noqa: E402
 from cudagraph_rt.models import hf  # noqa: E402

@@ -8,7 +8,9 @@ import random
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+from tests.support.extras import require
+
+require("transformers")
 
 from cudagraph_rt import InputError  # noqa: E402
 from cudagraph_rt.kernels.rotary_cells import rotate_reference  # noqa: E402

@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_leaves
 from cudagraph_rt import CapacityError, GraphRuntime, InputError
 from cudagraph_rt.models import Decoder, KVPool, ToyConfig, ToyDecoder
 from cudagraph_rt.models.pool import default_cells
+from tests.support.extras import require
 from tests.support.seeds import seeded_rng
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
@@ -351,7 +352,7 @@ TestPoolFuzz.settings = settings(max_examples=150, stateful_step_count=40, deadl
 
 # ----------------------------------------------------------------------------- every model on the pool
 def _hf(family="llama", device="cpu", dtype=torch.float32):
-    pytest.importorskip("transformers")
+    require("transformers")
     from cudagraph_rt.models import hf
 
     return hf.build(family, "tiny", device=device, dtype=dtype)

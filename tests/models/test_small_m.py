@@ -13,7 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-pytest.importorskip("transformers")
+from tests.support.extras import require
+
+require("transformers")
 
 import transformers  # noqa: E402
 

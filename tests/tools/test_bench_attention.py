@@ -8,8 +8,10 @@ import torch
 
 from cudagraph_rt.tools.bench.attention import FULL, HBM_BYTES_PER_S, Shape, Workload, main
 from tests.support import run_compiled
+from tests.support.extras import needs_kernel, require
 
 
+@needs_kernel
 def test_quick_writes_every_section(tmp_path, capsys):
     path = tmp_path / "attention.json"
     assert main(["--quick", "--json", str(path)]) == 0
@@ -72,6 +74,7 @@ def test_kernel_versions_times_two_copies_of_the_kernel_side_by_side(tmp_path, m
     from cudagraph_rt.kernels import cell_attention as ca
     from cudagraph_rt.tools.bench.experiments import kernel_versions as kv
 
+    require("triton")
     if ca.kernel_mode() != "interpreter":
         pytest.skip("the --quick run is the interpreter's")
     copy = tmp_path / "cell_attention_copy.py"

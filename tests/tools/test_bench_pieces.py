@@ -9,7 +9,9 @@ import types
 
 import pytest
 
-pytest.importorskip("transformers")
+from tests.support.extras import require
+
+require("transformers")
 
 from cudagraph_rt import GraphRuntime  # noqa: E402
 from cudagraph_rt.models import hf  # noqa: E402

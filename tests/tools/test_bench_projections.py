@@ -6,8 +6,10 @@ import json
 import pytest
 
 from cudagraph_rt.tools.bench import projections as bench_projections
+from tests.support.extras import needs, require
 
 
+@needs("transformers")
 def test_quick_run_checks_and_records_every_case(tmp_path):
     """cuBLAS only (the compiled cases are CompiledRows, tested in test_compiled_step)."""
     out = tmp_path / "proj.json"
@@ -33,6 +35,8 @@ def test_quick_run_of_the_small_m_kernel_and_its_tuning(tmp_path, capsys):
     F.linear first; --tune times the plan and the candidates and prints its table."""
     from cudagraph_rt.kernels.small_linear import kernel_mode
 
+    require("transformers")
+    require("triton")
     if kernel_mode() != "interpreter":
         pytest.skip("the kernel runs on CPU tensors in the interpreter only (a GPU machine: bash .ci/gpu kernels)")
     out = tmp_path / "proj.json"

@@ -8,7 +8,7 @@
   by the real ``cgrt`` parser: a renamed flag or a deleted tool fails here. Running them is
   the job of the tool tests (test_sweep, test_demo, test_tp, ...) and of CI.
 * The Quick start's commands are the ones ``.ci/run`` runs, so CI tries what a new user
-  types.
+  types; on the ``test`` install alone, what needs an extra skips naming it.
 * ARCHITECTURE.md's layout names every module of the package, and the files README.md
   and ARCHITECTURE.md point at exist.
 
@@ -16,7 +16,6 @@ A block's failure names its first line in README.md and shows its output.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shlex
@@ -28,10 +27,10 @@ import pytest
 
 from cudagraph_rt.cli import build_parser
 from tests.support import ROOT
+from tests.support.extras import EXTRA_OF, available, reason
 
 README = ROOT / "README.md"
 CI = ROOT / ".ci" / "run"
-OPTIONAL = {"transformers": "hf"}  # module a block may import -> the setup.py extra that brings it
 
 # Runs one block: compiled under its README line so a traceback points there, then every
 # test_* function it defined, in order.
@@ -119,9 +118,9 @@ def test_the_readme_has_the_blocks_these_tests_run():
 
 @pytest.mark.parametrize("block", PYTHON, ids=[f"line{b.line}" for b in PYTHON])
 def test_python_block_runs_as_written(block: Block, tmp_path):
-    for mod, extra in OPTIONAL.items():
-        if re.search(rf"^\s*(from|import) {mod}\b", block.code, re.M) and importlib.util.find_spec(mod) is None:
-            pytest.skip(f"{block.label} needs the [{extra}] extra ({mod} is not installed)")
+    for mod in EXTRA_OF:
+        if re.search(rf"^\s*(from|import) {re.escape(mod)}\b", block.code, re.M) and not available(mod):
+            pytest.skip(f"{block.label} {reason(mod)}")
     src = tmp_path / "block.py"
     src.write_text(block.code)
     # One intra-op thread: the blocks' tiny CPU ops only lose time to torch's threads on a
@@ -203,3 +202,28 @@ def test_quick_start_is_what_ci_runs():
         if "torch" in cmd and "--index-url" in cmd:
             continue  # the CPU-only machine's first step
         assert _normalised(cmd) in ci, f"Quick start runs `{shlex.join(cmd)}`, .ci/run does not"
+
+
+# The test files whose tests need an extra: the Triton kernels (triton), the transformers
+# models (transformers) and the benches of both. CI runs the whole suite on the `test`
+# install alone (.ci/run); this runs these files so, in any environment.
+NEED_EXTRAS = ["tests/kernels", "tests/tools/test_bench_attention.py", "tests/tools/test_bench_projections.py",
+               "tests/tools/test_bench_pieces.py", "tests/models/test_hf.py", "tests/models/test_small_m.py",
+               "tests/models/test_fused.py", "tests/models/test_hf_rotary.py"]
+
+
+def test_the_test_install_skips_what_needs_an_extra_and_names_it():
+    """The Quick start's `pip install -e ".[test]"` then `python3 -m pytest -q`: with the
+    extras' modules made unimportable (tests/support/without_extras.py, as on that install),
+    the tests that need one skip, every such skip names the extra that brings it, and none
+    fails (13 did: the kernels' tests and benches ran without triton or transformers)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "tests.support.without_extras",
+                           "-p", "no:cacheprovider", *NEED_EXTRAS], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    reasons = re.findall(r"^SKIPPED \[\d+\] [^:]+:\d+: (.*)$", proc.stdout, re.M)
+    missing = [r for r in reasons if any(m in r for m in EXTRA_OF) and "extra" not in r]
+    assert not missing, f"skips that name no extra: {missing}"
+    named = {m for m in EXTRA_OF if any(reason(m) in r for r in reasons)}
+    assert {"triton", "transformers"} <= named, reasons  # the run did hide them
