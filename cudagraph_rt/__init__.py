@@ -5,7 +5,9 @@ the layout, one step's data path and the glossary.
 """
 from __future__ import annotations
 
-from . import _source_tree
+from typing import TYPE_CHECKING
+
+from . import _lazy, _source_tree
 
 # kernels/ and tools/ are top-level folders of the repository that install as
 # cudagraph_rt.kernels and cudagraph_rt.tools; from a source tree (PYTHONPATH=.) the
@@ -17,25 +19,6 @@ from . import _moved  # noqa: E402
 # The modules that moved into the wings (debug/, spec/) stay importable at their old paths
 # for one release, with a DeprecationWarning (see _moved).
 _moved.install()
-
-from .specs import InputSpec  # noqa: E402
-from .capture import CaptureReport, WidthCapture  # noqa: E402
-from .digest import StateDigest  # noqa: E402
-from .errors import (  # noqa: E402
-    BusyError,
-    CapacityError,
-    CaptureError,
-    CgrtError,
-    DeviceRowIndexError,
-    InputError,
-    StaleCaptureError,
-    StaleRowsError,
-    StepFunctionError,
-)
-from .host_rows import HostRows, HostRowsHandle  # noqa: E402
-from .pieces import eager, step_values  # noqa: E402
-from .runtime import GraphRuntime, RuntimeStats, StepResult  # noqa: E402
-from .widths import Slice, default_widths, plan_step  # noqa: E402
 
 __all__ = [
     "GraphRuntime",
@@ -63,3 +46,22 @@ __all__ = [
     "StepFunctionError",
 ]
 __version__ = "0.1.0"
+
+
+
+def __getattr__(name: str):
+    # Importing the package imports no torch (``cgrt --help`` and usage errors answer
+    # before torch loads): the public names load together on first use, from _api.
+    if name not in __all__:
+        return _lazy.submodule(__name__, name)
+    from . import _api
+
+    return _lazy.public(globals(), name, _api)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:
+    from ._api import *  # noqa: F403 - what type checkers see: the names __getattr__ loads

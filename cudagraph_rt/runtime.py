@@ -6,6 +6,7 @@ inputs), `capture` (one width), `executor` (one slice), `host_rows` (rows to the
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from contextlib import contextmanager
@@ -26,6 +27,8 @@ from .width_modes import WidthParts, capture_widths, modes_of
 from .host_rows import HostRows, HostRowsHandle, make_rows_mode
 from .results import PlannedStep, RuntimeStats, StepResult
 from .widths import Planner, Slice
+
+log = logging.getLogger(__name__)
 
 
 class GraphRuntime:
@@ -131,6 +134,8 @@ class GraphRuntime:
             reports, pool = self._capture_graphs(calls) if self._graph_mode.captures else ([], 0)
         self.capture_report = CaptureReport(tuple(reports), time.perf_counter() - t0, pool, calls[0],
                                             self._graph_mode.name)
+        log.debug("captured %d widths (%s) in %.2f s", len(reports), self._graph_mode.name,
+                  self.capture_report.seconds)
         self._ready = True
         if self._inputs.graph_stager.short_path and not self._rows_mode.ships_rows:
             self._direct = DirectStep(self._inputs, self._by_width.get, self._planner, self._layout, self._counters,

@@ -9,12 +9,15 @@ every try failed runs eagerly or raises; :func:`capture_widths` runs it over the
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 from .capture import WidthCapture
 from .errors import CaptureError, InputError, expected
 from .executor import GraphSlice, PiecewiseSlice
+
+log = logging.getLogger(__name__)
 
 
 class WidthParts(NamedTuple):
@@ -128,9 +131,9 @@ def capture_widths(policy: CapturePolicy, capturer, by_width: dict, parts: Width
     reports the error that made it). Raises the CaptureError of a width that could not be
     captured when the policy has no fallback; widths captured before it still replay."""
     reports = []
-    for w in sorted(by_width, reverse=True):
-        if by_width[w].graph is not None:
-            continue  # captured before a width failed
+    todo = [w for w in sorted(by_width, reverse=True) if by_width[w].graph is None]  # a failure keeps the ones before
+    for i, w in enumerate(todo, 1):
+        log.info("capturing width %d (%d of %d)", w, i, len(todo))
         run, replay = parts.body.at_width(w, parts.inputs, calls)
         mode, graph, out, report = _capture_one(policy, capturer, w, run, replay, lambda w=w: parts.explain(w))
         if graph is not None:

@@ -19,6 +19,7 @@ What stays eager is the caller's business: the model keeps its uncompiled forwar
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Callable
 
@@ -27,6 +28,7 @@ from torch import Tensor
 
 from ..errors import InputError, expected
 
+log = logging.getLogger(__name__)
 MODES = ("default", "max-autotune-no-cudagraphs")  # the modes that leave CUDA graphs to the runtime
 
 # What a step compiles with unless ``options`` say otherwise: inductor's horizontal fusion
@@ -86,6 +88,7 @@ class CompiledRows:
 
     def __call__(self, *rows: Any) -> Any:
         if self._compiled is None:
+            log.info("compiling the step's rows (torch.compile, mode %s; this takes a while)", self.mode)
             self._compiled = torch.compile(_own_frame(self.fn), **self._kw)
         if self.dynamic:
             _mark_rows(rows)
@@ -97,6 +100,7 @@ class CompiledRows:
         if new:
             self.graphs += new
             self.compile_s += time.perf_counter() - t0
+            log.debug("compiled %d graph(s) in %.1f s", new, time.perf_counter() - t0)
         return out
 
 

@@ -29,6 +29,7 @@ scratch cell that padding rows write.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from dataclasses import dataclass
 
@@ -41,6 +42,8 @@ from . import attention_op, hf_rotary
 from .cells import ROW_INPUTS as _INPUTS, CellPoolModel, check_attention, eager_pool_attend, greedy_tokens
 from .compiled import CompiledRows
 from .pool import DEFAULT_BLOCK_SIZE, KVPool, default_cells
+
+log = logging.getLogger(__name__)
 
 ATTENTION = "cgrt_cells"  # the registered attention function's name
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
@@ -129,6 +132,7 @@ def build(family: str, size: str = "tiny", *, dtype: torch.dtype | None = None, 
     ``attention``, ``rotary_in_pool``: HFDecoder's."""
     dtype = dtype or (torch.float32 if size == "tiny" else torch.bfloat16)
     dev = resolve_device(device)
+    log.info("building %s on %s", f"{path} (local checkpoint)" if path is not None else f"{family} {size}", dev)
     if path is not None:
         if not os.path.isdir(path):
             raise InputError(expected("path", "a local model directory", repr(path)))

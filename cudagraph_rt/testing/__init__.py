@@ -10,12 +10,11 @@ Modules: plans (which steps and rows), adapter (the protocol and the toy's adapt
 (one step against its expectations), harness (the run), report (tables, JSON, plot),
 assertions (the pytest helper).
 """
-from .adapter import BaseAdapter, HFAdapter, PoolAdapter, SweepAdapter, ToyAdapter
-from .assertions import assert_sweep
-from .checks import Tolerance
-from .harness import resolve_graphs, run_sweep
-from .plans import Capacity, Chunk, SeqPlan, StepPlan, SweepOptions, SweepPlan, make_plan
-from .report import Failure, ModeReport, SweepReport, WidthSummary
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .. import _lazy
 
 __all__ = [
     "run_sweep",
@@ -39,3 +38,21 @@ __all__ = [
     "WidthSummary",
     "Failure",
 ]
+
+
+def __getattr__(name: str):
+    # The public names load together on first use (cudagraph_rt._lazy), so the CLI can
+    # read SweepOptions' defaults from plans before torch is imported.
+    if name not in __all__:
+        return _lazy.submodule(__name__, name)
+    from . import _api
+
+    return _lazy.public(globals(), name, _api)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:
+    from ._api import *  # noqa: F403 - what type checkers see: the names __getattr__ loads

@@ -4,12 +4,18 @@ Reads ``CGRT_SWEEP_SEED``, ``CGRT_SWEEP_ONLY_STEP`` and ``CGRT_SWEEP_GRAPHS`` fr
 environment (when the caller did not pass them), prints the seed first (pytest shows it
 with a failure), and on failure raises AssertionError with the summary and a one-line
 command that replays the failing step of the same test.
+
+On a CPU it runs on one torch intra-op thread (``CGRT_SWEEP_THREADS=N`` picks another
+count) and puts the count back afterwards: a sweep is thousands of tiny steps, which only
+lose time to thread hand-offs (on a small shared box 3 to 10 times as long). This entry
+point may set it; the library elsewhere never changes process-wide settings.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
-from typing import Any
+from typing import Any, Iterator
 
 from ..errors import InputError, expected
 from .harness import run_sweep
@@ -44,7 +50,28 @@ def assert_sweep(adapter: Any, **options: Any) -> SweepReport:
             options[k] = v
     options.setdefault("repro", _pytest_repro)
     options.setdefault("log", print)
-    report = run_sweep(adapter, **options)
+    with _threads(getattr(adapter, "device", None)):  # a malformed adapter: run_sweep says why
+        report = run_sweep(adapter, **options)
     if not report.ok:
         raise AssertionError(report.summary())
     return report
+
+
+@contextlib.contextmanager
+def _threads(device: Any) -> Iterator[None]:
+    """torch's intra-op threads for the sweep: ``CGRT_SWEEP_THREADS``, else 1 on a CPU
+    (unchanged on CUDA), restored afterwards."""
+    import torch
+
+    n = _env_int("CGRT_SWEEP_THREADS")
+    if n is not None and n < 1:
+        raise InputError(expected("CGRT_SWEEP_THREADS", "an int >= 1", repr(n)))
+    if n is None and getattr(device, "type", str(device)) == "cpu":
+        n = 1
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -10,6 +10,7 @@ anywhere else (adapter.build, capture, the reference) propagates.
 """
 from __future__ import annotations
 
+import logging
 import random
 import shlex
 import time
@@ -33,10 +34,11 @@ from .checks import (
     expected_slices,
 )
 from .checks import check_pad_rows as pad_rows_problem
+from .graph_modes import resolve_graphs
 from .plans import StepPlan, SweepOptions, SweepPlan, make_plan
 from .report import Failure, ModeReport, SweepReport, WidthSummary, mode_flag, mode_name
 
-GRAPHS = ("auto", "both", "on", "off", "emulate")
+log = logging.getLogger(__name__)
 Repro = Callable[[int, "int | None", "bool | str | None"], str]  # (seed, step, graphs) -> command
 Progress = Callable[[str, int, int], None]  # (mode name, steps done, steps in this mode)
 
@@ -44,28 +46,6 @@ Progress = Callable[[str, int, int], None]  # (mode name, steps done, steps in t
 def fresh_seed() -> int:
     """A seed from the OS: every run explores new steps; the report prints it."""
     return random.SystemRandom().randrange(2**31)
-
-
-def resolve_graphs(graphs: str | bool, device: torch.device) -> tuple[tuple[bool | str, ...], tuple[str, ...]]:
-    """The graph modes to run and a note when graphs on was skipped. ``auto``: both where
-    the adapter's device is CUDA, else off (and says so). ``on``/``both`` on a CPU device
-    raise InputError: CUDA graphs need a GPU. ``emulate``: emulated graphs alone (any
-    device; ``GraphRuntime(graphs="emulate")``: the graph path's code run eagerly)."""
-    if isinstance(graphs, bool):
-        graphs = "on" if graphs else "off"
-    if graphs not in GRAPHS:
-        raise InputError(expected("graphs", "one of " + ", ".join(map(repr, GRAPHS)), repr(graphs)))
-    cuda = device.type == "cuda"
-    why = "no CUDA on this machine" if not torch.cuda.is_available() else f"the device is {device}"
-    if graphs == "emulate":
-        return ("emulate",), ()
-    if graphs == "auto":
-        if cuda:
-            return (True, False), ()
-        return (False,), (f"graphs on: skipped ({why}; CUDA graphs need a GPU) - ran graphs off only",)
-    if graphs != "off" and not cuda:
-        raise InputError(expected("graphs", f"'off' or 'auto' here ({why}; CUDA graphs need a GPU)", repr(graphs)))
-    return {"both": (True, False), "on": (True,), "off": (False,)}[graphs], ()
 
 
 def default_repro(adapter: Any, options: SweepOptions) -> Repro:
@@ -237,6 +217,7 @@ class _Runner:
 
     # -- one mode ----------------------------------------------------------------------
     def run_mode(self, graphs: bool | str, progress: Progress | None) -> ModeReport:
+        log.info("%s: building the runtime and capturing", mode_name(graphs))
         rt = self.adapter.build(graphs)
         if not isinstance(rt, GraphRuntime):
             raise InputError(expected("adapter.build(graphs)", "a GraphRuntime", type(rt).__name__))
@@ -257,6 +238,7 @@ class _Runner:
             elif rt.widths != self.widths:
                 raise InputError(expected(f"adapter.build(graphs={graphs}).widths",
                                           f"the widths of the first mode {self.widths}", rt.widths))
+            log.info("%s: %d steps", mode_name(graphs), len(self.plan.steps))
             return self._steps(rt, graphs, capture_s, progress)
         finally:
             rt.close()

@@ -10,19 +10,8 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .graph_modes import mode_flag, mode_name
 from .plans import SweepOptions
-
-
-def mode_name(graphs: bool | str) -> str:
-    """How a sweep mode reads: graphs on (True), off (False) or emulated ("emulate")."""
-    if graphs == "emulate":
-        return "graphs emulated"
-    return "graphs on" if graphs else "graphs off"
-
-
-def mode_flag(graphs: bool | str) -> str:
-    """The ``--graphs`` value that runs that mode alone: on, off or emulate."""
-    return "emulate" if graphs == "emulate" else ("on" if graphs else "off")
 
 
 @dataclass(frozen=True)

@@ -451,7 +451,7 @@ def test_bad_arguments_name_what_was_expected(toy):
         (dict(repeats=0), "repeats: expected a positive int, got 0"),
         (dict(extras=[5, "x"]), "extras: expected positive ints"),
         (dict(seed=-1), "seed: expected an int >= 0"),
-        (dict(graphs="sometimes"), "graphs: expected one of"),
+        (dict(graphs="sometimes"), r"graphs: expected auto \| on \| off \| both \| emulate, got 'sometimes'"),
         (dict(graphs="on"), "CUDA graphs need a GPU"),
         (dict(extras=(10**6,)), "step widths: expected at most"),
         (dict(only_step=10**6), "only_step: expected a step index"),
@@ -560,6 +560,42 @@ def test_pytest_helper_failure_says_how_to_replay(monkeypatch):
     assert "CGRT_SWEEP_SEED=" in text and "CGRT_SWEEP_ONLY_STEP=" in text and "test_sweep.py::" in text
 
 
+def test_pytest_helper_runs_on_one_thread_on_a_cpu_and_puts_the_count_back(monkeypatch):
+    """The README's adapter example under pytest took 118 s where one thread takes 11 s:
+    on a CPU assert_sweep runs its steps on one torch thread (CGRT_SWEEP_THREADS=N picks
+    another) and puts the count back, also after a failure; run_sweep, a library call,
+    leaves the setting alone."""
+    seen = []
+
+    class Counting(DecayAdapter):
+        def reference(self, tokens):
+            seen.append(torch.get_num_threads())
+            return super().reference(tokens)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert_sweep(Counting(), **QUICK, extras=())
+        assert set(seen) == {1} and torch.get_num_threads() == 2
+        seen.clear()
+        monkeypatch.setenv("CGRT_SWEEP_THREADS", "2")
+        assert_sweep(Counting(), **QUICK, extras=())
+        assert set(seen) == {2}
+        monkeypatch.delenv("CGRT_SWEEP_THREADS")
+        seen.clear()
+        run_sweep(Counting(), graphs="off", **QUICK, extras=())
+        assert set(seen) == {2}
+        plan_one_width_wider(monkeypatch)
+        with pytest.raises(AssertionError):
+            assert_sweep(Counting(), **QUICK, extras=())
+        assert torch.get_num_threads() == 2
+        monkeypatch.setenv("CGRT_SWEEP_THREADS", "0")
+        with pytest.raises(InputError, match=r"CGRT_SWEEP_THREADS: expected an int >= 1, got 0"):
+            assert_sweep(Counting(), **QUICK, extras=())
+    finally:
+        torch.set_num_threads(before)
+
+
 # --------------------------------------------------------------------------- the command
 def test_cli_json(capsys):
     """The command as a user types it: on a GPU machine this runs graphs on and off."""
@@ -651,10 +687,12 @@ def test_harness_options_refused():
         (lambda: plans.SweepOptions(extras=(96, 0)), r"extras: expected positive ints"),
         (lambda: plans.SweepOptions(extras=5), r"extras: expected a sequence of positive ints, got 5"),
         (lambda: plans.SweepOptions(only_step=-1), r"only_step: expected None or a step index >= 0, got -1"),
-        (lambda: harness.resolve_graphs("sometimes", torch.device("cpu")), r"graphs: expected one of"),
+        (lambda: harness.resolve_graphs("sometimes", torch.device("cpu")),
+         r"graphs: expected auto \| on \| off \| both \| emulate, got 'sometimes'"),
     ]
     if not torch.cuda.is_available():
-        cases.append((lambda: harness.resolve_graphs("on", torch.device("cpu")), r"graphs: expected 'off' or 'auto' here"))
+        cases.append((lambda: harness.resolve_graphs("on", torch.device("cpu")),
+                      r"graphs: expected auto \| off \| emulate here"))
     for call, msg in cases:
         with pytest.raises(InputError, match=msg):
             call()

@@ -1,0 +1,22 @@
+"""The package's public names, imported together the first time one is asked for
+(``cudagraph_rt.__getattr__``): ``import cudagraph_rt`` alone imports no torch."""
+from __future__ import annotations
+
+from .capture import CaptureReport, WidthCapture
+from .digest import StateDigest
+from .errors import (
+    BusyError,
+    CapacityError,
+    CaptureError,
+    CgrtError,
+    DeviceRowIndexError,
+    InputError,
+    StaleCaptureError,
+    StaleRowsError,
+    StepFunctionError,
+)
+from .host_rows import HostRows, HostRowsHandle
+from .pieces import eager, step_values
+from .runtime import GraphRuntime, RuntimeStats, StepResult
+from .specs import InputSpec
+from .widths import Slice, default_widths, plan_step

@@ -1,0 +1,11 @@
+"""The sweep harness's public names, imported together the first time one is asked for
+(``cudagraph_rt.testing.__getattr__``): its light modules (``plans``) import alone."""
+from __future__ import annotations
+
+from .adapter import BaseAdapter, HFAdapter, PoolAdapter, SweepAdapter, ToyAdapter
+from .assertions import assert_sweep
+from .checks import Tolerance
+from .graph_modes import resolve_graphs
+from .harness import run_sweep
+from .plans import Capacity, Chunk, SeqPlan, StepPlan, SweepOptions, SweepPlan, make_plan
+from .report import Failure, ModeReport, SweepReport, WidthSummary
