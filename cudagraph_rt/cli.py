@@ -4,13 +4,24 @@ Each subcommand lives in cudagraph_rt.tools.<name> with ``add_arguments(parser)`
 ``run(args) -> int`` (the exit code). The arguments every command shares, and the checks
 made before a command runs, are in cudagraph_rt.tools.options. Exit codes: 0 all good,
 1 a failed check (a mismatch, a hazard, a failed section), 2 a usage error (one line:
-``cgrt <command>: --flag: expected ..., got ...``).
+``cgrt <command>: --flag: expected ..., got ...``), 141 (128 + SIGPIPE, what a shell shows
+for a process that pipe closing killed) when the reader of stdout closed it, quietly:
+``cgrt demo | head -1``.
+
+Parsing comes before torch: this module, tools/options.py and each tool's
+``add_arguments`` import no torch, so ``--help`` and usage errors answer at once; a tool
+imports torch when it runs. Options are never abbreviated (``--rep`` is not ``--repeats``):
+a prefix that names an option today would name another one tomorrow.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import platform
+import re
+import select
+import signal
 import sys
 
 COMMANDS = {
@@ -25,8 +36,15 @@ class Parser(argparse.ArgumentParser):
     """argparse with the commands' one error style: ``cgrt sweep: --widths: expected ...``
     on one line, exit code 2 (argparse's own is a usage block and ``error: argument``)."""
 
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):  # noqa: D102 - argparse's hook
         message = message[len("argument "):] if message.startswith("argument ") else message
+        both = re.match(r"^(\S+): not allowed with argument (\S+)$", message)  # a mutually exclusive pair
+        if both:
+            message = f"{both[1]}: expected it or {both[2]}, not both, got both"
         self.exit(2, f"{self.prog}: {message}\n")
 
 
@@ -72,12 +90,24 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns its exit code (``--help``, ``--version`` and usage errors
     included: nothing here raises SystemExit)."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise
+        return _quiet_after_closed_stdout()
+
+
+def _main(argv: list[str] | None) -> int:
     from cudagraph_rt.tools.options import UsageError
 
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help / --version (0) or a usage error (2), already printed
+        sys.stdout.flush()
+        if _stdout_closed():  # argparse's help ignores a failed write
+            return _quiet_after_closed_stdout()
         return int(e.code or 0) if not isinstance(e.code, str) else 2
     if getattr(args, "_unavailable", None):
         print(args._unavailable, file=sys.stderr)
@@ -91,6 +121,30 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:  # a check of several flags together, made before the run
         print(f"cgrt {args.command}: {e}", file=sys.stderr)
         return 2
+
+
+CLOSED_STDOUT = 128 + signal.SIGPIPE  # the exit status a shell shows for a process SIGPIPE ended
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (poll says POLLERR)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, ValueError, OSError):  # replaced by an object without a file (tests)
+        return False
+    poll = select.poll()
+    poll.register(fd, select.POLLERR)
+    return bool(poll.poll(0))
+
+
+def _quiet_after_closed_stdout() -> int:
+    """The reader of stdout is gone (``cgrt demo | head -1``): nothing more to say, no
+    traceback. stdout now writes to /dev/null, so the interpreter's last flush at exit does
+    not fail a second time. Returns :data:`CLOSED_STDOUT`."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, sys.stdout.fileno())
+    os.close(null)
+    return CLOSED_STDOUT
 
 
 if __name__ == "__main__":

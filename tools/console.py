@@ -8,6 +8,7 @@ each, so no figure is cut or folded.
 """
 from __future__ import annotations
 
+import errno
 import sys
 from typing import Any, Sequence
 
@@ -16,9 +17,19 @@ from rich.table import Table
 from rich.text import Text
 
 
+class CommandConsole(Console):
+    """A Console whose closed pipe is an error like any write's: rich's own answer ends the
+    process with exit code 1 (a failed check, for the commands); this raises
+    BrokenPipeError, which ``cgrt`` turns into a quiet exit (cudagraph_rt.cli)."""
+
+    def on_broken_pipe(self) -> None:  # noqa: D102 - rich's hook
+        self.quiet = True
+        raise BrokenPipeError(errno.EPIPE, "the reader of the output closed it")
+
+
 def make_console(stderr: bool = False, markup: bool = True) -> Console:
     stream = sys.stderr if stderr else sys.stdout
-    return Console(stderr=stderr, width=None if stream.isatty() else 150, highlight=False, markup=markup)
+    return CommandConsole(stderr=stderr, width=None if stream.isatty() else 150, highlight=False, markup=markup)
 
 
 def fit(table: Table) -> Table:

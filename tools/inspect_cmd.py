@@ -10,26 +10,32 @@ Target: ``--target module:factory``. ``factory(graphs: bool)`` returns a GraphRu
 weights and state) or ``(runtime, inputs)`` where ``inputs(T)`` gives step inputs of T
 rows, used to compare graphs on against graphs off.
 Exit code: 0 all clear; 1 a hazard, a graph hazard (pageable copy, host callback), an
-on/off mismatch or a failed width; 2 a usage error (bad flags, a target that cannot be
-loaded). On a CPU the exit code reflects the hazard finder alone, so a CPU CI job can
-tell "hazard" (1) from "clean" (0).
+on/off mismatch, a failed width or a factory that raised; 2 a usage error (bad flags, a
+target that cannot be loaded, is no factory taking ``graphs=`` or does not return a
+runtime). On a CPU the exit code reflects the hazard finder alone, so a CPU CI job can tell
+"hazard" (1) from "clean" (0). torch is imported when it runs, not when its arguments are
+parsed.
 """
 from __future__ import annotations
 
 import argparse
 import functools
 import importlib
+import inspect
 import os
 import sys
 import weakref
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from cudagraph_rt.errors import CgrtError, expected
-from cudagraph_rt.debug.inspect import InspectReport, inspect_runtime, short_kernel_name, to_dot
-from cudagraph_rt.models import Decoder
 from cudagraph_rt.tools import options
+from cudagraph_rt.tools.progress import Activity
+
+if TYPE_CHECKING:
+    import torch
+
+    from cudagraph_rt.debug.inspect import InspectReport
+    from cudagraph_rt.models import Decoder
 
 DEFAULT_TARGET = "cudagraph_rt.tools.inspect_cmd:toy_target"   # the embedded toy decoder
 
@@ -40,12 +46,14 @@ DEFAULT_TARGET = "cudagraph_rt.tools.inspect_cmd:toy_target"   # the embedded to
 _LAST: dict[bool, weakref.ref] = {}
 
 
-def _target(model: Decoder, graphs: bool, pieces: bool = False):
+def _target(model: "Decoder", graphs: bool, pieces: bool = False):
     """A runtime over ``model``'s step (graphs kept when on; every width in pieces with
     ``pieces``) and ``inputs(T)``: one
     sequence, a fresh id each call (its blocks freed and taken again, in this model's pool
     and in that of the last model built for the other graph mode), positions 0..T-1,
     random tokens (seed 0)."""
+    import torch
+
     from cudagraph_rt import GraphRuntime
 
     rt = GraphRuntime(model.step, model.inputs(), graphs=graphs, keep_graphs=graphs, device=model.device,
@@ -53,7 +61,7 @@ def _target(model: Decoder, graphs: bool, pieces: bool = False):
     gen, calls = torch.Generator().manual_seed(0), iter(range(1 << 30))
     _LAST[graphs] = weakref.ref(model)
 
-    def inputs(T: int) -> dict[str, torch.Tensor]:
+    def inputs(T: int) -> "dict[str, torch.Tensor]":
         seq, cfg = next(calls) % model.config.max_seqs, model.config
         twin = _LAST.get(not graphs, lambda: None)()
         reserved = []
@@ -112,9 +120,9 @@ def hf_target(graphs: bool, family: str = "llama", size: str = "tiny", compile_m
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = ("exit codes: 0 clean; 1 a capture hazard, a graph hazard, a graphs on/off mismatch "
                 "or a failed width (on a CPU: the hazard finder alone); 2 a usage error")
-    p.add_argument("--target", default=DEFAULT_TARGET, metavar="MODULE:FACTORY",
+    p.add_argument("--target", default=None, metavar="MODULE:FACTORY",
                    help=f"runtime factory (default: {DEFAULT_TARGET}); see the module docstring")
-    options.add_model(p, model_note="; not toy: replaces --target")
+    options.add_model(p, model_note="; not toy: instead of --target")
     options.add_compile(p, "capture", " (inductor kernels in the graphs; the graphs-off reference stays eager)")
     options.add_widths(p, "inspect only these of the widths the target captures (default: all)")
     p.add_argument("--replays", type=options.int_at_least(1), default=20, metavar="N",
@@ -124,45 +132,74 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write one Graphviz file per width into DIR, an existing folder")
     options.add_json(p)
     options.add_threads(p)
+    options.add_verbosity(p)
+
+
+class FactoryFailed(Exception):
+    """The target's factory raised: the target exists and takes ``graphs=``, but could not
+    build a runtime (exit 1, the error named; never a traceback)."""
 
 
 def _load(target: str | Callable) -> Callable:
+    """The factory ``MODULE:FACTORY`` names (or ``target`` itself when it is callable);
+    ValueError saying why it is none: not ``MODULE:FACTORY``, not callable, or a callable
+    that cannot be called as ``factory(graphs=...)``."""
     if callable(target):
         return target
     module, sep, attr = str(target).partition(":")
     if not sep or not module or not attr:
-        raise ValueError(f"expected MODULE:FACTORY, got {target!r}")
-    return getattr(importlib.import_module(module), attr)
+        raise ValueError("MODULE:FACTORY")
+    factory = getattr(importlib.import_module(module), attr)
+    if not callable(factory):
+        raise ValueError(f"a callable factory ({attr} is a {type(factory).__name__})")
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # no signature to read (some builtins): the call will say
+        return factory
+    try:
+        signature.bind(graphs=True)
+    except TypeError:
+        raise ValueError(f"a factory taking graphs= (factory(graphs: bool); {attr}{signature} does not)") from None
+    return factory
 
 
 def _build(factory: Callable, graphs: bool, widths: tuple[int, ...] | None = None) -> tuple[Any, Callable | None]:
-    made = factory(graphs=graphs)
-    rt, inputs = made if isinstance(made, tuple) else (made, None)
+    """The factory's runtime (and ``inputs``), not captured yet. FactoryFailed when the
+    factory raises; UsageError when it returns no runtime or ``widths`` it does not have."""
+    try:
+        made = factory(graphs=graphs)
+    except (CgrtError, options.UsageError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user's code: named, never a traceback
+        raise FactoryFailed(f"the target's factory raised {type(exc).__name__}: {exc}") from exc
+    rt, inputs = made if isinstance(made, tuple) and len(made) == 2 else (made, None)
+    if not callable(getattr(rt, "capture", None)) or (inputs is not None and not callable(inputs)):
+        raise options.UsageError(expected("--target", "a factory returning a GraphRuntime or (runtime, inputs)",
+                                          f"{type(made).__name__} from {getattr(factory, '__name__', factory)}"))
     _check_widths(rt, widths)
-    rt.capture()
     return rt, inputs
 
 
 def _factory(args: argparse.Namespace, choice: options.ModelChoice) -> Callable:
     """The runtime factory ``--model`` / ``--target`` name (UsageError when both are given)."""
-    if choice.kind != "toy" and args.target != DEFAULT_TARGET:
-        raise options.UsageError(expected("--model", "toy when --target is given", repr(args.model)))
+    if choice.kind != "toy" and args.target is not None:
+        raise options.UsageError(expected("--model", f"toy (the default) with --target {args.target}", repr(args.model)))
     if choice.kind == "toy" and choice.size != "tiny":
         raise options.UsageError(expected("--size", "tiny for the toy target", repr(choice.size)))
     if choice.kind == "toy" and args.compile:
         raise options.UsageError(expected("--compile", options.COMPILE_WANTS, repr(args.model)))
-    if choice.kind == "toy":
-        try:
-            return _load(args.target)
-        except (ImportError, AttributeError, ValueError) as exc:
-            raise options.UsageError(f"--target {args.target}: {exc}") from None
-    size = "tiny" if choice.kind == "path" else choice.size
+    if choice.kind != "toy":
+        size = "tiny" if choice.kind == "path" else choice.size
+        return functools.partial(hf_target, family=choice.family, size=size, compile_mode=args.compile,
+                                 path=choice.path)
+    target = DEFAULT_TARGET if args.target is None else args.target
     try:
-        with options.building("cgrt inspect", choice.label):
-            _hf_model(choice.family, size, choice.path)
-    except ImportError as exc:  # the hf extra is not installed
-        raise options.UsageError(str(exc)) from None
-    return functools.partial(hf_target, family=choice.family, size=size, compile_mode=args.compile, path=choice.path)
+        return _load(target)
+    except ValueError as exc:  # what the target is not
+        raise options.UsageError(expected("--target", str(exc), repr(target))) from None
+    except (ImportError, AttributeError) as exc:
+        raise options.UsageError(expected("--target", "MODULE:FACTORY of an importable module",
+                                          f"{target!r} ({type(exc).__name__}: {exc})")) from None
 
 
 def _check_widths(rt, asked: tuple[int, ...] | None) -> None:
@@ -175,23 +212,43 @@ def _check_widths(rt, asked: tuple[int, ...] | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     try:
-        factory = _factory(args, options.model_choice(args))
+        choice = options.model_choice(args)
+        factory = _factory(args, choice)
     except options.UsageError as exc:
         print(f"cgrt inspect: {exc}", file=sys.stderr)
         return 2
     cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
     try:
-        with options.threads(options.thread_count(args, torch.device("cuda" if cuda else "cpu"), True)):
+        with options.threads(options.thread_count(args, dev, choice.tiny)), Activity.of("cgrt inspect", args) as activity:
+            if choice.kind != "toy":
+                with activity.phase(f"building {choice.label}"):
+                    _hf_model(choice.family, factory.keywords["size"], choice.path)
             rt, inputs = _build(factory, graphs=cuda, widths=args.widths)
             ref = _build(factory, graphs=False)[0] if cuda and inputs and not args.no_compare else None
-            report = _inspect(rt, ref, inputs, args)
-    except options.UsageError as exc:
+            with activity.phase("capturing the target's widths"):
+                for r in (rt, ref) if ref is not None else (rt,):
+                    r.capture()
+            report = _inspect(rt, ref, inputs, args, activity)
+    except (options.UsageError, ImportError) as exc:  # ImportError: an hf model without the hf extra
         print(f"cgrt inspect: {exc}", file=sys.stderr)
         return 2
+    except FactoryFailed as exc:
+        print(f"cgrt inspect: --target {args.target or DEFAULT_TARGET}: {exc}", file=sys.stderr)
+        return 1
     except CgrtError as exc:   # a capture that failed names the width and the source line
         print(f"cgrt inspect: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    _publish(report, args)
+    return report.exit_code
+
+
+def _publish(report: "InspectReport", args: argparse.Namespace) -> None:
+    from cudagraph_rt.debug.inspect import to_dot
+
     if args.dot and report.available:
         for w in report.widths:
             if w.nodes:
@@ -201,19 +258,20 @@ def run(args: argparse.Namespace) -> int:
         options.write_json(args.json, report.to_json())
     if args.json != options.STDOUT:
         _print(report)
-    return report.exit_code
 
 
-def _inspect(rt, ref, inputs, args) -> InspectReport:
+def _inspect(rt, ref, inputs, args, activity: Activity) -> "InspectReport":
+    from cudagraph_rt.debug.inspect import inspect_runtime
+
+    done = activity.counter("inspecting widths", len(args.widths or getattr(rt, "widths", ())))
+    seen: list[int] = []
+
+    def step(w: int) -> None:
+        seen.append(w)
+        done(len(seen))
+
     kw = dict(widths=args.widths, replays=args.replays, reference=ref, inputs=inputs if ref else None)
-    if args.json:
-        return inspect_runtime(rt, **kw)
-    from rich.progress import Progress
-
-    with Progress(transient=True) as bar:
-        task = bar.add_task("inspecting widths", total=len(args.widths or getattr(rt, "widths", ())))
-        step = lambda w: bar.update(task, advance=1, description=f"width {w}")  # noqa: E731
-        return inspect_runtime(rt, **kw, on_width=step)
+    return inspect_runtime(rt, **kw, on_width=step)
 
 
 def _on_off(diffs) -> str:
@@ -226,7 +284,8 @@ def _on_off(diffs) -> str:
     return f"[red]{len(bad)} differ[/] ({worst.path}: max|d| {worst.max_abs:.3g}, row {worst.first_row})"
 
 
-def _print(report: InspectReport) -> None:
+def _print(report: "InspectReport") -> None:
+    from cudagraph_rt.debug.inspect import short_kernel_name
     from cudagraph_rt.tools.console import fit, make_console
     from rich.markup import escape
     from rich.table import Table

@@ -10,12 +10,15 @@ One language:
   ``hf:`` models (not for a checkpoint folder, whose size is its own).
 - ``--device``: ``cuda`` | ``cpu`` (default: cuda where torch sees one).
 - ``--widths W,W,..``: positive step widths.
-- ``--graphs``: ``auto`` (both where CUDA exists, else off) | ``on`` | ``off`` | ``both``.
+- ``--graphs``: ``auto`` | ``on`` | ``off`` | ``both`` | ``emulate``, one meaning in every
+  command that runs graphs (``cudagraph_rt.testing.graph_modes``); what needs CUDA graphs
+  (``on``, ``both``) is a usage error on a device without CUDA, naming what runs there.
 - ``--seed N``: the seed of every random draw the command makes (an int >= 0).
 - ``--tp N``: tensor-parallel ranks, under ``torchrun --nproc-per-node N``.
-- ``--threads N``: torch's intra-op CPU threads while the command runs (default: 1 for a
-  tiny model on a CPU, whose tiny ops only lose time to thread hand-offs; torch's own
-  default otherwise).
+- ``--threads N``: torch's intra-op CPU threads while the command runs (default: see
+  :func:`thread_count`). The CLI sets it; the library never does.
+- ``--quiet`` / ``--verbose``: no progress display / the library's log messages on stderr
+  (``tools/progress.py``).
 - ``--json [FILE]``: the whole report as JSON, into FILE, or on stdout without one (then
   everything meant for people goes to stderr, so stdout is the JSON alone). A file is for
   long runs that also print tables (bench); stdout is for pipes (``cgrt sweep --json | jq``).
@@ -24,10 +27,15 @@ One language:
   and the same everywhere.
 
 Every output path (``--json FILE``, ``--plot DIR``, ``--dot DIR``, ``--profile FILE``) is
-checked while the arguments are parsed, so a missing folder is a usage error before the
-run, never a traceback after it; no folder is ever created. A bad value is one line,
-``cgrt <command>: --flag: expected ..., got ...``, and exit code 2; exit code 1 is kept for
-a failed check.
+checked while the arguments are parsed by writing it: the file is opened for appending (a
+probe file in a folder), and what the check created is removed again. So a path the run
+could not write is a usage error before the run, never a traceback after it, whatever
+``os.access`` says (for root it says yes to ``/proc``); no folder is ever created. A bad
+value is one line, ``cgrt <command>: --flag: expected ..., got ...``, and exit code 2;
+exit code 1 is kept for a failed check.
+
+Nothing here imports torch at import time: ``cgrt <command> --help`` and a usage error
+answer before torch loads (the commands import it when they run).
 """
 from __future__ import annotations
 
@@ -36,17 +44,22 @@ import contextlib
 import json
 import os
 import sys
+import tempfile
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from cudagraph_rt.errors import InputError, expected
 from cudagraph_rt.extras import available, message
+from cudagraph_rt.testing.graph_modes import GRAPHS, MEANING, resolve_graphs
+
+if TYPE_CHECKING:
+    import torch
 
 TOY_SIZES = ("tiny", "bench")
 HF_SIZES = ("tiny", "1b")
-GRAPHS = ("auto", "on", "off", "both")
+# torch.compile modes that leave CUDA graphs to the runtime: cudagraph_rt.models.compiled.MODES
+# (tests/tools/test_cli.py keeps the two equal; that module imports torch).
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 STDOUT = "-"  # --json without a file
 
 
@@ -107,24 +120,36 @@ def positive_ints(text: str) -> tuple[int, ...]:
 
 
 def output_file(text: str) -> str:
-    """``type=`` for a file the command writes: its folder exists and is writable, and the
-    path is not a folder. Nothing is created here."""
+    """``type=`` for a file the command writes: not a folder, and writable, which is
+    checked by opening it for appending (an existing file keeps its content; a file the
+    check created is removed again). No folder is created."""
     folder = os.path.dirname(os.path.abspath(text)) or "."
     if os.path.isdir(text):
         raise _bad("a file path, not a folder", text)
     if not os.path.isdir(folder):
         raise _bad(f"a file in an existing folder ({folder} does not exist)", text)
-    if not os.access(folder, os.W_OK):
-        raise _bad(f"a file in a writable folder ({folder} is not writable)", text)
+    existed = os.path.lexists(text)
+    try:
+        with open(text, "a"):
+            pass
+    except OSError as e:
+        raise _bad(f"a file this user can write (writing it fails: {e.strerror or e})", text) from None
+    if not existed:
+        os.unlink(text)
     return text
 
 
 def output_folder(text: str) -> str:
-    """``type=`` for an existing, writable folder the command writes files into."""
+    """``type=`` for an existing folder the command writes files into; writable, which is
+    checked by creating a probe file in it and removing it again."""
     if not os.path.isdir(text):
         raise _bad("an existing folder (it is not created)", text)
-    if not os.access(text, os.W_OK):
-        raise _bad("a writable folder", text)
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".cgrt-probe-", dir=text)
+    except OSError as e:
+        raise _bad(f"a folder this user can write (writing a file in it fails: {e.strerror or e})", text) from None
+    os.close(fd)
+    os.unlink(probe)
     return text
 
 
@@ -157,10 +182,9 @@ COMPILE_WANTS = "an hf model (--model hf:... or a checkpoint folder)"  # what --
 def add_compile(p: argparse.ArgumentParser, does: str, note: str) -> None:
     """``--compile MODE``: hf models only (the caller refuses it for the toy with
     :data:`COMPILE_WANTS`)."""
-    from cudagraph_rt.models.compiled import MODES
-
-    p.add_argument("--compile", default=None, metavar="MODE", type=one_of(*MODES),
-                   help=f"hf models: {does} the decoder through torch.compile(mode=MODE), MODE {' | '.join(MODES)}{note}")
+    p.add_argument("--compile", default=None, metavar="MODE", type=one_of(*COMPILE_MODES),
+                   help=f"hf models: {does} the decoder through torch.compile(mode=MODE), MODE "
+                        f"{' | '.join(COMPILE_MODES)}{note}")
 
 
 def add_device(p: argparse.ArgumentParser) -> None:
@@ -172,13 +196,9 @@ def add_widths(p: argparse.ArgumentParser, help: str) -> None:
     p.add_argument("--widths", type=positive_ints, metavar="W,W,..", help=help)
 
 
-def add_graphs(p: argparse.ArgumentParser, emulate: bool = False) -> None:
-    """``--graphs``; ``emulate`` adds the emulated graph path (GraphRuntime(graphs='emulate'))."""
-    modes = GRAPHS + (("emulate",) if emulate else ())
-    more = (" | emulate (the graph path's code run eagerly over the same buffers, any device)"
-            if emulate else "")
-    p.add_argument("--graphs", type=one_of(*modes), default="auto", metavar="MODE",
-                   help="auto | on | off | both (default auto: both where CUDA exists, else off)" + more)
+def add_graphs(p: argparse.ArgumentParser) -> None:
+    """``--graphs``: one value set and one meaning in every command (graph_modes)."""
+    p.add_argument("--graphs", type=one_of(*GRAPHS), default="auto", metavar="MODE", help=MEANING)
 
 
 def add_seed(p: argparse.ArgumentParser, default: int | None, what: str) -> None:
@@ -194,6 +214,15 @@ def add_tp(p: argparse.ArgumentParser, note: str = "") -> None:
 def add_threads(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int_at_least(1), metavar="N",
                    help="torch's CPU intra-op threads (default: 1 for a tiny model on a CPU, else torch's own)")
+
+
+def add_verbosity(p: argparse.ArgumentParser) -> None:
+    """``--quiet`` and ``--verbose``, which exclude each other (tools/progress.py)."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--quiet", action="store_true",
+                   help="no progress display on stderr (it shows only on a terminal anyway)")
+    g.add_argument("--verbose", action="store_true",
+                   help="the library's log messages on stderr (builds, compiles, captures, sweeps)")
 
 
 def add_json(p: argparse.ArgumentParser) -> None:
@@ -261,29 +290,28 @@ def _checkpoint(path: str, size: str | None) -> ModelChoice:
     return ModelChoice("path", "local", family=family, path=path)
 
 
-def device(args: argparse.Namespace) -> torch.device:
+def device(args: argparse.Namespace) -> "torch.device":
     """``--device`` as a torch.device; UsageError for cuda where torch sees none."""
+    import torch
+
     name = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
         raise UsageError(expected("--device", "a device this machine has", "cuda (torch sees no CUDA device)"))
     return torch.device(name)
 
 
-def graph_modes(mode: str, dev: torch.device) -> tuple[list[bool], list[str]]:
-    """``--graphs`` on ``dev`` -> the graph settings to run, in order, and notes. A CPU runs
-    graphs off (``both``/``auto`` say so); ``on`` there is a UsageError; ``emulate`` runs
-    the emulated graph path on any device."""
-    if mode == "emulate":
-        return ["emulate"], []
-    if dev.type == "cuda":
-        return {"on": [True], "off": [False], "both": [True, False], "auto": [True, False]}[mode], []
-    if mode == "on":
-        raise UsageError(expected("--graphs", "off, both or auto on a CPU (CUDA graphs need a GPU)", "'on'"))
-    notes = [] if mode == "off" else ["graphs on skipped: CUDA graphs need a GPU; graphs off only"]
-    return [False], notes
+def graph_modes(mode: str, dev: "torch.device") -> tuple[list[bool | str], list[str]]:
+    """``--graphs`` on ``dev`` -> the graph modes to run, in order (True: on, False: off,
+    "emulate"), and notes; UsageError for a mode that cannot run on ``dev``. The meaning is
+    the sweep harness's own (cudagraph_rt.testing.graph_modes), for every command."""
+    try:
+        modes, notes = resolve_graphs(mode, dev, name="--graphs")
+    except InputError as e:
+        raise UsageError(str(e)) from None
+    return list(modes), list(notes)
 
 
-def thread_count(args: argparse.Namespace, dev: torch.device, tiny: bool) -> int | None:
+def thread_count(args: argparse.Namespace, dev: "torch.device", tiny: bool) -> int | None:
     """``--threads``, or its default: 1 for a tiny model on a CPU, else None (torch's own)."""
     n = getattr(args, "threads", None)
     if n is None and dev.type == "cpu" and tiny:
@@ -295,6 +323,8 @@ def thread_count(args: argparse.Namespace, dev: torch.device, tiny: bool) -> int
 def threads(n: int | None) -> Iterator[None]:
     """torch's intra-op thread count set to ``n`` (None: unchanged) for the block, then
     restored (the commands may run in-process, from tests)."""
+    import torch
+
     before = torch.get_num_threads()
     if n is not None:
         torch.set_num_threads(n)
@@ -302,21 +332,6 @@ def threads(n: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-@contextlib.contextmanager
-def building(command: str, what: str) -> Iterator[None]:
-    """Progress while a model builds: a spinner on a terminal's stderr; in a pipe or a log,
-    one line on stderr when it starts."""
-    from rich.console import Console
-
-    err = Console(stderr=True, highlight=False)
-    if err.is_terminal:
-        with err.status(f"{command}: building {what}"):
-            yield
-        return
-    print(f"{command}: building {what} ...", file=sys.stderr, flush=True)
-    yield
 
 
 def json_to_stdout(args: argparse.Namespace) -> bool:

@@ -376,7 +376,7 @@ def test_sweep_of_the_compiled_decoder_through_the_graph_path(tmp_path):
     assert "--compile default" in " ".join(adapter.cli_args())
     out = tmp_path / "s.json"
     assert cli.main(["sweep", "--model", "hf:llama", "--compile", "default", "--graphs", "off", "--widths", "1,2",
-                     "--extras", "3", "--repeats", "1", "--seed", "5", "--json", str(out)]) == 0
+                     "--extras", "4", "--repeats", "1", "--seed", "5", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["ok"]
     assert cli.main(["sweep", "--compile", "default", "--graphs", "off"]) == 2
 

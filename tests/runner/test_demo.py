@@ -58,7 +58,7 @@ def test_cli_demo_smoke(capsys):
     argv = ["demo", "--sequences", "5", "--max-new", "12", "--k", "3", "--slots", "4"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert "tokens/s" in out and "graphs on skipped" in out and "greedy mismatches none" in out
+    assert "tokens/s" in out and "graphs on: skipped" in out and "greedy mismatches none" in out
     assert cli.main(argv + ["--json", "--accept-prob", "1", "--rounds", "4"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["ok"] and [r["graphs"] for r in rep["runs"]] == [False]

@@ -100,6 +100,7 @@ def test_sections_pick_and_reject(tmp_path, capsys):
     data = json.loads(path.read_text())
     assert data["padding"]["status"] == "ok" and data["padding"]["steps"] == 20
     assert all(data[k]["status"] == "not run" for k in SECTIONS if k != "padding")
+    assert "cgrt bench: 5. padding ..." in capsys.readouterr().err  # progress: on stderr, one line in a log
     for bad in ("7", "1,x", ""):
         assert main(["bench", "--sections", bad]) == 2
         err = capsys.readouterr().err

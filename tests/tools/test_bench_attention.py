@@ -57,13 +57,19 @@ def test_the_kv_floor_counts_k_and_v_of_every_layer():
         assert wl.floor_us() == live_bytes / HBM_BYTES_PER_S * 1e6
 
 
-def test_quick_without_the_interpreter_says_what_to_set():
-    """Started without TRITON_INTERPRET on a machine without a GPU, Triton has chosen
-    compiled kernels before main() runs: the bench says so and exits 2, instead of every
-    kernel failing to launch."""
+@needs_kernel
+def test_quick_on_a_cpu_sets_the_interpreter_itself_or_says_what_to_set():
+    """Started without TRITON_INTERPRET on a machine without a GPU: --quick sets it before
+    the kernels are defined (loading the bench's package defines none: it imports no
+    torch) and runs. Defined before main() runs, Triton has chosen compiled kernels: the
+    bench says so and exits 2, instead of every kernel failing to launch."""
     if torch.cuda.is_available():
         pytest.skip("a GPU machine runs the full bench")
-    p = run_compiled("-m", "cudagraph_rt.tools.bench.attention", "--quick")
+    p = run_compiled("-m", "cudagraph_rt.tools.bench.attention", "--quick", "--sections", "extents")
+    assert p.returncode == 0, (p.returncode, p.stderr[-500:])
+    early = ("import sys; import cudagraph_rt.kernels.cell_attention; "
+             "from cudagraph_rt.tools.bench.attention import main; sys.exit(main(['--quick']))")
+    p = run_compiled("-c", early)
     assert p.returncode == 2 and "TRITON_INTERPRET=1" in p.stderr, (p.returncode, p.stderr[-500:])
 
 

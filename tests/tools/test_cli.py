@@ -10,6 +10,7 @@ import argparse
 import importlib.util
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -18,10 +19,11 @@ import pytest
 import torch
 from rich.console import Console
 
-from cudagraph_rt import __version__
+from cudagraph_rt import InputError, __version__
 from cudagraph_rt.cli import main
 from tests.support import ROOT
 from tests.support.cli_tables import markdown, rows, subparsers
+from tests.support.extras import require
 
 QUICK_SWEEP = ["--repeats", "1", "--widths", "1,2,4", "--extras", "none", "--device", "cpu"]
 QUICK_DEMO = ["--sequences", "3", "--max-new", "6", "--device", "cpu"]
@@ -55,6 +57,47 @@ def test_bad_values_are_one_line_and_exit_2(capsys, argv, flag, want):
     usage_error(capsys, argv, flag, want)
 
 
+@pytest.mark.parametrize("argv, flag, want", [
+    (["sweep", "--extras", "5"], "--extras", "widths past the widest captured width + 1 (65;"),
+    (["sweep", "--widths", "1,2,4", "--extras", "5,9"], "--extras", "widths past the widest captured width + 1 (5;"),
+    (["sweep", "--attention", "varlen", "--graphs", "emulate"], "--attention", "cells | eager-piece for the toy"),
+    (["bench", "--no-compile", "--compile-setups", "static"], "--compile-setups", "no torch.compile option with "
+                                                                                  "--no-compile"),
+    (["bench", "--no-compile", "--compile-timeout", "9"], "--compile-timeout", "no torch.compile option"),
+    (["bench", "--no-compile", "--cgrt-compile-mode", "default"], "--cgrt-compile-mode", "no torch.compile option"),
+    (["bench", "--hf-prompt", "8"], "--hf-prompt", "an hf model"),
+    (["bench", "--tp", "2", "--sections", "1"], "--sections", "none with --tp"),
+    (["inspect", "--model", "hf:llama", "--target", "cudagraph_rt.tools.inspect_cmd:toy_target"], "--model",
+     "toy (the default) with --target"),
+    (["demo", "--drafter", "gpu", "--model", "hf:llama"], "--drafter", "host for transformers models"),
+])
+def test_flags_that_conflict_are_a_usage_error_before_the_run(capsys, argv, flag, want):
+    """Each flag parses, together they make no sense: these were accepted without a word
+    (the one left out, or the run failing later with exit 1)."""
+    usage_error(capsys, argv, flag, want)
+
+
+def test_varlen_attention_needs_pieces_when_graphs_are_captured(capsys):
+    """`sweep --model hf:... --attention varlen --graphs emulate` without --pieces failed its
+    capture after building the model (exit 1, a failed check): a usage error up front.
+    With --pieces, or with graphs off, it runs."""
+    usage_error(capsys, ["sweep", "--model", "hf:llama", "--attention", "varlen", "--graphs", "emulate"],
+                "--attention", "cells | eager-piece when graphs are captured whole")
+
+
+def test_options_are_never_abbreviated(capsys):
+    """`--rep 1` was `--repeats 1`: a prefix that names one option today names another
+    tomorrow. Every parser refuses them."""
+    from cudagraph_rt.cli import build_parser
+
+    for argv in (["sweep", "--rep", "1"], ["demo", "--seq", "2"], ["bench", "--sec", "5"], ["inspect", "--rep", "2"],
+                 ["--vers"]):
+        assert main(argv) == 2, argv
+        assert "unrecognized arguments: " + argv[-2 if len(argv) > 2 else -1] in capsys.readouterr().err
+    parsers = [build_parser(), *subparsers().values()]
+    assert all(p.allow_abbrev is False for p in parsers)
+
+
 def test_sweep_tp_refuses_compile_before_asking_for_torchrun(capsys):
     """``cgrt sweep --tp 2 --compile default``: the toy under TP compiles nothing, which the
     ranks only found out after torchrun had started them all (outside torchrun the answer
@@ -80,9 +123,41 @@ def test_sweep_rerun_line_quotes_a_checkpoint_path(checkpoint, tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU machine refuses graphs on")
+@pytest.mark.parametrize("value", ["on", "both"])
 @pytest.mark.parametrize("command", ["sweep", "demo"])
-def test_graphs_on_without_cuda_is_a_usage_error(capsys, command):
-    usage_error(capsys, [command, "--graphs", "on"], "--graphs", "off, both or auto on a CPU")
+def test_graphs_that_need_cuda_are_one_usage_error_in_every_command(capsys, command, value):
+    """One value set, one meaning: what cannot run without CUDA is refused alike in every
+    command that runs graphs (sweep refused `both` as "'off' or 'auto'", demo ran it,
+    `on` said "off, both or auto"), naming what runs here; the library says the same."""
+    from cudagraph_rt.testing import resolve_graphs
+
+    err = usage_error(capsys, [command, "--graphs", value], "--graphs", "auto | off | emulate here")
+    assert err.rstrip().endswith(f"got {value!r}") and "CUDA graphs need a GPU" in err
+    with pytest.raises(InputError, match=r"^graphs: expected auto \| off \| emulate here .*, got " + repr(value)):
+        resolve_graphs(value, torch.device("cpu"))
+
+
+def test_every_command_with_graphs_takes_the_same_values():
+    """`emulate` was accepted by sweep alone: every command that runs graphs takes the
+    harness's own value set, and `--help` says the same of it."""
+    from cudagraph_rt.testing.graph_modes import GRAPHS
+
+    parsers = {n: p for n, p in subparsers().items() if any("--graphs" in a.option_strings for a in p._actions)}
+    assert set(parsers) == {"sweep", "demo"}
+    for name, p in parsers.items():
+        act = next(a for a in p._actions if "--graphs" in a.option_strings)
+        for value in GRAPHS:
+            assert act.type(value) == value, (name, value)
+    assert GRAPHS == ("auto", "on", "off", "both", "emulate")
+
+
+def test_demo_runs_emulated_graphs(capsys):
+    """`cgrt demo --graphs emulate`: the runner's runtime on the emulated graph path, every
+    token and host row checked; the report names the mode."""
+    assert main(["demo", *QUICK_DEMO, "--graphs", "emulate", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["graphs"] for r in doc["runs"]] == ["emulate"] and doc["ok"]
+    assert all(r["widths"]["graph_replays"] for r in doc["runs"])  # the graph path ran, emulated
 
 
 @pytest.mark.parametrize("argv, flag", [
@@ -101,6 +176,40 @@ def test_output_paths_are_checked_before_the_run_and_never_created(capsys, tmp_p
     assert "exist" in err and not (tmp_path / "no").exists()  # "an existing folder" / "a file in an existing folder"
 
 
+@pytest.mark.parametrize("argv, flag", [
+    (["sweep", *QUICK_SWEEP, "--json", "/proc/cgrt-x.json"], "--json"),
+    (["sweep", *QUICK_SWEEP, "--plot", "/proc"], "--plot"),
+    (["demo", *QUICK_DEMO, "--profile", "/proc/cgrt-p.txt"], "--profile"),
+    (["demo", *QUICK_DEMO, "--json", "/proc/cgrt-x.json"], "--json"),
+    (["inspect", "--dot", "/proc"], "--dot"),
+    (["bench", "--quick", "--sections", "5", "--json", "/proc/cgrt-b.json"], "--json"),
+])
+def test_an_output_path_nobody_can_write_is_refused_before_the_run(capsys, argv, flag):
+    """os.access says yes to root for /proc, so these ran to the end and then failed with a
+    traceback: the check writes the path instead (a probe file in a folder)."""
+    if flag == "--plot" and not importlib.util.find_spec("matplotlib"):
+        pytest.skip("--plot without the plot extra is refused for that first")
+    err = usage_error(capsys, argv, flag, "a")
+    assert "can write" in err, err
+
+
+def test_the_output_check_leaves_nothing_behind_and_keeps_what_was_there(tmp_path):
+    """The check creates what it probes and removes what it created: a new file or a probe
+    in a folder leaves nothing; an existing file keeps its content; no folder is made."""
+    from cudagraph_rt.tools import options
+
+    new = tmp_path / "new.json"
+    assert options.output_file(str(new)) == str(new) and not new.exists()
+    old = tmp_path / "old.json"
+    old.write_text("keep me")
+    assert options.output_file(str(old)) == str(old) and old.read_text() == "keep me"
+    assert options.output_folder(str(tmp_path)) == str(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.json"]
+    with pytest.raises(argparse.ArgumentTypeError, match="does not exist"):
+        options.output_file(str(tmp_path / "no" / "x.json"))
+    assert not (tmp_path / "no").exists()
+
+
 def test_an_output_file_that_is_a_folder_is_refused(capsys, tmp_path):
     usage_error(capsys, ["sweep", "--json", str(tmp_path)], "--json", "a file path, not a folder")
 
@@ -114,9 +223,198 @@ def test_version(capsys):
     assert proc.returncode == 0 and __version__ in proc.stdout
 
 
+def _with_closed_stdout(argv: list[str]) -> subprocess.CompletedProcess:
+    """``python -m cudagraph_rt *argv`` whose stdout is a pipe nobody reads: its reader is
+    closed before the command starts, so its first write fails (``cgrt demo | head -1``
+    once head has gone), whenever that write comes."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        return subprocess.run([sys.executable, "-m", "cudagraph_rt", *argv], stdout=write, stderr=subprocess.PIPE,
+                              cwd=ROOT, env=env, text=True, timeout=300)
+    finally:
+        os.close(write)
+
+
+@pytest.mark.parametrize("argv", [
+    ["demo", *QUICK_DEMO],
+    ["sweep", *QUICK_SWEEP],
+    ["inspect", "--widths", "1,2", "--replays", "1"],
+    ["bench", "--quick", "--sections", "5"],
+    ["sweep", *QUICK_SWEEP, "--json"],
+    ["sweep", "--help"],
+    ["--version"],
+], ids=lambda a: "-".join(w.lstrip("-") for w in a if w[:1] != "-" or w in ("--json", "--help", "--version"))[:40])
+def test_a_closed_stdout_ends_the_command_quietly(argv):
+    """`cgrt demo | head -1` exited 1 (a failed check, to the commands), from rich's own
+    answer to a closed pipe; print() raised BrokenPipeError. Now every command ends with
+    141 (what a shell shows for a process that SIGPIPE ended), with no traceback and no
+    "Exception ignored" from the interpreter's last flush."""
+    from cudagraph_rt.cli import CLOSED_STDOUT
+
+    proc = _with_closed_stdout(argv)
+    assert proc.returncode == CLOSED_STDOUT == 141, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr[-3000:]
+
+
 def test_help_is_exit_0(capsys):
     assert main(["demo", "--help"]) == 0
     assert "--sequences" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ before torch
+PARSE_ONLY = [["sweep", "--help"], ["demo", "--help"], ["inspect", "--help"], ["bench", "--help"], ["--help"],
+              ["sweep", "--widths", "0"], ["sweep", "--rep", "1"], ["demo", "--sequences", "0"],
+              ["inspect", "--replays", "0"], ["bench", "--sections", "9"], ["sweep", "--json", "/proc/x.json"]]
+
+
+def test_help_and_usage_errors_answer_without_importing_torch():
+    """`cgrt <cmd> --help` and a usage error took 4-7 s, all of it importing torch (the
+    package's __init__, each tool's module): parsing now comes first, torch only when a
+    command runs. A fresh interpreter, every command's --help and several usage errors."""
+    code = ("import json, sys\nfrom cudagraph_rt.cli import main\nout = []\n"
+            f"for argv in {PARSE_ONLY!r}:\n"
+            "    out.append([main(argv), sorted(m for m in ('torch', 'numpy') if m in sys.modules)])\n"
+            "print(json.dumps(out), file=sys.stderr)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stderr.strip().splitlines()[-1])
+    assert [rc for rc, _ in results] == [0] * 5 + [2] * 6, results
+    assert all(not loaded for _, loaded in results), results  # neither torch nor numpy was imported
+
+
+def test_the_package_and_the_tools_import_without_torch():
+    """What parsing imports stays light: the package (its public names load on first use),
+    the shared options, the progress display, each tool's module, the harness's plans."""
+    mods = ["cudagraph_rt", "cudagraph_rt.cli", "cudagraph_rt.tools.options", "cudagraph_rt.tools.progress",
+            "cudagraph_rt.tools.sweep", "cudagraph_rt.tools.demo", "cudagraph_rt.tools.inspect_cmd",
+            "cudagraph_rt.tools.bench", "cudagraph_rt.testing.plans", "cudagraph_rt.testing.graph_modes"]
+    code = f"import importlib, sys\nfor m in {mods!r}: importlib.import_module(m)\nprint('torch' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stdout + proc.stderr[-3000:]
+    import cudagraph_rt
+
+    assert cudagraph_rt.GraphRuntime.__name__ == "GraphRuntime"  # the lazy names are the real ones
+    assert set(cudagraph_rt.__all__) <= set(dir(cudagraph_rt))
+    with pytest.raises(AttributeError):
+        cudagraph_rt.no_such_name  # noqa: B018
+    from cudagraph_rt.models.compiled import MODES
+    from cudagraph_rt.tools.options import COMPILE_MODES
+
+    assert COMPILE_MODES == MODES  # --compile's values, kept torch-free in options
+
+
+# ------------------------------------------------------------------ threads
+@pytest.fixture
+def two_threads():
+    """torch on two intra-op threads (what a 2-CPU box defaults to), put back after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_a_tiny_model_is_built_and_run_on_one_thread_and_the_count_is_put_back(capsys, monkeypatch):
+    """A tiny model on a CPU only loses time to torch's thread hand-offs (118 s where one
+    thread takes 11 s): the command sets one thread for all its work, the model's build
+    included (it ran on torch's default before), and puts the count back."""
+    from cudagraph_rt.models import hf
+    from cudagraph_rt.testing import harness
+
+    seen = {}
+
+    def build(*args, **kw):
+        seen["build"] = torch.get_num_threads()
+        raise ImportError("stop here")  # exit 2: no model needed to see the setting
+
+    monkeypatch.setattr(hf, "build", build)
+    assert main(["demo", "--model", "hf:llama", "--device", "cpu"]) == 2 and "stop here" in capsys.readouterr().err
+    real = harness.run_sweep
+
+    def run_sweep(*args, **kw):
+        seen["sweep"] = torch.get_num_threads()
+        return real(*args, **kw)
+
+    monkeypatch.setattr("cudagraph_rt.testing.run_sweep", run_sweep)
+    assert main(["sweep", *QUICK_SWEEP]) == 0
+    assert seen == {"build": 1, "sweep": 1} and torch.get_num_threads() == 2
+    assert main(["sweep", *QUICK_SWEEP, "--threads", "2"]) == 0 and seen["sweep"] == 2
+
+
+def test_importing_the_library_leaves_the_thread_count_alone():
+    """torch.set_num_threads is process-wide: the CLI and assert_sweep may set it for their
+    run; importing the library (every module) must not."""
+    code = ("import importlib, pkgutil, torch\ntorch.set_num_threads(3)\nimport cudagraph_rt\n"
+            "for m in pkgutil.walk_packages(cudagraph_rt.__path__, 'cudagraph_rt.'):\n"
+            "    if not any(s in m.name for s in ('.tools', '.kernels', '_moved', '__main__')):\n"
+            "        importlib.import_module(m.name)\n"
+            "print(torch.get_num_threads())")
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0 and proc.stdout.strip() == "3", proc.stdout + proc.stderr[-3000:]
+
+
+# ------------------------------------------------------------------ progress and logging
+def test_verbose_prints_the_librarys_log_and_quiet_prints_nothing(capsys):
+    """Long work printed nothing for minutes. The library logs what it does (a logger per
+    module, no handler of its own); --verbose shows those messages on stderr, without it
+    a pipe or a log gets one line per phase, --quiet not even that. After the run the
+    library's logger is as it was."""
+    import logging
+
+    logger = logging.getLogger("cudagraph_rt")
+    level, handlers = logger.level, list(logger.handlers)
+    assert main(["sweep", *QUICK_SWEEP, "--graphs", "emulate", "--verbose"]) == 0
+    err = capsys.readouterr().err
+    assert "cudagraph_rt.width_modes: capturing width 4 (1 of 3)" in err, err
+    assert "cudagraph_rt.testing.harness: graphs emulated: building the runtime and capturing" in err
+    assert (logger.level, logger.handlers) == (level, handlers)
+    assert main(["sweep", *QUICK_SWEEP, "--graphs", "emulate"]) == 0
+    err = capsys.readouterr().err
+    assert "capturing width" not in err and "cgrt sweep: sweeping ..." in err  # a phase line, not a display
+    assert main(["sweep", *QUICK_SWEEP, "--graphs", "emulate", "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
+    usage_error(capsys, ["sweep", "--quiet", "--verbose"], "--verbose", "it or --quiet, not both")
+
+
+def test_the_library_configures_no_logging_handler():
+    """A library logs and leaves the handlers to the program: nothing under cudagraph_rt/
+    adds one or calls basicConfig."""
+    found = [f"{p.relative_to(ROOT)}:{i}" for p in sorted((ROOT / "cudagraph_rt").rglob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1)
+             if re.search(r"basicConfig\(|addHandler\(|setLevel\(", line)]
+    assert not found, found
+
+
+def test_on_a_terminal_the_display_shows_the_phase_and_the_latest_message():
+    """On a terminal: a spinner line per phase, followed by the library's latest message,
+    and a bar for counted work; all of it gone when the command ends (transient)."""
+    import logging
+
+    from rich.console import Console
+
+    from cudagraph_rt.tools.progress import Activity
+
+    con = Console(file=io.StringIO(), force_terminal=True, width=120, color_system=None)
+    with Activity("cgrt test", console=con) as activity:
+        assert activity.live
+        with activity.phase("capturing"):
+            logging.getLogger("cudagraph_rt.width_modes").info("capturing width %d (%d of %d)", 8, 2, 3)
+            done = activity.counter("graphs off", 10)
+            done(4)
+            activity.progress.refresh()
+            shown = con.file.getvalue()
+    assert "capturing: capturing width 8 (2 of 3)" in shown and "4/10" in shown, shown
+    quiet = Console(file=io.StringIO(), force_terminal=True)
+    with Activity("cgrt test", quiet=True, console=quiet) as activity:
+        assert not activity.live
+        with activity.phase("capturing"):
+            logging.getLogger("cudagraph_rt.width_modes").info("capturing width 8")
+    assert quiet.file.getvalue() == ""
 
 
 # ------------------------------------------------------------------ exit codes and --json
@@ -169,7 +467,7 @@ def test_bench_on_a_cpu_defaults_to_its_smoke_settings_and_judges_no_goal(capsys
 # ------------------------------------------------------------------ a local checkpoint
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    pytest.importorskip("transformers")
+    require("transformers")
     from cudagraph_rt.models import hf
 
     folder = tmp_path_factory.mktemp("ckpt")

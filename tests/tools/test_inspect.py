@@ -42,6 +42,7 @@ from cudagraph_rt.capture import CaptureReport, WidthCapture
 from cudagraph_rt.debug.inspect import _capture_facts
 import cudagraph_rt.debug.graph_nodes as graph_nodes_mod
 import cudagraph_rt.debug.hazards as hazards_mod
+from tests.support.extras import require
 from tests.support.models_for_tests import warm_and_capture
 
 _MARK = re.compile(r"#\s*HAZARD:\s*([\w, ]+)")
@@ -350,7 +351,8 @@ def test_capture_facts_from_the_capture_report():
 def fake_driver(edges_cuda13: bool):
     """The calls graph_nodes makes, answering like cuda.bindings.driver for a 4-node graph:
     kernel -> pageable HtoD memcpy -> memset, and a pinned DtoH memcpy after the kernel."""
-    real = pytest.importorskip("cuda.bindings.driver", reason="needs cuda-python, the [gpu] extra")
+    require("cuda.bindings")
+    import cuda.bindings.driver as real
 
     ok, bad = real.CUresult.CUDA_SUCCESS, real.CUresult.CUDA_ERROR_INVALID_VALUE
     T, M = real.CUgraphNodeType, real.CUmemorytype
@@ -460,6 +462,45 @@ def test_cli_bad_target_exits_2(capsys):
     assert run_cli(target="no_such_module_xyz:factory") == 2
     assert run_cli(target="missing-colon") == 2
     assert "--target" in capsys.readouterr().err
+
+
+def not_a_runtime(graphs: bool):
+    return "a string"
+
+
+def raising_factory(graphs: bool):
+    raise RuntimeError("the model file is missing")
+
+
+@pytest.mark.parametrize("target, code, want", [
+    ("os:getcwd", 2, "--target: expected a factory taking graphs= (factory(graphs: bool); getcwd() does not), "
+                     "got 'os:getcwd'"),
+    ("os:sep", 2, "--target: expected a callable factory (sep is a str), got 'os:sep'"),
+    ("tests.tools.test_inspect:not_a_runtime", 2, "--target: expected a factory returning a GraphRuntime or "
+                                                  "(runtime, inputs), got str from not_a_runtime"),
+    ("tests.tools.test_inspect:raising_factory", 1, "--target tests.tools.test_inspect:raising_factory: the "
+                                                    "target's factory raised RuntimeError: the model file is missing"),
+])
+def test_a_target_that_is_no_runtime_factory_is_one_line_never_a_traceback(capsys, target, code, want):
+    """`cgrt inspect --target os:getcwd` ended in a traceback (TypeError: getcwd() takes no
+    keyword arguments). A target that is no factory taking graphs=, or returns no runtime,
+    is a usage error; a factory that raises is a failure naming the error; one line each."""
+    from cudagraph_rt.cli import main
+
+    assert main(["inspect", "--target", target]) == code
+    err = capsys.readouterr().err
+    assert err == f"cgrt inspect: {want}\n", err
+
+
+def test_model_and_target_together_are_a_usage_error(capsys):
+    """`--model hf:llama --target ...` ran the model and dropped the target without a word;
+    naming the default target explicitly was dropped the same way."""
+    from cudagraph_rt.cli import main
+
+    for target in ("tests.tools.test_inspect:slot_target", "cudagraph_rt.tools.inspect_cmd:toy_target"):
+        assert main(["inspect", "--model", "hf:llama", "--target", target]) == 2
+        err = capsys.readouterr().err
+        assert err == f"cgrt inspect: --model: expected toy (the default) with --target {target}, got 'hf:llama'\n"
 
 
 def test_which_frames_count_as_user_code():

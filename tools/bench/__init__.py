@@ -20,6 +20,7 @@ torch.compile setups (sections 1-2, ``--compile-setups``) run one child process 
 "unavailable", never taking the bench down): (a) ``static`` reduce-overhead with weights and
 KV pool marked static, (b) ``default`` reduce-overhead as a user gets it, ``cgrt`` the
 runtime capturing a compiled step. Skipped with --quick / on the CPU / with --no-compile.
+torch is imported when the bench runs, not when its arguments are parsed.
 """
 from __future__ import annotations
 
@@ -29,9 +30,8 @@ import platform
 import sys
 import time
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch
 from rich.console import Console
 from rich.text import Text
 
@@ -39,17 +39,21 @@ from cudagraph_rt.errors import expected
 
 from .. import options
 from ..console import make_console
-from . import compile_setups, host_rows, memory, report, steps
-from .context import Context
+from ..progress import Activity
+from . import compile_setups
 
-SECTIONS = {
-    1: ("step_time", steps.step_time),
-    2: ("mixed_trace", steps.mixed_trace),
-    3: ("host_overhead", steps.host_overhead),
-    4: ("memory", memory.memory),
-    5: ("padding", memory.padding),
-    6: ("host_rows", host_rows.host_rows),
-}
+if TYPE_CHECKING:
+    from .context import Context
+
+SECTIONS = {1: "step_time", 2: "mixed_trace", 3: "host_overhead", 4: "memory", 5: "padding", 6: "host_rows"}
+
+
+def section_function(n: int) -> Callable[["Context"], dict]:
+    """The function that runs section ``n`` (its module imports torch: loaded here)."""
+    from . import host_rows, memory, steps
+
+    return {1: steps.step_time, 2: steps.mixed_trace, 3: steps.host_overhead, 4: memory.memory,
+            5: memory.padding, 6: host_rows.host_rows}[n]
 
 
 HF_SECTIONS = ("compiled", "pool", "spec", "capture", "pieces", "greedy")  # tools/bench/hf.py's, by name
@@ -100,7 +104,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "runs these settings by default")
     options.add_json(p)
     options.add_plot(p, "step_time.png and host_rows.png")
-    p.add_argument("--sections", type=_sections, default=tuple(SECTIONS), metavar="1,2,...",
+    p.add_argument("--sections", type=_sections, default=None, metavar="1,2,...",
                    help="which sections to run (default: all): toy 1..6; hf models by name ("
                         + ",".join(HF_SECTIONS) + ")")
     p.add_argument("--all-widths", action="store_true", help="section 1 at every T in 1..64, not only 1,2,4..64")
@@ -113,26 +117,56 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     options.add_seed(p, 0, "every random input and of the trace")
     options.add_device(p)
     p.add_argument("--no-compile", action="store_true", help="leave torch.compile out (it takes minutes)")
-    p.add_argument("--compile-setups", type=_setups, default=compile_setups.DEFAULT_SETUPS, metavar="static,...",
+    p.add_argument("--compile-setups", type=_setups, default=None, metavar="static,...",
                    help="torch.compile setups, one child process each, in this order: static (a: reduce-overhead, "
                         "weights+KV marked static), default (b: reduce-overhead unmarked), cgrt (cudagraph_rt "
                         "capturing a compiled step), eager (control: eager timed in a child); "
                         f"default {','.join(compile_setups.DEFAULT_SETUPS)}")
-    p.add_argument("--compile-timeout", type=_count(1), default=240, metavar="S",
+    p.add_argument("--compile-timeout", type=_count(1), default=None, metavar="S",
                    help="seconds each compile child may run before it is killed (default 240)")
-    p.add_argument("--cgrt-compile-mode", type=options.one_of(*compile_setups.CGRT_MODES), default="default",
+    p.add_argument("--cgrt-compile-mode", type=options.one_of(*compile_setups.CGRT_MODES), default=None,
                    metavar="MODE", help="torch.compile mode of the step cudagraph_rt captures in the cgrt setup: "
                    + " | ".join(compile_setups.CGRT_MODES) + " (default: default)")
     p.add_argument("--strict", action="store_true", help="exit 1 when a goal is missed")
     options.add_tp(p, "; its own table (tools/bench/tp.py; --sections does not apply)")
     options.add_model(p, size_default="bench for the toy and 1b for hf: models on CUDA, tiny on a CPU",
                       size_note="; hf models run their own sections, tools/bench/hf.py, against generate()")
-    p.add_argument("--hf-prompt", type=_count(1), default=32, metavar="N", help="hf models: prompt tokens (default 32)")
-    p.add_argument("--hf-new", type=_count(2), default=128, metavar="N", help="hf models: new tokens (default 128)")
+    p.add_argument("--hf-prompt", type=_count(1), default=None, metavar="N",
+                   help="hf models: prompt tokens (default 32)")
+    p.add_argument("--hf-new", type=_count(2), default=None, metavar="N", help="hf models: new tokens (default 128)")
     options.add_threads(p)
+    options.add_verbosity(p)
 
 
-def _meta(ctx: Context, args: argparse.Namespace) -> dict:
+# What the options above default to (None there: a value given is told from one left out,
+# so a flag that does not apply to the run is a usage error, see _check_together).
+DEFAULTS = {"compile_setups": compile_setups.DEFAULT_SETUPS, "compile_timeout": 240, "cgrt_compile_mode": "default",
+            "hf_prompt": 32, "hf_new": 128}
+
+
+def _check_together(args: argparse.Namespace, choice: options.ModelChoice) -> None:
+    """Flags that each parse but do not apply to this run: usage errors before it starts."""
+    if args.no_compile:
+        for flag in ("compile_setups", "compile_timeout", "cgrt_compile_mode"):
+            if getattr(args, flag) is not None:
+                raise options.UsageError(expected(f"--{flag.replace('_', '-')}", "no torch.compile option with "
+                                                  "--no-compile", repr(getattr(args, flag))))
+    if choice.kind == "toy":
+        for flag in ("hf_prompt", "hf_new"):
+            if getattr(args, flag) is not None:
+                raise options.UsageError(expected(f"--{flag.replace('_', '-')}", "an hf model (--model hf:... or a "
+                                                  "checkpoint folder)", repr(args.model)))
+    if getattr(args, "tp", 1) > 1 and args.sections is not None:
+        raise options.UsageError(expected("--sections", "none with --tp (the tensor-parallel bench has one table)",
+                                          ",".join(map(str, args.sections))))
+    for flag, value in DEFAULTS.items():
+        if getattr(args, flag) is None:
+            setattr(args, flag, value)
+
+
+def _meta(ctx: "Context", args: argparse.Namespace) -> dict:
+    import torch
+
     try:
         import triton
         triton_version = triton.__version__
@@ -149,7 +183,7 @@ def _meta(ctx: Context, args: argparse.Namespace) -> dict:
         "quick": ctx.quick, "argv": sys.argv[1:], "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "compile_setups": list(ctx.compile_setups), "compile_timeout_s": ctx.compile_timeout,
         "cgrt_compile_mode": ctx.cgrt_compile_mode,
-        "sections": {SECTIONS[n][0]: n for n in SECTIONS},
+        "sections": {key: n for n, key in SECTIONS.items()},
     }
 
 
@@ -157,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the chosen sections, print a table each and the goals last; write --json and
     --plot. Returns the exit code (1: a section failed, or --strict and a goal missed)."""
     choice = options.model_choice(args, "tiny" if _light(args) else "bench", "tiny" if _light(args) else "1b")
+    _check_together(args, choice)
     args.size = choice.size
     if getattr(args, "tp", 1) > 1:  # one process per rank, under torchrun
         from . import tp
@@ -164,44 +199,46 @@ def run(args: argparse.Namespace) -> int:
         if choice.kind != "toy":
             raise options.UsageError(expected("--model", "toy with --tp (the tensor-parallel toy)", repr(args.model)))
         return tp.run_tp(args)
+    import torch
+
     dev = torch.device("cpu") if args.quick and args.device is None else options.device(args)  # as Context does
-    with options.threads(options.thread_count(args, dev, True) if _light(args) else args.threads):
+    with options.threads(options.thread_count(args, dev, _light(args))):
         if choice.kind != "toy":
             from . import hf
 
             args.model_path = choice.path
             args.family = choice.family
-            if all(isinstance(n, int) for n in args.sections) and args.sections != tuple(SECTIONS):
+            if any(isinstance(n, int) for n in args.sections or ()):
                 raise options.UsageError(expected("--sections", f"names from {','.join(HF_SECTIONS)} for hf models",
                                                   ",".join(map(str, args.sections))))
-            args.hf_sections = tuple(n for n in args.sections if isinstance(n, str)) or None
+            args.hf_sections = args.sections
             return hf.run(args)
-        if any(isinstance(n, str) for n in args.sections):
+        if any(isinstance(n, str) for n in args.sections or ()):
             raise options.UsageError(expected("--sections", f"numbers from {sorted(SECTIONS)} for the toy",
                                               ",".join(map(str, args.sections))))
+        args.sections = args.sections or tuple(SECTIONS)
         return _run(args)
 
 
 def _light(args: argparse.Namespace) -> bool:
     """The CPU defaults (a run of about a minute): --quick, --device cpu, or no CUDA."""
+    import torch
+
     return bool(args.quick) or args.device == "cpu" or not torch.cuda.is_available()
 
 
 def _run(args: argparse.Namespace) -> int:
+    from . import report
+    from .context import Context
+
     console = make_console(stderr=options.json_to_stdout(args), markup=False)
-    status = console.status("") if console.is_terminal else None
-
-    def progress(text: str, always: bool) -> None:
-        if status is not None:
-            status.update(text)
-        elif always:
-            console.print(Text(f"... {text}", style="dim"))
-
-    ctx = Context(args, progress=progress)
-    try:
-        results, failed = _sections_run(ctx, args, console, progress, status)
-    finally:
-        ctx.close()
+    with Activity.of("cgrt bench", args) as activity:
+        # the sections' own notes: a compile child's start and end also as a line in a log
+        ctx = Context(args, progress=lambda text, always: activity.note(text) if always else activity.status(text))
+        try:
+            results, failed = _sections_run(ctx, args, console, activity)
+        finally:
+            ctx.close()
     gs = report.goals(results) if ctx.graphs else []
     results["goals"] = gs
     if args.plot:
@@ -229,8 +266,13 @@ def _run(args: argparse.Namespace) -> int:
     return rc
 
 
-def _sections_run(ctx: Context, args: argparse.Namespace, console: Console, progress, status) -> tuple[dict, int]:
+def _sections_run(ctx: "Context", args: argparse.Namespace, console: Console, activity: Activity
+                  ) -> tuple[dict, int]:
     """Each asked-for section in order; a failing one is recorded and the rest still run."""
+    import torch
+
+    from . import report
+
     results: dict[str, Any] = {"meta": _meta(ctx, args)}
     failed = 0
     c = ctx.config
@@ -238,22 +280,17 @@ def _sections_run(ctx: Context, args: argparse.Namespace, console: Console, prog
                   f"toy {ctx.size} config ({str(c.dtype).removeprefix('torch.')}, hidden "
                   f"{c.hidden}, {c.layers} layers, {c.max_seqs} sequences x {c.max_len} positions on a KV pool of "
                   f"{c.cells:,} cells), {ctx.repeats} repeats")
-    for n, (key, fn) in SECTIONS.items():
+    for n, key in SECTIONS.items():
         if n not in args.sections:
             results[key] = {"status": "not run"}
             continue
         t0 = time.perf_counter()
-        progress(f"{n}. {key}", True)
-        if status:
-            status.start()
         try:
-            res = fn(ctx)
+            with activity.phase(f"{n}. {key}"):
+                res = section_function(n)(ctx)
         except Exception as e:  # noqa: BLE001 - one failed section must not lose the others
             failed += 1
             res = {"status": "error", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-        finally:
-            if status:
-                status.stop()
         res["seconds"] = time.perf_counter() - t0
         results[key] = res
         if res["status"] == "ok":

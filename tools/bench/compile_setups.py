@@ -46,10 +46,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: `cgrt bench --help` reads SETUPS before it
+    import torch
 
-from cudagraph_rt.models.toy import ToyConfig
+    from cudagraph_rt.models.toy import ToyConfig
 
 NOTE = "cgrt-child: "  # a child's progress lines start with this; the bench shows them
 
@@ -299,6 +301,8 @@ def run_setups(names: tuple[str, ...], payload: dict, folder: str, *, timeout: f
                note: Callable[..., None] = lambda text, always=False: None) -> CompileRuns:
     """Write ``payload`` once and run one child per setup, one after another. ``note(text,
     always)``: progress (``always`` for each child's start and end, also in a log)."""
+    import torch
+
     path = os.path.join(folder, "payload.pt")
     try:
         torch.save(payload, path)
@@ -320,18 +324,20 @@ def run_setups(names: tuple[str, ...], payload: dict, folder: str, *, timeout: f
     return CompileRuns(out)
 
 
-def config_fields(cfg: ToyConfig) -> dict:
+def config_fields(cfg: "ToyConfig") -> dict:
     return {f.name: (str(getattr(cfg, f.name)).removeprefix("torch.") if f.name == "dtype"
                      else list(cfg.taps) if f.name == "taps" else getattr(cfg, f.name))
             for f in dataclasses.fields(cfg)}
 
 
-def make_payload(config: ToyConfig, device: torch.device, widths: tuple[int, ...], *, seed: int, repeats: int,
-                 warmup: int, trace_passes: int, sets: dict[int, list[torch.Tensor]] | None,
-                 trace: list[torch.Tensor] | None) -> dict:
+def make_payload(config: "ToyConfig", device: "torch.device", widths: tuple[int, ...], *, seed: int, repeats: int,
+                 warmup: int, trace_passes: int, sets: "dict[int, list[torch.Tensor]] | None",
+                 trace: "list[torch.Tensor] | None") -> dict:
     """What a child needs: the model's config, the measuring settings and the very input
     sets (``sets``: T -> N_SETS packed [n, T]) and trace steps the bench process uses, as
     CPU int64 tensors. Loadable with ``torch.load(weights_only=True)``."""
+    import torch
+
     return {
         "config": config_fields(config), "device": str(device), "widths": list(widths), "seed": seed,
         "repeats": repeats, "warmup": warmup, "trace_passes": trace_passes,

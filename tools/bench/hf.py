@@ -268,14 +268,11 @@ class _Ctx:
         self.timeout = args.compile_timeout
         self.children = not (self.quick or args.no_compile or not self.graphs)
         max_len = max(256, self.prompt + self.new + 8) if not light else 64
-        from ..options import building
-
         # On CUDA the bench's runtime is what an engine would run: q/k/v and gate/up merged,
         # the step compiled (one dynamic-width graph), captured at every default width.
         self.compiled = self.fused = self.graphs and not args.no_compile
-        with building("cgrt bench", f"{self.path or 'hf:' + self.family} {self.size} on {dev}"):
-            self.model = hf.build(self.family, self.size, device=dev, seed=self.seed, fuse=self.fused,
-                                  max_seqs=max(16, max(self.seqs)), max_len=max_len, path=self.path)
+        self.model = hf.build(self.family, self.size, device=dev, seed=self.seed, fuse=self.fused,
+                              max_seqs=max(16, max(self.seqs)), max_len=max_len, path=self.path)
         rows = self.model.compile_decoder(self.compile_mode) if self.compiled else None
         self.rt = GraphRuntime(self.model.step, self.model.inputs(), graphs=self.graphs, device=self.model.device)
         t0 = time.perf_counter()
@@ -440,13 +437,22 @@ def run(args: argparse.Namespace) -> int:
     from cudagraph_rt.extras import MissingExtraError, require
 
     from .. import options
+    from ..progress import Activity
 
     try:
         transformers = require("hf", "cgrt bench --model hf:...")
     except MissingExtraError as e:
         print(f"cgrt bench: {e}", file=sys.stderr)
         return 2
-    ctx = _Ctx(args)
+    with Activity.of("cgrt bench", args) as activity:
+        with activity.phase(f"building {args.model} and capturing its widths"):
+            ctx = _Ctx(args)
+        return _run(args, ctx, transformers, activity)
+
+
+def _run(args: argparse.Namespace, ctx: _Ctx, transformers, activity) -> int:
+    from .. import options
+
     c = ctx.model.config
     r = {"meta": {"family": ctx.family, "size": ctx.size, "dtype": str(c.dtype).replace("torch.", ""),
                   "layers": c.layers, "hidden": c.hidden, "device": str(ctx.model.device),
@@ -462,7 +468,8 @@ def run(args: argparse.Namespace) -> int:
             r[key] = {"status": "not run", "seconds": 0.0}
             continue
         try:
-            res = fn(ctx)
+            with activity.phase(key):
+                res = fn(ctx)
         except Exception as e:  # noqa: BLE001 - one failed section must not lose the others
             failed += 1
             res = {"status": "error", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}

@@ -10,62 +10,82 @@ position; any mismatch exits 1.
 
 The command's rooms: ``arguments`` (its options), ``serve`` (one served run and its
 check), ``report`` (tables, JSON, exit code), ``tp`` (``--tp N`` under torchrun; it uses
-``serve`` and ``report``, never this module).
+``serve`` and ``report``, never this module). torch is imported when it runs, not when
+its arguments are parsed.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
-
-import torch
+from typing import TYPE_CHECKING
 
 from cudagraph_rt.errors import CgrtError, expected
-from cudagraph_rt.models import ToyConfig, ToyDecoder
-from cudagraph_rt.models.hf import build
+from cudagraph_rt.testing.graph_modes import mode_name
 
 from .. import options
-from . import report, serve
+from ..progress import Activity
 from .arguments import add_arguments
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["add_arguments", "run"]
 
 
-def _model(args, choice: options.ModelChoice, device: torch.device):
-    """The model ``--model``/``--size`` name, built on ``device`` (progress while it builds)."""
+def _model(args, choice: options.ModelChoice, device: "torch.device"):
+    """The model ``--model``/``--size`` name, built on ``device``."""
+    from cudagraph_rt.models import ToyConfig, ToyDecoder
+    from cudagraph_rt.models.hf import build
+
     if choice.kind == "toy":
         size = ToyConfig.bench if choice.size == "bench" else ToyConfig.tiny
         return ToyDecoder(size(seed=args.seed), device)
-    with options.building("cgrt demo", f"{choice.label} on {device.type}"):
-        if choice.kind == "path":
-            return build(choice.family, "tiny", device=device, seed=args.seed, path=choice.path)
-        return build(choice.family, choice.size, device=device, seed=args.seed)
+    if choice.kind == "path":
+        return build(choice.family, "tiny", device=device, seed=args.seed, path=choice.path)
+    return build(choice.family, choice.size, device=device, seed=args.seed)
+
+
+def _check_together(args, choice: options.ModelChoice) -> None:
+    """Flags that each parse but conflict: a usage error before anything is built."""
+    if getattr(args, "tp", 1) > 1 and args.drafter != "host":
+        raise options.UsageError(expected("--drafter", "host with --tp (the device drafter runs on one GPU)", "gpu"))
+    if args.drafter == "gpu" and choice.kind != "toy":
+        raise options.UsageError(expected("--drafter", "host for transformers models (gpu drafts the toy)", "gpu"))
 
 
 def run(args) -> int:
-    if getattr(args, "tp", 1) > 1 and getattr(args, "drafter", "host") != "host":
-        raise options.UsageError(expected("--drafter", "host with --tp (the device drafter runs on one GPU)", "gpu"))
+    from . import report, serve
+
+    choice = options.model_choice(args)
+    _check_together(args, choice)
     if getattr(args, "tp", 1) > 1:  # one process per rank, under torchrun
         from .tp import run_tp
         return run_tp(args)
-    choice = options.model_choice(args)
     device = options.device(args)
     modes, notes = options.graph_modes(args.graphs, device)
-    try:
-        model = _model(args, choice, device)
-    except (ValueError, ImportError) as e:  # ImportError: hf models without the hf extra
-        print(f"cgrt demo: {e}", file=sys.stderr)
-        return 2
-    try:
-        with options.threads(options.thread_count(args, device, choice.tiny)):
+    with options.threads(options.thread_count(args, device, choice.tiny)), Activity.of("cgrt demo", args) as activity:
+        # the toy builds in a moment; a transformers model may take minutes
+        building = activity.phase(f"building {choice.label} on {device.type}") if choice.kind != "toy" else None
+        try:
+            with building or contextlib.nullcontext():
+                model = _model(args, choice, device)
+        except (ValueError, ImportError) as e:  # ImportError: hf models without the hf extra
+            print(f"cgrt demo: {e}", file=sys.stderr)
+            return 2
+        try:
             requests = serve.make_requests(model.config, args.sequences, args.max_new, args.seed)
-            runs = [serve.serve(model, requests, g, args) for g in modes]
-        for r in runs:
-            r.pop("finished_seqs")
-    except ValueError as e:  # a bad argument (InputError is a ValueError)
-        print(f"cgrt demo: {e}", file=sys.stderr)
-        return 2
-    except (RuntimeError, CgrtError) as e:  # the runner's own checks, capture, device rows
-        print(f"cgrt demo: failed: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+            runs = []
+            for g in modes:
+                with activity.phase(f"serving {args.sequences} sequences, {mode_name(g)}"):
+                    runs.append(serve.serve(model, requests, g, args))
+            for r in runs:
+                r.pop("finished_seqs")
+        except ValueError as e:  # a bad argument (InputError is a ValueError)
+            print(f"cgrt demo: {e}", file=sys.stderr)
+            return 2
+        except (RuntimeError, CgrtError) as e:  # the runner's own checks, capture, device rows
+            print(f"cgrt demo: failed: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
     cfg = model.config
     doc = {"config": {"model": args.model, "size": choice.size, "dtype": str(cfg.dtype).replace("torch.", ""),
                       "hidden": cfg.hidden, "layers": cfg.layers, "device": str(device),

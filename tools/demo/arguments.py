@@ -36,3 +36,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(one section per run)")
     options.add_json(p)
     options.add_threads(p)
+    options.add_verbosity(p)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from cudagraph_rt.spec.runner import PHASES
+from cudagraph_rt.testing.graph_modes import mode_flag, mode_name
 
 from .. import options
 
@@ -36,14 +37,14 @@ def _print(report: dict) -> None:
     for r in report["runs"]:
         rate = r["accepted"] / r["proposed"] if r["proposed"] else 0.0
         busy = r.get("gpu_busy")
-        t.add_row("on" if r["graphs"] else "off", str(r["steps"]), str(r["tokens"]),
+        t.add_row(mode_flag(r["graphs"]), str(r["steps"]), str(r["tokens"]),
                   f"{r['tokens_per_s']:.1f}", f"{r['steps_per_s']:.1f}", f"{rate:.2f}",
                   "n/a" if busy is None else f"{100 * busy:.0f}%", "ok" if r["check"]["ok"] else "FAIL")
     out.print(fit(t))
     out.print(_phase_table(report["runs"]))
     for r in report["runs"]:
         hist, top = r["accept_hist"], max(r["accept_hist"] + [1])
-        lines = [f"graphs {'on' if r['graphs'] else 'off'}: {r['tokens']} tokens in {r['seconds']:.3f} s (capture "
+        lines = [f"{mode_name(r['graphs'])}: {r['tokens']} tokens in {r['seconds']:.3f} s (capture "
                  f"{r['capture_s']:.2f} s); accepted drafts per verify group (of up to k={c['k']}):"]
         lines += [f"  {a:>2} | {'#' * round(40 * n / top):<40} {n}" for a, n in enumerate(hist)]
         w, ch = r["widths"], r["check"]
@@ -67,7 +68,7 @@ def _phase_table(runs: list[dict]):
     t = Table(title="host µs per step, by phase", title_justify="left", min_width=30)
     t.add_column("phase", justify="left")
     for r in runs:
-        t.add_column(f"graphs {'on' if r['graphs'] else 'off'}", justify="right")
+        t.add_column(mode_name(r["graphs"]), justify="right")
     per_run = [r.get("host_phases_us_per_step") or {} for r in runs]
     for n in PHASES:
         t.add_row(n, *(f"{ph.get(n, 0.0):.1f}" for ph in per_run))

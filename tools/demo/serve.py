@@ -16,6 +16,7 @@ from cudagraph_rt.models import Decoder, ToyConfig, ToyDecoder
 from cudagraph_rt.spec.device_drafter import DeviceDrafter
 from cudagraph_rt.spec.runner import ReferenceDrafter, Request, RunReport, SpecRunner, ToyDrafter
 from cudagraph_rt.testing.checks import Tolerance
+from cudagraph_rt.testing.graph_modes import mode_name
 
 # Hidden rows against the unbatched reference: fp32 differs by reduction order only;
 # bf16 by a few ulps per layer (the toy's own GPU test allows 0.25 on the bench size).
@@ -131,7 +132,7 @@ def serve(model: Decoder, requests: list[Request], graphs: bool, args, plans=Non
     if model.device.type == "cuda":
         torch.cuda.synchronize()
     rep: RunReport = _profiled(lambda: runner.run(max_steps=args.rounds or None), getattr(args, "profile", None),
-                               f"graphs {'on' if graphs else 'off'}, drafter {kind}")
+                               f"{mode_name(graphs)}, drafter {kind}")
     st = runner.rt.stats()
     if hasattr(drafter, "close"):
         drafter.close()
