@@ -54,6 +54,7 @@ BOUND = ("tests/core/test_bound_calls.py",)
 MARKED = ("tests/core/test_pieces.py", "tests/properties/test_fuzz_marked_calls.py")
 OUTPUTS = ("tests/core/test_host_rows.py",)
 ARGS = ("tests/properties/test_bad_arguments.py",)  # the bad-argument fuzz (issue 35)
+CLI = ("tests/tools/test_cli.py",)
 
 M = Mutation
 CATALOGUE: tuple[Mutation, ...] = (
@@ -487,4 +488,52 @@ CATALOGUE: tuple[Mutation, ...] = (
       'k = as_int("k", k, 0)',
       "k = int(k)",
       "k read with int(): k=True drafts 1, k=2.5 drafts 2, k='2' drafts 2", RUNNER + ARGS),
+    # ---------------------------------------------------------------- the command line
+    M(90, "command line", "tools/options.py",
+      'fd, probe = tempfile.mkstemp(prefix=".cgrt-probe-", dir=text)',
+      'fd, probe = tempfile.mkstemp(prefix=".cgrt-probe-")',
+      "the folder's probe file made without dir=: it lands in the temp folder, so a folder nobody can "
+      "write (root and /proc) passes the check and the run fails after its work", CLI),
+    M(91, "command line", "tools/options.py",
+      "os.unlink(text)",
+      "pass",
+      "the output check forgets to remove the file it created: an empty file is left behind even when "
+      "the run never writes it", CLI),
+    M(92, "command line", "tools/console.py",
+      'raise BrokenPipeError(errno.EPIPE, "the reader of the output closed it")',
+      "raise SystemExit(1)",
+      "rich's own answer to a closed pipe kept: `cgrt demo | head -1` exits 1, a failed check", CLI),
+    M(93, "command line", "cudagraph_rt/cli.py",
+      'kwargs.setdefault("allow_abbrev", False)',
+      "pass",
+      "argparse's default kept: `--rep 1` is taken as `--repeats 1`", CLI),
+    M(94, "command line", "cudagraph_rt/testing/graph_modes.py",
+      'if graphs == "auto":',
+      'if graphs in ("auto", "both"):',
+      "`both` taken like `auto` without CUDA (graphs off, a note): what the demo did, while the sweep "
+      "refused it", CLI + SWEEP),
+    M(95, "command line", "tools/inspect_cmd.py",
+      "signature.bind(graphs=True)",
+      "pass",
+      "--target not checked for taking graphs=: `--target os:getcwd` fails inside the call instead "
+      "of as a usage error", ("tests/tools/test_inspect.py",)),
+    M(96, "command line", "tools/sweep/__init__.py",
+      "inside = [t for t in args.extras if t <= top + 1]",
+      "inside = [t for t in args.extras if t < top + 1]",
+      "`<` for `<=`: an extra width equal to the widest + 1, which the sweep runs anyway, is accepted", CLI),
+    M(97, "command line", "tools/sweep/__init__.py",
+      "if args.attention == \"varlen\" and not args.pieces and any(m is not False for m in modes):",
+      "if args.attention == \"varlen\" and not args.pieces and any(m is True for m in modes):",
+      "varlen without --pieces refused for CUDA graphs only: emulated graphs capture whole too, and fail "
+      "after building the model (exit 1)", CLI),
+    M(98, "command line", "tools/options.py",
+      "if TYPE_CHECKING:",
+      "if True:",
+      "torch imported with the shared options (for an annotation): every --help and usage error waits "
+      "seconds for it", CLI),
+    M(99, "sweep", "cudagraph_rt/testing/assertions.py",
+      'if n is None and getattr(device, "type", str(device)) == "cpu":',
+      'if n is None and device == "cpu":',
+      "the adapter's torch.device compared with a string: never equal, so assert_sweep runs on torch's "
+      "default thread count on a CPU", SWEEP),
 )
