@@ -32,7 +32,7 @@ import pytest  # noqa: E402
 from cudagraph_rt.errors import InputError  # noqa: E402
 from cudagraph_rt.kernels import row_gather as rg  # noqa: E402
 from tests.support.models_for_tests import warm_and_capture  # noqa: E402
-from tests.support.extras import kernel_skip  # noqa: E402
+from tests.support.extras import kernel_skip, require  # noqa: E402
 from tests.support.seeds import seeded_rng  # noqa: E402
 
 MODE = rg.kernel_mode()
@@ -335,6 +335,7 @@ def test_choose_gather_dispatch():
 @pytest.mark.parametrize("use_kernel", [None, True])
 def test_gather_rows_auto_on_cpu(use_kernel, rng):
     if use_kernel and MODE != "interpreter":
+        require("triton")
         pytest.skip("the kernel runs on CPU tensors only under TRITON_INTERPRET=1")
     N, R, C, S, H = 6, 6, 6, 2, 5
     src, rows = torch.randn(N, H), torch.randint(0, N, (R,), dtype=torch.int32)

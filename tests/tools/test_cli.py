@@ -23,7 +23,7 @@ from cudagraph_rt import InputError, __version__
 from cudagraph_rt.cli import main
 from tests.support import ROOT
 from tests.support.cli_tables import markdown, rows, subparsers
-from tests.support.extras import require
+from tests.support.extras import needs, require
 
 QUICK_SWEEP = ["--repeats", "1", "--widths", "1,2,4", "--extras", "none", "--device", "cpu"]
 QUICK_DEMO = ["--sequences", "3", "--max-new", "6", "--device", "cpu"]
@@ -178,7 +178,7 @@ def test_output_paths_are_checked_before_the_run_and_never_created(capsys, tmp_p
 
 @pytest.mark.parametrize("argv, flag", [
     (["sweep", *QUICK_SWEEP, "--json", "/proc/cgrt-x.json"], "--json"),
-    (["sweep", *QUICK_SWEEP, "--plot", "/proc"], "--plot"),
+    pytest.param(["sweep", *QUICK_SWEEP, "--plot", "/proc"], "--plot", marks=needs("matplotlib")),  # else refused
     (["demo", *QUICK_DEMO, "--profile", "/proc/cgrt-p.txt"], "--profile"),
     (["demo", *QUICK_DEMO, "--json", "/proc/cgrt-x.json"], "--json"),
     (["inspect", "--dot", "/proc"], "--dot"),
@@ -187,8 +187,6 @@ def test_output_paths_are_checked_before_the_run_and_never_created(capsys, tmp_p
 def test_an_output_path_nobody_can_write_is_refused_before_the_run(capsys, argv, flag):
     """os.access says yes to root for /proc, so these ran to the end and then failed with a
     traceback: the check writes the path instead (a probe file in a folder)."""
-    if flag == "--plot" and not importlib.util.find_spec("matplotlib"):
-        pytest.skip("--plot without the plot extra is refused for that first")
     err = usage_error(capsys, argv, flag, "a")
     assert "can write" in err, err
 
