@@ -1,5 +1,6 @@
 """The package's public names, imported together the first time one is asked for
-(``cudagraph_rt.__getattr__``): ``import cudagraph_rt`` alone imports no torch."""
+(``cudagraph_rt.__getattr__``): ``import cudagraph_rt`` alone imports no torch. Every name
+here is re-exported (``cudagraph_rt.__all__`` lists them)."""
 from __future__ import annotations
 
 from .capture import CaptureReport, WidthCapture

@@ -19,7 +19,8 @@ from typing import Any, Iterator
 
 from ..errors import InputError, expected
 from .harness import run_sweep
-from .report import SweepReport, mode_flag
+from .graph_modes import mode_flag
+from .report import SweepReport
 
 
 def _env_int(name: str) -> int | None:

@@ -34,9 +34,9 @@ from .checks import (
     expected_slices,
 )
 from .checks import check_pad_rows as pad_rows_problem
-from .graph_modes import resolve_graphs
+from .graph_modes import mode_flag, mode_name, resolve_graphs
 from .plans import StepPlan, SweepOptions, SweepPlan, make_plan
-from .report import Failure, ModeReport, SweepReport, WidthSummary, mode_flag, mode_name
+from .report import Failure, ModeReport, SweepReport, WidthSummary
 
 log = logging.getLogger(__name__)
 Repro = Callable[[int, "int | None", "bool | str | None"], str]  # (seed, step, graphs) -> command

@@ -10,7 +10,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .graph_modes import mode_flag, mode_name
+from .graph_modes import mode_name
 from .plans import SweepOptions
 
 

@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 import cudagraph_rt  # noqa: E402
 from cudagraph_rt import CaptureError, GraphRuntime, InputError, InputSpec  # noqa: E402
 from cudagraph_rt.kernels import cell_attention as ca  # noqa: E402
-from tests.support.extras import kernel_skip, needs_kernel  # noqa: E402
+from tests.support.extras import kernel_skip  # noqa: E402
 from tests.support.seeds import seeded_rng  # noqa: E402
 
 MODE = ca.kernel_mode()
