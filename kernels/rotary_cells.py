@@ -2,7 +2,7 @@
 cells, in one launch: a Triton kernel beside its torch reference.
 
 A decode step's attention prologue is three small kernels a layer when the model rotates q
-and k itself (inductor's RoPE of q, of k, then :func:`~.cell_attention.write_cells`), each
+and k itself (inductor's RoPE of q, of k, then :func:`~.attention.write_cells`), each
 of them a launch and a dependent round trip through memory for a few KB of data. This
 kernel reads q, k and v where the projection left them (views of the merged q/k/v product,
 any row and head strides), rotates q into ``q_out`` and k into its cell, and copies v into
@@ -20,14 +20,14 @@ Contract (shared by :func:`rotary_write_cells`, :func:`rotary_write_cells_triton
   each product, so the two differ in the last bit).
 * ``q_out`` ``[N, Hq, D]`` (last dimension contiguous) gets rotated q; row r's rotated k
   and its v go into cell ``cells[r]`` of ``k_cache`` / ``v_cache`` ``[cells, Hkv, D]``, as
-  :func:`~.cell_attention.write_cells` writes them: a cell outside the caches writes
+  :func:`~.attention.write_cells` writes them: a cell outside the caches writes
   nothing, and padding rows sharing the scratch cell leave it unspecified element by
   element.
 
 The kernel: one program a row, the row's Hq and Hkv heads as tiles of half rows (the two
 halves of ``rotate_half`` loaded apart, so nothing is shuffled between lanes); 64-bit
 offsets into the caches. Asynchronous and capturable (``cells`` is read on the device).
-On Hopper and later (:func:`~.cell_attention.pdl_launch`) a programmatic dependent launch:
+On Hopper and later (:func:`~.common.pdl_launch`) a programmatic dependent launch:
 it waits for the launch before it at its very top, so it may follow any kernel, then lets
 the next launch begin (the pool's attention, which waits for this one before reading q or
 the caches).
@@ -39,8 +39,8 @@ from torch import Tensor
 
 from cudagraph_rt.errors import InputError, expected
 
-from .cell_attention import (_check_tensor, _check_write_args, _device_scope, _next_pow2, _runs_kernel,
-                             SUPPORTED_DTYPES, kernel_mode, pdl_options, triton, tl)
+from .attention.checks import SUPPORTED_DTYPES, check_write_args
+from .common import check_tensor, device_scope, next_pow2, pdl_options, runs_kernel, tl, triton, triton_backend
 
 __all__ = ["rotate_reference", "rotary_write_cells", "rotary_write_cells_reference",
            "rotary_write_cells_triton"]
@@ -101,20 +101,20 @@ else:  # pragma: no cover
 # --------------------------------------------------------------------------------------
 def _check_args(q, k, v, cos, sin, k_cache, v_cache, cells, q_out) -> None:
     """Raise InputError naming the first argument that breaks the contract."""
-    _check_tensor("q", q, 3, SUPPORTED_DTYPES)
+    check_tensor("q", q, 3, SUPPORTED_DTYPES)
     N, Hq, D = q.shape
     if D % 2 or q.stride(2) != 1:
         raise InputError(expected("q", "[N, Hq, D] with an even D and a contiguous last dimension",
                                   f"{tuple(q.shape)} strides {q.stride()}"))
     for name, t in (("k", k), ("v", v)):
-        _check_tensor(name, t, 3, SUPPORTED_DTYPES, q.device)
+        check_tensor(name, t, 3, SUPPORTED_DTYPES, q.device)
         if t.shape[0] != N or t.shape[1] < 1 or t.shape[2] != D:
             raise InputError(expected(name, f"[{N}, Hkv >= 1, {D}] (q's rows and D)", tuple(t.shape)))
-    _check_write_args(k, v, k_cache, v_cache, cells)  # v like k, the caches, their heads, the cells
+    check_write_args(k, v, k_cache, v_cache, cells)  # v like k, the caches, their heads, the cells
     if Hq % k.shape[1]:
         raise InputError(expected("q", f"a multiple of k's {k.shape[1]} KV heads as Hq", Hq))
     for name, t in (("cos", cos), ("sin", sin)):
-        _check_tensor(name, t, 2, FLOATS, q.device)
+        check_tensor(name, t, 2, FLOATS, q.device)
         if tuple(t.shape) != (N, D) or t.stride(1) != 1:
             raise InputError(expected(name, f"[{N}, {D}] (q's rows by D), last dimension contiguous",
                                       f"{tuple(t.shape)} strides {t.stride()}"))
@@ -132,7 +132,7 @@ def _args(q, k, v, cos, sin, k_cache, v_cache, cells, q_out) -> tuple:
 
 
 def _meta(Hq: int, Hkv: int, D: int) -> dict:
-    return dict(HKV=Hkv, H2=D // 2, BLOCK_HQ=_next_pow2(Hq), BLOCK_HKV=_next_pow2(Hkv), BLOCK_H2=_next_pow2(D // 2))
+    return dict(HKV=Hkv, H2=D // 2, BLOCK_HQ=next_pow2(Hq), BLOCK_HKV=next_pow2(Hkv), BLOCK_H2=next_pow2(D // 2))
 
 
 # --------------------------------------------------------------------------------------
@@ -144,11 +144,11 @@ def rotary_write_cells_triton(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin:
     ``TRITON_INTERPRET=1``). Returns ``q_out``, valid once the stream reaches it. Raises
     InputError before writing anything when an argument breaks the contract."""
     _check_args(q, k, v, cos, sin, k_cache, v_cache, cells, q_out)
-    if kernel_mode() == "unavailable":
+    if triton_backend() == "unavailable":
         raise RuntimeError("rotary_write_cells_triton: triton is not installed; use rotary_write_cells_reference")
     N, Hq, D = q.shape
     if N:
-        with _device_scope(q):
+        with device_scope(q):
             _rotary_write_kernel[(N,)](*_args(q, k, v, cos, sin, k_cache, v_cache, cells, q_out),
                                        **_meta(Hq, k.shape[1], D), **pdl_options(q.device))
     return q_out
@@ -179,7 +179,7 @@ def rotary_write_cells(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor
     """The contract above: the Triton kernel on CUDA tensors, the torch reference elsewhere
     (the kernel in the interpreter with ``CGRT_CPU_KERNELS=1`` and ``TRITON_INTERPRET=1``).
     Checks its arguments first either way (InputError, nothing written)."""
-    if _runs_kernel(q):
+    if runs_kernel(q):
         return rotary_write_cells_triton(q, k, v, cos, sin, k_cache, v_cache, cells, q_out)
     _check_args(q, k, v, cos, sin, k_cache, v_cache, cells, q_out)
     return rotary_write_cells_reference(q, k, v, cos, sin, k_cache, v_cache, cells, q_out)

@@ -33,7 +33,6 @@ launch per specialisation compiles (make it outside capture: the runtime's warm-
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass, replace
 
@@ -42,15 +41,10 @@ from torch import Tensor
 
 from cudagraph_rt.errors import CaptureError, InputError, expected
 
-try:  # Triton is optional: without it only the reference runs.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised only on installs without triton
-    triton = None
-    tl = None
+from .common import describe, device_scope, next_pow2, tl, triton, triton_backend
 
 __all__ = ["LinearConfig", "MAX_ROWS", "SUPPORTED_DTYPES", "SplitScratch", "TUNED_CONFIGS", "default_split",
-           "kernel_mode", "plan_linear", "small_linear", "small_linear_reference"]
+           "plan_linear", "small_linear", "small_linear_reference"]
 
 MAX_ROWS = 16  # x's rows: the widest step this kernel serves (verify of k <= 15 drafts)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -89,10 +83,6 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
@@ -104,7 +94,7 @@ def default_split(n: int, k: int, config: LinearConfig, sms: int = 132) -> int:
     """The fewest splits (a power of two) that give ``PROGRAMS_PER_SM * sms`` programs,
     but no split reads fewer than ``MIN_K_PER_SPLIT_TILES`` tiles of K, at most MAX_SPLIT."""
     blocks = _cdiv(n, config.block_n)
-    want = _next_pow2(_cdiv(PROGRAMS_PER_SM * sms, blocks))
+    want = next_pow2(_cdiv(PROGRAMS_PER_SM * sms, blocks))
     room = max(1, k // (MIN_K_PER_SPLIT_TILES * config.block_k))
     return max(1, min(want, 1 << (room.bit_length() - 1), MAX_SPLIT))
 
@@ -113,7 +103,7 @@ def plan_linear(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
     """The config of one launch, a pure function of the shapes (and the device's SM count):
     the :data:`TUNED_CONFIGS` entry if any, else the default tile; ``split_k`` filled in by
     :func:`default_split` where the entry leaves it None."""
-    bucket = _next_pow2(max(1, min(m, MAX_ROWS)))
+    bucket = next_pow2(max(1, min(m, MAX_ROWS)))
     config = TUNED_CONFIGS.get((n, k, bucket, dtype.itemsize)) or LinearConfig()
     if config.split_k is None:
         config = replace(config, split_k=default_split(n, k, config, _sm_count(torch.device(device))))
@@ -224,15 +214,6 @@ else:  # pragma: no cover
     _small_gemv_kernel = None
 
 
-def kernel_mode() -> str:
-    """``"compiled"`` (CUDA tensors), ``"interpreter"`` (``TRITON_INTERPRET=1`` was set
-    before this module was imported: CPU tensors, no bf16, not capturable) or
-    ``"unavailable"`` (no triton). Fixed at import, when ``triton.jit`` runs."""
-    if _small_gemv_kernel is None:
-        return "unavailable"
-    return "interpreter" if type(_small_gemv_kernel).__name__ == "InterpretedFunction" else "compiled"
-
-
 # --------------------------------------------------------------------------------------
 # The split scratch (counters and partials; fixed addresses, allocated outside capture)
 # --------------------------------------------------------------------------------------
@@ -274,32 +255,28 @@ SCRATCH = SplitScratch()
 # --------------------------------------------------------------------------------------
 # Validation (metadata only), launcher, reference
 # --------------------------------------------------------------------------------------
-def _desc(t) -> str:
-    return f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, Tensor) else type(t).__name__
-
-
 def check_linear_args(x, weight, bias=None, out=None) -> None:
     """InputError naming the first argument outside the contract; reads metadata only."""
     if not isinstance(x, Tensor) or x.dim() != 2 or x.dtype not in SUPPORTED_DTYPES:
-        raise InputError(expected("x", f"a 2-D tensor of {[str(d) for d in SUPPORTED_DTYPES]}", _desc(x)))
+        raise InputError(expected("x", f"a 2-D tensor of {[str(d) for d in SUPPORTED_DTYPES]}", describe(x)))
     if x.shape[0] > MAX_ROWS:
         raise InputError(expected("x", f"at most {MAX_ROWS} rows (F.linear serves wider steps)", tuple(x.shape)))
     like = f"{x.dtype} on {x.device}"
     if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[1] != x.shape[1] \
             or weight.dtype != x.dtype or weight.device != x.device:
-        raise InputError(expected("weight", f"[N, {x.shape[1]}] {like} (x's K, dtype, device)", _desc(weight)))
+        raise InputError(expected("weight", f"[N, {x.shape[1]}] {like} (x's K, dtype, device)", describe(weight)))
     n = weight.shape[0]
     if bias is not None and (not isinstance(bias, Tensor) or tuple(bias.shape) != (n,) or bias.dtype != x.dtype
                              or bias.device != x.device):
-        raise InputError(expected("bias", f"None or [{n}] {like}", _desc(bias)))
+        raise InputError(expected("bias", f"None or [{n}] {like}", describe(bias)))
     if out is not None and (not isinstance(out, Tensor) or tuple(out.shape) != (x.shape[0], n)
                             or out.dtype != x.dtype or out.device != x.device):
-        raise InputError(expected("out", f"None or [{x.shape[0]}, {n}] {like}", _desc(out)))
+        raise InputError(expected("out", f"None or [{x.shape[0]}, {n}] {like}", describe(out)))
 
 
 def _launch_constants(config: LinearConfig, m: int, k: int, dtype: torch.dtype) -> dict:
     """The kernel's compile-time constants (one compiled kernel per distinct dict)."""
-    block_m = DOT_ROWS if config.dot else _next_pow2(m)
+    block_m = DOT_ROWS if config.dot else next_pow2(m)
     return dict(BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, ROWS=MAX_ROWS,
                 EVEN_K=k % (config.split_k * config.block_k) == 0, DOT=config.dot,
                 DOT_PREC="ieee" if dtype == torch.float32 else "tf32", SPLIT=config.split_k > 1)
@@ -322,9 +299,9 @@ def small_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Ten
     elif config.split_k is None:
         config = replace(config, split_k=default_split(weight.shape[0], x.shape[1], config, _sm_count(x.device)))
     _check_config(config)
-    mode = kernel_mode()
-    if mode == "unavailable" or (x.device.type != "cuda" and mode != "interpreter"):
-        raise RuntimeError(f"small_linear: the Triton kernel cannot run on {x.device} here (triton {mode}); "
+    backend = triton_backend()
+    if backend == "unavailable" or (x.device.type != "cuda" and backend != "interpreter"):
+        raise RuntimeError(f"small_linear: the Triton kernel cannot run on {x.device} here (triton {backend}); "
                            "use small_linear_reference")
     (m, k), n = x.shape, weight.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
@@ -334,7 +311,7 @@ def small_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Ten
     k_per = _cdiv(_cdiv(k, splits), config.block_k) * config.block_k  # whole tiles per split
     counts, partials = SCRATCH.get(x.device, n_blocks, config.block_n, splits) if splits > 1 else (out, out)
     opts = {"num_warps": config.num_warps, "num_stages": config.num_stages} if x.device.type == "cuda" else {}
-    with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
+    with device_scope(x):
         _small_gemv_kernel[(n_blocks, splits)](
             x, weight, weight if bias is None else bias, out, partials, counts, m, n, k, k_per, n_blocks, splits,
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), 0 if bias is None else bias.stride(0),

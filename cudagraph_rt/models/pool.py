@@ -43,7 +43,7 @@ memory); block copies (fork, copy-on-write) are device-to-device slices on the s
 
 Attention counters: on CUDA the pool owns ``counters``, the int32 arrival counters its
 attention launches merge their splits through (zero between launches, see
-:mod:`cudagraph_rt.kernels.cell_attention`), allocated with the pool and never grown, so a
+:mod:`cudagraph_rt.kernels.attention`), allocated with the pool and never grown, so a
 captured graph's launches keep reading them at their address; a pool of its own per
 model keeps models that step on different streams from sharing counters. The bound
 attentions of piecewise replays (:meth:`KVPool.bind_attend`) share the pool's split scratch
@@ -65,9 +65,8 @@ from torch import Tensor
 
 from ..checks import as_int, resolve_device
 from ..errors import CapacityError, CaptureError, InputError, expected
-from ..kernels.cell_attention import (MAX_CELLS, bind_cell_attention, bind_write_cells, cell_attention,
-                                      cell_attention_reference, new_attention_counters, write_cells,
-                                      write_cells_reference)
+from ..kernels.attention import (MAX_CELLS, cell_attention, cell_attention_reference, new_attention_counters,
+                                 plan_cell_attention, plan_write_cells, write_cells, write_cells_reference)
 from ..kernels.rotary_cells import rotary_write_cells, rotary_write_cells_reference
 
 DEFAULT_BLOCK_SIZE = 16
@@ -286,7 +285,7 @@ class KVPool:
         then return every row's attention over its own sequence's positions ``<=`` its own
         (through the block table), ``[N, heads, head_dim]`` in q's dtype: the Triton kernels
         on CUDA, their torch references elsewhere (contract in
-        :mod:`cudagraph_rt.kernels.cell_attention`). All rows write before any reads, so
+        :mod:`cudagraph_rt.kernels.attention`). All rows write before any reads, so
         the rows of one step see each other. Capturable; no host read.
 
         ``rotary``: the rows' ``(cos, sin)`` ``[N, head_dim]`` when q and k come unrotated:
@@ -318,15 +317,15 @@ class KVPool:
         layer = self._layer(layer)
         kc, vc = self.k[layer], self.v[layer]
         if not q.is_cuda:  # the checks once, then attend itself: its references are plain calls
-            bind_write_cells(k, v, kc, vc, cells)
-            bind_cell_attention(q, kc, vc, self.block_table, seq_ids, positions, block_size=self.block_size,
+            plan_write_cells(k, v, kc, vc, cells)
+            plan_cell_attention(q, kc, vc, self.block_table, seq_ids, positions, block_size=self.block_size,
                                 scale=scale, out=out, window=window, slopes=slopes, bias_shift=bias_shift)
             return functools.partial(self.attend, layer, q, k, v, seq_ids, positions, cells, scale=scale,
                                      window=window, slopes=slopes, bias_shift=bias_shift, out=out)
-        write = bind_write_cells(k, v, kc, vc, cells)
-        attention = bind_cell_attention(q, kc, vc, self.block_table, seq_ids, positions, block_size=self.block_size,
+        write = plan_write_cells(k, v, kc, vc, cells).run
+        attention = plan_cell_attention(q, kc, vc, self.block_table, seq_ids, positions, block_size=self.block_size,
                                         scale=scale, out=out, window=window, slopes=slopes, bias_shift=bias_shift,
-                                        counters=self.counters, scratch=self._bound_scratch, dependent=True)
+                                        counters=self.counters, scratch=self._bound_scratch, dependent=True).run
 
         def attend() -> Tensor:
             write()

@@ -44,11 +44,16 @@ def _kernel():
     return small_linear
 
 
+def _triton_backend() -> str:
+    from cudagraph_rt.kernels import common
+    return common.triton_backend()
+
+
 def _product(x: Tensor, weight: Tensor, bias: Optional[Tensor], interpret_on_cpu: bool) -> Tensor:
     """x [M, K] -> [M, N]: the kernel where it serves (M <= 16 on CUDA, or on a CPU when
     asked, in a dtype it takes), else F.linear (which also reports what it cannot take)."""
     k = _kernel()
-    kernel_here = k.kernel_mode() == ("compiled" if x.device.type == "cuda" else "interpreter")
+    kernel_here = _triton_backend() == ("compiled" if x.device.type == "cuda" else "interpreter")
     if 0 < x.shape[0] <= k.MAX_ROWS and kernel_here and (x.device.type == "cuda" or interpret_on_cpu) \
             and x.dtype in k.SUPPORTED_DTYPES and weight.dtype == x.dtype:
         return k.small_linear(x, weight, bias)
@@ -106,7 +111,7 @@ def use_small_m_kernel(model: nn.Module, *, interpret_on_cpu: bool = False) -> i
     (see the module doc); returns how many products now run through it (a merged group
     counts once; 0 for a model without projections). Idempotent. InputError for
     ``interpret_on_cpu=True`` without the Triton interpreter, before anything changes."""
-    if interpret_on_cpu and _kernel().kernel_mode() != "interpreter":
+    if interpret_on_cpu and _triton_backend() != "interpreter":
         raise InputError(expected("interpret_on_cpu", "False unless TRITON_INTERPRET=1 was set before the kernel "
                                   "module was imported", True))
     from .fused import MergedLinear

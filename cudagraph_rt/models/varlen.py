@@ -106,7 +106,7 @@ def varlen_attend(pool_id: int, layer: int, q: Tensor, k: Tensor, v: Tensor, seq
     """Write the rows' K/V into their cells of ``layer``, then every row's attention over its
     own context by this slice's :class:`VarlenPlan` (``step_values()``), into ``out``
     ([N, Hq, D]). Marked eager: it runs outside the graphs (CaptureError in a whole graph)."""
-    from ..kernels.cell_attention import write_cells, write_cells_reference
+    from ..kernels.attention import write_cells, write_cells_reference
 
     plan = step_values()
     if not isinstance(plan, VarlenPlan) or plan.width != q.shape[0]:

@@ -1,5 +1,5 @@
 """Bound replays of marked calls (issue 26): ``cudagraph_rt.eager(fn, bind=...)`` and the
-kernels' bound launches (``bind_cell_attention``, ``bind_write_cells``, ``KVPool.bind_attend``).
+kernels' planned calls (``plan_cell_attention``, ``plan_write_cells``, ``KVPool.bind_attend``).
 
 A piecewise replay runs what ``bind`` made of the recorded arguments instead of ``fn``:
 these tests check that the replays really run it, that it reads its tensors' contents at
@@ -20,11 +20,12 @@ import pytest  # noqa: E402
 
 import cudagraph_rt  # noqa: E402
 from cudagraph_rt import CaptureError, GraphRuntime, InputError, InputSpec  # noqa: E402
-from cudagraph_rt.kernels import cell_attention as ca  # noqa: E402
+from cudagraph_rt.kernels import attention as ca  # noqa: E402
+from cudagraph_rt.kernels import common  # noqa: E402
 from tests.support.extras import kernel_skip  # noqa: E402
 from tests.support.seeds import seeded_rng  # noqa: E402
 
-MODE = ca.kernel_mode()
+MODE = common.triton_backend()
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 NAN = float("nan")
 
@@ -139,7 +140,9 @@ def _check_bound_attention(dev, plan, window):
     rows = [(0, 9), (-1, 0), (2, 17), (2, 18)]
     q, k, v, table, seq, pos = _problem(g, dev, rows)
     out = torch.full_like(q, NAN)
-    run = ca.bind_cell_attention(q, k, v, table, seq, pos, block_size=4, scale=0.3, out=out, window=window, plan=plan)
+    planned = ca.plan_cell_attention(q, k, v, table, seq, pos, block_size=4, scale=0.3, out=out, window=window,
+                                     plan=plan)
+    run = planned.run
     assert out.isnan().all(), "binding launches nothing"
     for rnd in range(3):  # new contents in the same tensors at every call
         q.copy_(torch.randn(q.shape, generator=g).to(dev))
@@ -152,7 +155,7 @@ def _check_bound_attention(dev, plan, window):
         ref = ca.cell_attention_reference(q, k, v, table, seq, pos, block_size=4, scale=0.3, window=window)
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
     if dev.type == "cuda":
-        assert run.launch.direct, "after its first call a bound launch goes straight to the compiled launcher"
+        assert planned.launch.direct, "after its first call a bound launch goes straight to the compiled launcher"
 
 
 def _check_shared_scratch(dev, plan):
@@ -168,7 +171,7 @@ def _check_shared_scratch(dev, plan):
         return bufs["b"]
     probs = [_problem(g, dev, [(0, 21), (1, 13), (-1, 0)]) for _ in range(2)]
     outs = [torch.full_like(p[0], NAN) for p in probs]
-    runs = [ca.bind_cell_attention(*p, block_size=4, scale=0.5, out=o, plan=plan, scratch=scratch)
+    runs = [ca.plan_cell_attention(*p, block_size=4, scale=0.5, out=o, plan=plan, scratch=scratch).run
             for p, o in zip(probs, outs)]
     assert len(asked) == (2 if (plan or ca.plan_attention(3, 4, 2, 16)).splits > 1 else 0)
     for _ in range(2):
@@ -181,7 +184,7 @@ def _check_shared_scratch(dev, plan):
 
 @interpreter_only
 def test_bound_attentions_share_a_scratch(monkeypatch):
-    monkeypatch.setattr(ca, "CPU_RUNS_KERNELS", True)
+    monkeypatch.setattr(common, "CPU_RUNS_KERNELS", True)
     _check_shared_scratch(torch.device("cpu"), INTERPRETER_PLAN)
 
 
@@ -196,7 +199,8 @@ def _check_bound_write(dev):
     kc, vc = torch.zeros(40, 2, 16, device=dev), torch.zeros(40, 2, 16, device=dev)
     k, v = torch.empty(3, 2, 16, device=dev), torch.empty(3, 2, 16, device=dev)
     cells = torch.empty(3, dtype=torch.int64, device=dev)
-    run = ca.bind_write_cells(k, v, kc, vc, cells)
+    planned = ca.plan_write_cells(k, v, kc, vc, cells)
+    run = planned.run
     assert not kc.any() and not vc.any(), "binding writes nothing"
     wk, wv = kc.clone(), vc.clone()
     for rnd in range(3):
@@ -207,13 +211,13 @@ def _check_bound_write(dev):
         ca.write_cells_reference(k, v, wk, wv, cells)
         assert torch.equal(kc, wk) and torch.equal(vc, wv), rnd
     if dev.type == "cuda":
-        assert run.direct
+        assert planned.launch.direct
 
 
 @interpreter_only
 @pytest.mark.parametrize("window", [None, 5])
 def test_a_bound_attention_equals_the_call_and_reads_its_tensors_each_time(window, monkeypatch):
-    monkeypatch.setattr(ca, "CPU_RUNS_KERNELS", True)  # the interpreter on a CPU
+    monkeypatch.setattr(common, "CPU_RUNS_KERNELS", True)  # the interpreter on a CPU
     _check_bound_attention(torch.device("cpu"), INTERPRETER_PLAN, window)
 
 
@@ -227,7 +231,7 @@ def test_a_bound_attention_equals_the_call_and_reads_its_tensors_each_time_on_cu
 
 @interpreter_only
 def test_a_bound_write_equals_the_reference_and_reads_its_tensors_each_time(monkeypatch):
-    monkeypatch.setattr(ca, "CPU_RUNS_KERNELS", True)
+    monkeypatch.setattr(common, "CPU_RUNS_KERNELS", True)
     _check_bound_write(torch.device("cpu"))
 
 
@@ -251,10 +255,10 @@ def test_bad_input_is_refused_at_bind_time(bad, name):
     else:
         kw["window"] = 0
     with pytest.raises(InputError, match=rf"^{name}: expected"):
-        ca.bind_cell_attention(q, k, v, table, seq, pos, **kw)
+        ca.plan_cell_attention(q, k, v, table, seq, pos, **kw)
     assert out.isnan().all()
     with pytest.raises(InputError, match=r"^cells: expected"):
-        ca.bind_write_cells(k[:2], v[:2], k, v, torch.zeros(3, dtype=torch.int64))
+        ca.plan_write_cells(k[:2], v[:2], k, v, torch.zeros(3, dtype=torch.int64))
 
 
 def _pool_attend_is_bound(device, graphs):

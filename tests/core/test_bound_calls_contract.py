@@ -16,7 +16,8 @@ import pytest  # noqa: E402
 
 import cudagraph_rt  # noqa: E402
 from cudagraph_rt import CaptureError, CgrtError, GraphRuntime, InputError, InputSpec  # noqa: E402
-from cudagraph_rt.kernels import cell_attention as ca  # noqa: E402
+from cudagraph_rt.kernels import attention as ca  # noqa: E402
+from cudagraph_rt.kernels import common  # noqa: E402
 from cudagraph_rt.pieces import is_marked  # noqa: E402
 from tests.support.extras import kernel_skip  # noqa: E402
 
@@ -196,7 +197,7 @@ def _problem(device="cpu", rows=((0, 9), (1, 5), (-1, 0)), Hq=4, Hkv=2, D=16, bs
 
 
 PLAN = ca.AttentionPlan(4, 1, 2, ca.AttentionConfig(tile_n=16, min_chunk=16))  # two splits: the scratch is used
-interpreter_only = kernel_skip(ca.kernel_mode() != "interpreter", "the Triton interpreter")
+interpreter_only = kernel_skip(common.triton_backend() != "interpreter", "the Triton interpreter")
 
 
 @interpreter_only
@@ -207,7 +208,7 @@ interpreter_only = kernel_skip(ca.kernel_mode() != "interpreter", "the Triton in
     ("tuple", r"torch.float32 \(24,\) on cpu"),
 ])
 def test_a_bad_shared_scratch_is_refused_at_bind_time(bad, got, monkeypatch):
-    monkeypatch.setattr(ca, "CPU_RUNS_KERNELS", True)
+    monkeypatch.setattr(common, "CPU_RUNS_KERNELS", True)
     q, k, v, table, seq, pos = _problem()
 
     def scratch(lse, part, dtype):
@@ -221,7 +222,7 @@ def test_a_bad_shared_scratch_is_refused_at_bind_time(bad, got, monkeypatch):
     out = torch.full_like(q, NAN)
     with pytest.raises(InputError, match=r"^scratch: expected two flat contiguous tensors on cpu of at least 24 "
                                          rf"float32 and 384 float32 elements, got {got}$"):
-        ca.bind_cell_attention(q, k, v, table, seq, pos, block_size=4, scale=0.3, out=out, plan=PLAN, scratch=scratch)
+        ca.plan_cell_attention(q, k, v, table, seq, pos, block_size=4, scale=0.3, out=out, plan=PLAN, scratch=scratch)
     assert out.isnan().all()
 
 

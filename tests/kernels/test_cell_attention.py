@@ -1,4 +1,4 @@
-"""Tests of kernels/cell_attention.py: the Triton kernels (the interpreter on the CPU, the
+"""Tests of kernels/attention/: the Triton kernels (the interpreter on the CPU, the
 compiled kernels on a GPU) against the torch reference, and both against a plain per-row
 loop written here (gather the row's cells by hand, softmax, weighted sum, in float64).
 
@@ -20,13 +20,15 @@ from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from cudagraph_rt.errors import CaptureError, InputError  # noqa: E402
-from cudagraph_rt.kernels import cell_attention as ca  # noqa: E402
+from cudagraph_rt.kernels import attention as ca  # noqa: E402
+from cudagraph_rt.kernels import common  # noqa: E402
+from cudagraph_rt.kernels.attention import kernel as ca_kernel, launch as ca_launch, tuning as ca_tuning  # noqa: E402
 from tests.support import run_compile_script  # noqa: E402
 from tests.support.extras import needs_kernel, require  # noqa: E402
 from tests.support.seeds import seeded_rng  # noqa: E402
 from tests.support.step_rows import draw_step_rows  # noqa: E402
 
-MODE = ca.kernel_mode()
+MODE = common.triton_backend()
 DEV = torch.device("cuda") if MODE == "compiled" else torch.device("cpu")
 cuda_only = pytest.mark.skipif(MODE != "compiled", reason="needs a CUDA GPU (compiled Triton)")
 
@@ -161,13 +163,13 @@ def count_tile_steps(monkeypatch) -> list[int]:
     replaced by a counting wrapper the interpreted kernel calls as plain Python)."""
     if MODE != "interpreter":
         pytest.skip("counts tile steps through the interpreter")
-    steps, inner = [], ca._attend_tile
+    steps, inner = [], ca_kernel._attend_tile
 
     def counting(*args, **kwargs):
         steps.append(int(args[7]))
         return inner(*args, **kwargs)
 
-    monkeypatch.setattr(ca, "_attend_tile", counting)
+    monkeypatch.setattr(ca_kernel, "_attend_tile", counting)
     return steps
 
 
@@ -176,7 +178,7 @@ def record_programs(monkeypatch) -> list[list[tuple]]:
     steps it makes, as (first position, the lanes of its group) pairs."""
     if MODE != "interpreter":
         pytest.skip("records the programs through the interpreter")
-    programs, serve, tile = [], ca._serve_groups, ca._attend_tile
+    programs, serve, tile = [], ca_kernel._serve_groups, ca_kernel._attend_tile
 
     def serving(*args, **kwargs):
         programs.append([])
@@ -187,8 +189,8 @@ def record_programs(monkeypatch) -> list[list[tuple]]:
         programs[-1].append((int(args[7]), lanes))
         return tile(*args, **kwargs)
 
-    monkeypatch.setattr(ca, "_serve_groups", serving)
-    monkeypatch.setattr(ca, "_attend_tile", stepping)
+    monkeypatch.setattr(ca_kernel, "_serve_groups", serving)
+    monkeypatch.setattr(ca_kernel, "_attend_tile", stepping)
     return programs
 
 
@@ -409,13 +411,13 @@ def record_split_stores(monkeypatch) -> list[int]:
     count_tile_steps): a row that never shows took the one-split path."""
     if MODE != "interpreter":
         pytest.skip("records the partial stores through the interpreter")
-    rows, inner = [], ca._store_split
+    rows, inner = [], ca_kernel._store_split
 
     def recording(*args, **kwargs):
         rows.append(int(args[5].handle.data[0]))  # lane 0: the tile's first row
         return inner(*args, **kwargs)
 
-    monkeypatch.setattr(ca, "_store_split", recording)
+    monkeypatch.setattr(ca_kernel, "_store_split", recording)
     return rows
 
 
@@ -478,12 +480,12 @@ def test_shared_counters_are_never_allocated_during_capture(monkeypatch):
     """The process's counter buffer is allocated on first use; during a capture that is
     refused (a buffer allocated there would belong to the graph's pool)."""
     dev = torch.device("cuda", 7)
-    monkeypatch.setattr(ca, "_COUNTER_BUFFERS", {})
-    monkeypatch.setattr(ca, "resolve_device", lambda d: d)  # a GPU this machine may lack: its check is not this test's
+    monkeypatch.setattr(ca_launch, "_COUNTER_BUFFERS", {})
+    monkeypatch.setattr(ca_launch, "resolve_device", lambda d: d)  # a GPU this machine may lack: not this test's
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(CaptureError, match="outside graph capture"):
         ca.attention_counters(dev, 10)
-    assert ca._COUNTER_BUFFERS == {dev: []}
+    assert ca_launch._COUNTER_BUFFERS == {dev: []}
 
 
 @needs_kernel
@@ -559,7 +561,7 @@ def test_cpu_dispatch_runs_the_reference_unless_asked(rng, monkeypatch):
     want = pb.reference(scale=0.3)
     assert torch.equal(ca.cell_attention(*pb.args(), block_size=pb.bs, scale=0.3), want)
     if MODE == "interpreter":
-        monkeypatch.setattr(ca, "CPU_RUNS_KERNELS", True)
+        monkeypatch.setattr(common, "CPU_RUNS_KERNELS", True)
         used = []
         monkeypatch.setattr(ca, "cell_attention_triton", lambda *a, **k: used.append(1) or want)
         ca.cell_attention(*pb.args(), block_size=pb.bs, scale=0.3)
@@ -573,13 +575,13 @@ def test_plans_depend_on_shapes_only():
     assert many.programs_per_tile == many.rows_per_tile  # distinct sequences run in parallel
     for n in (1, 2, 5, 8, 9, 33, 96):
         plan = ca.plan_attention(n, 32, 8, 128)
-        assert 1 <= plan.splits <= ca.MAX_SPLITS and plan.rows_per_tile * 4 <= ca.MAX_TILE_LANES
+        assert 1 <= plan.splits <= ca_tuning.MAX_SPLITS and plan.rows_per_tile * 4 <= ca_tuning.MAX_TILE_LANES
         assert plan == ca.plan_attention(n, 32, 8, 128)
     assert ca.plan_attention(3, 4, 4, 16, splits=7).splits == 7
     assert ca.plan_attention(96, 128, 1, 64).rows_per_tile == 1  # G = 128 fills a tile alone
     decode, many = ca.plan_attention(1, 32, 8, 64), ca.plan_attention(64, 32, 8, 64)
     assert decode.rows_per_tile == many.rows_per_tile == 1 and decode.splits > 1  # G lanes a row, none idle
-    assert verify.splits * verify.rows_per_tile * 4 <= ca.MERGE_LANE_SPLITS  # what the last split merges
+    assert verify.splits * verify.rows_per_tile * 4 <= ca_tuning.MERGE_LANE_SPLITS  # what the last split merges
 
 
 @pytest.mark.parametrize("bad, name", [
@@ -614,7 +616,7 @@ def test_bad_input_names_the_argument(rng, bad, name):
 ENTRY_POINTS = {"kernel": lambda **kw: ca.cell_attention_triton(**kw),
                 "reference": lambda **kw: ca.cell_attention_reference(**kw),
                 "dispatch": lambda **kw: ca.cell_attention(**kw),
-                "bind": lambda **kw: ca.bind_cell_attention(**{"out": torch.zeros_like(kw["q"]), **kw})()}
+                "bind": lambda **kw: ca.plan_cell_attention(**{"out": torch.zeros_like(kw["q"]), **kw}).run()}
 
 
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
@@ -680,7 +682,7 @@ def test_write_cells_entry_points_check_their_arguments(rng, entry):
     if entry in ("triton", "bind"):  # the Triton kernel's entry points
         require("triton")
     run = {"triton": ca.write_cells_triton, "dispatch": ca.write_cells,
-           "bind": lambda *a: ca.bind_write_cells(*a)()}[entry]
+           "bind": lambda *a: ca.plan_write_cells(*a).run()}[entry]
     k, kc = torch.randn(3, 2, 16), torch.zeros(8, 2, 16)
     vc = kc.clone()
     for cells, name in ((torch.zeros(2, dtype=torch.int64), "cells"), (torch.zeros(3), "cells"),
@@ -899,7 +901,7 @@ def test_cuda_dependent_launches_read_what_the_launch_before_wrote(rng, monkeypa
 
     if torch.cuda.get_device_capability(DEV)[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90 or later")
-    assert ca.pdl_launch(DEV), "Hopper: the dependent launches are on"
+    assert common.pdl_launch(DEV), "Hopper: the dependent launches are on"
     Hq, Hkv, D, bs = 32, 8, 64, 16
     pos0 = 100 + rng.randrange(300)
     pb = Problem(rng, [(0, pos0 + i) for i in range(rows)], Hq=Hq, Hkv=Hkv, D=D, bs=bs, S=1, MB=64,
@@ -929,11 +931,11 @@ def test_cuda_dependent_launches_read_what_the_launch_before_wrote(rng, monkeypa
                                  scale=0.125, out=out, dependent=True)
 
     k0, v0 = pb.k.clone(), pb.v.clone()
-    monkeypatch.setattr(ca, "DEPENDENT_LAUNCH", False)
+    monkeypatch.setattr(common, "DEPENDENT_LAUNCH", False)
     step()
     want, want_k = out.clone(), pb.k.clone()
     assert want.isfinite().all()
-    monkeypatch.setattr(ca, "DEPENDENT_LAUNCH", True)
+    monkeypatch.setattr(common, "DEPENDENT_LAUNCH", True)
     for _ in range(3):
         pb.k.copy_(k0), pb.v.copy_(v0)
         step()

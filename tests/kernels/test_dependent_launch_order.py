@@ -18,12 +18,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cudagraph_rt.kernels import cell_attention as ca
+from cudagraph_rt.kernels import attention as ca
+from cudagraph_rt.kernels import common
+from cudagraph_rt.kernels.attention import launch as ca_launch
 from cudagraph_rt.kernels import rotary_cells as rc
 from tests.support.extras import kernel_skip
 from tests.support.step_rows import draw_step_rows
 
-pytestmark = kernel_skip(ca.kernel_mode() != "interpreter", "the interpreter's trace (CPU)")
+pytestmark = kernel_skip(common.triton_backend() != "interpreter", "the interpreter's trace (CPU)")
 
 
 @contextlib.contextmanager
@@ -112,7 +114,8 @@ def check_order(events, early_ok: set):
 def dependent_attention(monkeypatch, pb_args, *, out, plan, **kw):
     # The pool's launch as on Hopper: dependent=True puts PDL=True in the launch (the
     # CPU's _launch_options is empty: here it passes the constexpr as CUDA's does).
-    monkeypatch.setattr(ca, "_launch_options", lambda config, device, dependent=False: {"PDL": bool(dependent)})
+    monkeypatch.setattr(ca_launch, "_launch_options",
+                        lambda config, device, dependent=False: {"PDL": bool(dependent)})
     return ca.cell_attention_triton(*pb_args, out=out, plan=plan, dependent=True, **kw)
 
 
@@ -175,7 +178,8 @@ def check_dependent_attention(monkeypatch, rng, rows, plan_kw):
     pm = torch.full((N, Hq, plan.splits), float("nan"))
     pacc = torch.full((N, Hq, plan.splits, D), float("nan"))
     # the split scratch as the launcher would allocate it, named for the trace
-    monkeypatch.setattr(ca, "_scratch", lambda *a, **kw: (pm, pacc, counters) if plan.splits > 1 else (out, out, out))
+    monkeypatch.setattr(ca_launch, "_split_scratch",
+                        lambda *a, **kw: (pm, pacc, counters) if plan.splits > 1 else (out, out, out))
     named = dict(q=q, k=k, v=v, block_table=bt, seq_ids=seq_ids, positions=positions, out=out, counters=counters,
                  pm=pm, pacc=pacc)
     with traced(named) as events:
@@ -220,12 +224,12 @@ def test_launch_pdl_is_named_only_for_a_dependent_launch(monkeypatch):
     constexpr is always named (the bound launch's direct path needs every constexpr)."""
     cfg = ca.plan_attention(8, 32, 8, 64).config
     cuda = torch.device("cuda", 0)
-    plain = ca._launch_options(cfg, cuda, dependent=False)
+    plain = ca_launch._launch_options(cfg, cuda, dependent=False)
     assert "launch_pdl" not in plain and plain["PDL"] is False
-    monkeypatch.setattr(ca, "pdl_launch", lambda device: False)  # not Hopper, or no gdc in this Triton
-    off = ca._launch_options(cfg, cuda, dependent=True)
+    monkeypatch.setattr(common, "pdl_launch", lambda device: False)  # not Hopper, or no gdc in this Triton
+    off = ca_launch._launch_options(cfg, cuda, dependent=True)
     assert "launch_pdl" not in off and off["PDL"] is False
-    monkeypatch.setattr(ca, "pdl_launch", lambda device: True)
-    on = ca._launch_options(cfg, cuda, dependent=True)
+    monkeypatch.setattr(common, "pdl_launch", lambda device: True)
+    on = ca_launch._launch_options(cfg, cuda, dependent=True)
     assert on["launch_pdl"] is True and on["PDL"] is True
-    assert ca._launch_options(cfg, torch.device("cpu"), dependent=True) == {}
+    assert ca_launch._launch_options(cfg, torch.device("cpu"), dependent=True) == {}

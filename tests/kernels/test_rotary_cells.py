@@ -9,12 +9,12 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from cudagraph_rt.errors import InputError  # noqa: E402
-from cudagraph_rt.kernels import cell_attention as ca  # noqa: E402
+from cudagraph_rt.kernels import common  # noqa: E402
 from cudagraph_rt.kernels import rotary_cells as rc  # noqa: E402
 from tests.support.extras import needs, needs_kernel  # noqa: E402
 from tests.support.seeds import seeded_rng  # noqa: E402
 
-MODE = ca.kernel_mode()
+MODE = common.triton_backend()
 DEV = torch.device("cuda") if MODE == "compiled" else torch.device("cpu")
 cuda_only = pytest.mark.skipif(MODE != "compiled", reason="needs a CUDA GPU (compiled Triton)")
 
@@ -109,7 +109,7 @@ def test_dispatch_runs_the_reference_on_a_cpu_and_checks_first(rng, monkeypatch)
     """On CPU tensors (no CGRT_CPU_KERNELS) the entry point is the reference; bad input is
     refused before anything is written."""
     r = Rows(rng, 4, device=torch.device("cpu"))
-    monkeypatch.setattr(rc, "_runs_kernel", lambda t: False)
+    monkeypatch.setattr(rc, "runs_kernel", lambda t: False)
     rc.rotary_write_cells(*r.args())
     torch.testing.assert_close(r.q_out, rc.rotate_reference(r.q, r.cos, r.sin, torch.float32))
     bad = Rows(rng, 4, device=torch.device("cpu"))

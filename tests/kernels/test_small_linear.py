@@ -16,13 +16,14 @@ import pytest
 import torch
 
 from cudagraph_rt.errors import CaptureError, InputError
+from cudagraph_rt.kernels import common
 from cudagraph_rt.kernels import small_linear as sl
 from tests.support import run_compile_script
 from tests.support.extras import needs_kernel, require
 from tests.support.seeds import seeded_rng
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
-DEV = torch.device("cuda") if sl.kernel_mode() == "compiled" and torch.cuda.is_available() else torch.device("cpu")
+DEV = torch.device("cuda" if common.triton_backend() == "compiled" and torch.cuda.is_available() else "cpu")
 
 CONFIGS = [None,  # the default plan
            sl.LinearConfig(block_n=16, block_k=16, split_k=1),

@@ -568,7 +568,7 @@ def test_a_device_this_machine_lacks_is_an_input_error_naming_it(device):
                max_seq_len=8, block_size=4)
     with pytest.raises(InputError, match=r"^device: expected"):
         ToyDecoder(ToyConfig.tiny(layers=1, taps=(0,)), device)
-    from cudagraph_rt.kernels.cell_attention import attention_counters, new_attention_counters
+    from cudagraph_rt.kernels.attention import attention_counters, new_attention_counters
     for make in (new_attention_counters, attention_counters):
         with pytest.raises(InputError, match=r"^device: expected"):
             make(device)
@@ -606,6 +606,6 @@ def test_a_pool_past_what_the_attention_addresses_is_refused_before_allocating(c
 
 @pytest.mark.parametrize("entries", [True, 0, 2.0, "8"])
 def test_bad_counter_sizes_are_refused(entries):
-    from cudagraph_rt.kernels.cell_attention import new_attention_counters
+    from cudagraph_rt.kernels.attention import new_attention_counters
     with pytest.raises(InputError, match=r"^entries: expected"):
         new_attention_counters("cpu", entries)

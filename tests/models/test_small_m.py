@@ -20,6 +20,7 @@ require("transformers")
 import transformers  # noqa: E402
 
 from cudagraph_rt.errors import InputError  # noqa: E402
+from cudagraph_rt.kernels import common  # noqa: E402
 from cudagraph_rt.kernels import small_linear as sl  # noqa: E402
 from cudagraph_rt.models import hf, small_m  # noqa: E402
 from cudagraph_rt.models.compiled import CompiledRows  # noqa: E402
@@ -28,7 +29,7 @@ from tests.support.seeds import seeded_rng  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 FAMILIES = ("llama", "qwen2", "qwen3")  # qwen2: q/k/v biases; qwen3: q/k norms on the slices
-DEV = torch.device("cuda") if sl.kernel_mode() == "compiled" and torch.cuda.is_available() else torch.device("cpu")
+DEV = torch.device("cuda" if common.triton_backend() == "compiled" and torch.cuda.is_available() else "cpu")
 TOL = dict(rtol=1e-5, atol=1e-5) if DEV.type == "cpu" else dict(rtol=1e-4, atol=1e-4)  # cuBLAS vs kernel order
 
 
@@ -123,7 +124,7 @@ def test_fuse_projections_with_the_kernel_and_the_cpu_default(rng, launches):
 
 
 def test_interpreting_needs_the_interpreter(monkeypatch):
-    monkeypatch.setattr(sl, "kernel_mode", lambda: "compiled")
+    monkeypatch.setattr(common, "triton_backend", lambda: "compiled")
     model = tiny("llama", 0)
     with pytest.raises(InputError, match="interpret_on_cpu"):
         small_m.use_small_m_kernel(model, interpret_on_cpu=True)

@@ -33,7 +33,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cudagraph_rt import CapacityError, GraphRuntime, HostRows, InputError, InputSpec
-from cudagraph_rt.kernels import cell_attention as ca
+from cudagraph_rt.kernels import attention as ca
+from cudagraph_rt.kernels import common
 from cudagraph_rt.kernels import rotary_cells as rc
 from cudagraph_rt.models import KVPool, ToyConfig, ToyDecoder
 from cudagraph_rt.spec.device_drafter import DeviceDrafter
@@ -440,9 +441,9 @@ def _attend(fn):
     return call
 
 
-def _bound(kw):
+def _planned(kw):
     kw = dict(kw)
-    return ca.bind_cell_attention(**kw)().clone()
+    return ca.plan_cell_attention(**kw).run().clone()
 
 
 def _write_problem() -> dict:
@@ -460,7 +461,7 @@ def _write(fn):
 
 ATTENTION_ARGS = dict(block_size="bs", window="int?!", bias_shift="int!", scale="real")
 ATTENTION_NAMES = dict(block_size=r"^(block_size|k_cache: expected whole blocks of block_size)\b")
-RUNS_KERNEL = ca.kernel_mode() == "interpreter"  # the Triton launchers on these CPU tensors
+RUNS_KERNEL = common.triton_backend() == "interpreter"  # the Triton launchers on these CPU tensors
 KERNELS = {
     "cell_attention": Target(call=_attend(ca.cell_attention), good=_problem, args=dict(ATTENTION_ARGS, splits="int?"),
                              named=ATTENTION_NAMES, observe=lambda o: o, state=tensors_of),
@@ -480,7 +481,7 @@ if RUNS_KERNEL:  # the Triton launchers (the interpreter on a CPU)
         "cell_attention_triton": Target(call=_attend(ca.cell_attention_triton), good=_problem,
                                         args=dict(ATTENTION_ARGS, splits="int?", dependent="flag"),
                                         named=ATTENTION_NAMES, observe=lambda o: o, state=tensors_of),
-        "bind_cell_attention": Target(call=_bound, good=_problem, args=dict(ATTENTION_ARGS), named=ATTENTION_NAMES,
+        "plan_cell_attention": Target(call=_planned, good=_problem, args=dict(ATTENTION_ARGS), named=ATTENTION_NAMES,
                                       observe=lambda o: o,
                                       state=tensors_of),
         "write_cells_triton": Target(call=_write(ca.write_cells_triton), good=_write_problem,

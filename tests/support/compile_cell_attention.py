@@ -21,7 +21,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from cudagraph_rt.kernels import cell_attention as ca  # noqa: E402
+from cudagraph_rt.kernels import attention as ca  # noqa: E402
+from cudagraph_rt.kernels.attention import kernel as ca_kernel  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -44,7 +45,7 @@ def attention(N, Hq, Hkv, D, dtype, *, block_size=16, window=False, bias=False, 
     pointers = dict(q_ptr=f"*{t}", k_ptr=f"*{t}", v_ptr=f"*{t}", bt_ptr="*i32", seq_ptr="*i64", pos_ptr="*i64",
                     slope_ptr="*fp32", out_ptr=f"*{t}", pm_ptr="*fp32", pacc_ptr=f"*{t}", cnt_ptr="*i32")
     options = dict(num_warps=plan.config.num_warps, num_stages=plan.config.num_stages, launch_pdl=pdl)
-    return plan, compile_kernel(ca._cell_attention_kernel, pointers, meta, options)
+    return plan, compile_kernel(ca_kernel.cell_attention_kernel, pointers, meta, options)
 
 
 def waits(kernel, want: int, triggers: int) -> bool:
@@ -93,8 +94,9 @@ def main() -> int:
         print(f"{'ok' if ok else 'FAILED'} {label}: plan {plan}, shared {k.metadata.shared} B, "
               f"{'pipelined' if pipelined else 'not pipelined'} ({depth} K/V buffers)"
               f"{'' if ordered else ', griddepcontrol not as expected'}")
-    write = compile_kernel(ca._write_cells_kernel, dict(k_ptr="*bf16", v_ptr="*bf16", kc_ptr="*bf16", vc_ptr="*bf16",
-                                                         cells_ptr="*i64"), dict(HKV=8, D=64, BLOCK_H=8, BLOCK_D=64), {})
+    write = compile_kernel(ca_kernel.write_cells_kernel, dict(k_ptr="*bf16", v_ptr="*bf16", kc_ptr="*bf16",
+                                                              vc_ptr="*bf16", cells_ptr="*i64"),
+                           dict(HKV=8, D=64, BLOCK_H=8, BLOCK_D=64), {})
     print(f"ok write_cells ({write.metadata.shared} B shared)")
     from cudagraph_rt.kernels import rotary_cells as rc
 

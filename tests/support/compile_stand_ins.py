@@ -15,7 +15,7 @@ import random
 import torch
 from torch import nn
 
-from cudagraph_rt.kernels.cell_attention import cell_attention_reference, write_cells_reference
+from cudagraph_rt.kernels.attention import cell_attention_reference, write_cells_reference
 from cudagraph_rt.models import attention_op
 from cudagraph_rt.models.cells import ROW_INPUTS, take_rows
 from cudagraph_rt.models.compiled import CompiledRows
@@ -151,9 +151,9 @@ class HFStandIn(_Rows):
             from cudagraph_rt.models.fused import fuse_projections
             fuse_projections(self.model)
         if small_m:  # the projections through the small-M kernel, interpreted on a CPU-only box
-            from cudagraph_rt.kernels.small_linear import kernel_mode
+            from cudagraph_rt.kernels.common import triton_backend
             from cudagraph_rt.models.small_m import use_small_m_kernel
-            use_small_m_kernel(self.model, interpret_on_cpu=kernel_mode() == "interpreter")
+            use_small_m_kernel(self.model, interpret_on_cpu=triton_backend() == "interpreter")
         self.decoder, self.head = self.model.get_decoder(), self.model.get_output_embeddings()
         self.device = torch.device("cpu")
         cfg = self.model.config

@@ -2,6 +2,8 @@
 kernels in the interpreter) and writes every section, each kernel result checked against
 SDPA by the bench itself; the goal table names each goal case with pass or miss."""
 import json
+import os
+import shutil
 
 import pytest
 import torch
@@ -67,7 +69,7 @@ def test_quick_on_a_cpu_sets_the_interpreter_itself_or_says_what_to_set():
         pytest.skip("a GPU machine runs the full bench")
     p = run_compiled("-m", "cudagraph_rt.tools.bench.attention", "--quick", "--sections", "extents")
     assert p.returncode == 0, (p.returncode, p.stderr[-500:])
-    early = ("import sys; import cudagraph_rt.kernels.cell_attention; "
+    early = ("import sys; import cudagraph_rt.kernels.attention; "
              "from cudagraph_rt.tools.bench.attention import main; sys.exit(main(['--quick']))")
     p = run_compiled("-c", early)
     assert p.returncode == 2 and "TRITON_INTERPRET=1" in p.stderr, (p.returncode, p.stderr[-500:])
@@ -75,16 +77,17 @@ def test_quick_on_a_cpu_sets_the_interpreter_itself_or_says_what_to_set():
 
 def test_kernel_versions_times_two_copies_of_the_kernel_side_by_side(tmp_path, monkeypatch, capsys):
     """tools/bench/experiments/kernel_versions.py --quick (the interpreter): the tree's
-    kernel against a copy of its own file, loaded as a module of its own, every case
+    kernel against a copy of its own package, loaded as a module of its own, every case
     timed for both and their outputs written and equal; a bad command line exits 2."""
-    from cudagraph_rt.kernels import cell_attention as ca
+    from cudagraph_rt.kernels import attention as ca
+    from cudagraph_rt.kernels.common import triton_backend
     from cudagraph_rt.tools.bench.experiments import kernel_versions as kv
 
     require("triton")
-    if ca.kernel_mode() != "interpreter":
+    if triton_backend() != "interpreter":
         pytest.skip("the --quick run is the interpreter's")
-    copy = tmp_path / "cell_attention_copy.py"
-    copy.write_text(open(ca.__file__).read())
+    copy = tmp_path / "attention_copy"
+    shutil.copytree(os.path.dirname(ca.__file__), copy, ignore=shutil.ignore_patterns("__pycache__"))
     other = kv.load(str(copy))
     assert other is not ca and other.cell_attention_triton is not ca.cell_attention_triton
     monkeypatch.setenv("OUT", str(tmp_path))

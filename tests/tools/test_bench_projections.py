@@ -33,11 +33,11 @@ def test_unknown_implementations_are_refused(tmp_path, capsys):
 def test_quick_run_of_the_small_m_kernel_and_its_tuning(tmp_path, capsys):
     """The kernel (interpreted here) timed beside cuBLAS, every case checked against
     F.linear first; --tune times the plan and the candidates and prints its table."""
-    from cudagraph_rt.kernels.small_linear import kernel_mode
+    from cudagraph_rt.kernels.common import triton_backend
 
     require("transformers")
     require("triton")
-    if kernel_mode() != "interpreter":
+    if triton_backend() != "interpreter":
         pytest.skip("the kernel runs on CPU tensors in the interpreter only (a GPU machine: bash .ci/gpu kernels)")
     out = tmp_path / "proj.json"
     args = ["--quick", "--json", str(out), "--widths", "1", "--replays", "1", "--impls", "cublas,small", "--tune",

@@ -502,19 +502,20 @@ def main(argv=None) -> int:
             print("bench_attention: expected a CUDA device (or --quick), got none", file=sys.stderr)
             return 2
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
-    from cudagraph_rt.kernels import cell_attention as ca
+    from cudagraph_rt.kernels import attention as ca
+    from cudagraph_rt.kernels.common import triton_backend
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and ca.kernel_mode() != "interpreter":
+    if device.type == "cpu" and triton_backend() != "interpreter":
         # Triton chose compiled kernels when the bench package imported it, before main():
         # without a GPU every kernel would fail to launch.
         print("bench_attention --quick: expected the Triton interpreter on a CPU (triton installed and "
-              f"TRITON_INTERPRET=1 set when Python starts), got kernel mode {ca.kernel_mode()!r}", file=sys.stderr)
+              f"TRITON_INTERPRET=1 set when Python starts), got Triton backend {triton_backend()!r}", file=sys.stderr)
         return 2
     sizes = QUICK if a.quick else FULL
     bench = Bench(ca, sizes, device, a.budget)
     res = {"meta": {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                    "torch": torch.__version__, "triton": _triton_version(), "kernel_mode": ca.kernel_mode(),
+                    "torch": torch.__version__, "triton": _triton_version(), "triton_backend": triton_backend(),
                     "quick": a.quick, "shape": {**asdict(sizes.shape), "dtype": str(sizes.shape.dtype)},
                     "block_size": sizes.block_size, "hbm_bytes_per_s": HBM_BYTES_PER_S, "reps": sizes.reps}}
     t0 = time.monotonic()

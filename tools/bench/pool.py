@@ -80,7 +80,7 @@ def _attention_us(model: hf.HFDecoder, live: int, T: int) -> float:
     width T: tools/bench/attention.py's timed loop over the model's shapes (a CUDA graph of
     every layer's kernel launch, L2 flushed before each replay, median)."""
     from . import attention as ba
-    from cudagraph_rt.kernels import cell_attention as ca
+    from cudagraph_rt.kernels import attention as ca
 
     c = model.model.config
     shape = ba.Shape(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, model.head_dim,

@@ -250,7 +250,8 @@ def tune(weights: dict, groups: list[Group], widths, replays: int, limit: int | 
 
 def tune_report(found: list[dict], rows: list[Row]) -> None:
     """Per group and width: cuBLAS (merged), the plan, the best candidate; then entries."""
-    from cudagraph_rt.kernels.small_linear import MAX_ROWS, _next_pow2
+    from cudagraph_rt.kernels.common import next_pow2
+    from cudagraph_rt.kernels.small_linear import MAX_ROWS
 
     cublas = {(r.group, r.width): r.us for r in rows if r.impl == "cublas" and r.layout == "merged"}
     print(f"{'group':8} {'M':>3} {'floor':>6} {'cublas':>15} {'plan':>15} {'best':>15}  best config")
@@ -262,7 +263,7 @@ def tune_report(found: list[dict], rows: list[Row]) -> None:
         print(f"{key[0]:8} {key[1]:3} {plan['floor_us']:6.2f} {cell(cublas.get(key))} {cell(plan['us'])} "
               f"{cell(best['us'])}  {best['label']}")
         if best["us"] < 0.97 * plan["us"]:
-            bucket = _next_pow2(min(key[1], MAX_ROWS))
+            bucket = next_pow2(min(key[1], MAX_ROWS))
             entries.append(f"    ({best['n']}, {best['k']}, {bucket}, {best['esize']}): {best['config']!r},"
                            f"  # {key[0]} M={key[1]}: {best['us']:.2f} us vs plan {plan['us']:.2f}")
     print("suggested TUNED_CONFIGS entries (kernels/small_linear.py):" if entries else
@@ -293,7 +294,7 @@ def main(argv=None) -> int:
     if not impls or any(i not in IMPLS for i in impls):
         print(f"bench_projections: --impls: expected some of {','.join(IMPLS)}, got {a.impls!r}", file=sys.stderr)
         return 2
-    if a.quick and ("small" in impls or a.tune) and _kernel_mode() != "interpreter":
+    if a.quick and ("small" in impls or a.tune) and _triton_backend() != "interpreter":
         print("bench_projections: --quick with the small-M kernel: expected TRITON_INTERPRET=1 (the kernel on a "
               "CPU), got none", file=sys.stderr)
         return 2
@@ -326,9 +327,9 @@ def main(argv=None) -> int:
     return 0
 
 
-def _kernel_mode() -> str:
-    from cudagraph_rt.kernels.small_linear import kernel_mode
-    return kernel_mode()
+def _triton_backend() -> str:
+    from cudagraph_rt.kernels.common import triton_backend
+    return triton_backend()
 
 
 def record(path: str, rows: list[Row], compile_s: dict, wall_s: float, tuned: list[dict] | None = None) -> None:

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cudagraph_rt.kernels import cell_attention as ca
+from cudagraph_rt.kernels import attention as ca
 from cudagraph_rt.tools.bench.attention import FULL, Timer, Workload, kv_floor_us
 
 OUT = os.environ.get("OUT", "/tmp")

@@ -1,10 +1,14 @@
-"""This tree's cell attention against another version of the same file, side by side in one
-process: bench.attention's 16-layer loop and timer over the same workloads, the two
-versions alternated twice (this, other, this, other) and each one's best kept, their outputs
-compared. The other version is a copy of kernels/cell_attention.py from another commit:
+"""This tree's cell attention against another version of it, side by side in one process:
+bench.attention's 16-layer loop and timer over the same workloads, the two versions
+alternated twice (this, other, this, other) and each one's best kept, their outputs
+compared. The other version is a copy of kernels/attention/ from another commit (its
+relative imports resolve against this tree's kernels/common.py), or of the single file
+kernels/cell_attention.py from a commit before the package:
 
+    mkdir -p scratch/old && git archive COMMIT kernels/attention | tar -x -C scratch/old
+    python3 -u tools/bench/experiments/kernel_versions.py scratch/old/kernels/attention
     git show 2bf9f11:kernels/cell_attention.py > scratch/cell_attention_old.py
-    PYTHONPATH=. python3 -u tools/bench/experiments/kernel_versions.py scratch/cell_attention_old.py
+    python3 -u tools/bench/experiments/kernel_versions.py scratch/cell_attention_old.py
 
 ``--quick``: bench.attention's small shapes on the CPU (TRITON_INTERPRET=1). JSON at
 $OUT/kernel_versions.json; a line per case.
@@ -18,7 +22,7 @@ import sys
 
 import torch
 
-from cudagraph_rt.kernels import cell_attention as ca
+from cudagraph_rt.kernels import attention as ca
 from cudagraph_rt.tools.bench.attention import FULL, QUICK, Timer, Workload
 
 # (live cells a sequence, width, sequences): one sequence's decode and verify rows, a batch
@@ -27,8 +31,15 @@ QUICK_CASES = ((24, 1, 1), (24, 4, 1), (12, 3, 3))
 
 
 def load(path: str):
-    """The file at ``path`` as a module of its own (its Triton kernels compiled apart)."""
-    spec = importlib.util.spec_from_file_location("cell_attention_other", path)
+    """The version at ``path`` as a module of its own (its Triton kernels compiled apart): a
+    copy of the package folder, loaded as ``cudagraph_rt.kernels.attention_other`` (so its
+    relative imports find this tree's kernels/common.py), or a single file."""
+    if os.path.isdir(path):
+        spec = importlib.util.spec_from_file_location("cudagraph_rt.kernels.attention_other",
+                                                      os.path.join(path, "__init__.py"),
+                                                      submodule_search_locations=[path])
+    else:
+        spec = importlib.util.spec_from_file_location("cell_attention_other", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # its dataclasses look their module up while it runs
     spec.loader.exec_module(mod)
@@ -65,7 +76,7 @@ def main(argv=None) -> int:
     quick = "--quick" in args
     paths = [a for a in args if a != "--quick"]
     if len(paths) != 1:
-        print("usage: kernel_versions.py [--quick] OTHER_CELL_ATTENTION.py", file=sys.stderr)
+        print("usage: kernel_versions.py [--quick] OTHER_ATTENTION_FOLDER_OR_FILE", file=sys.stderr)
         return 2
     compare(load(paths[0]), quick, os.environ.get("OUT", "/tmp"))
     return 0

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from cudagraph_rt.kernels import cell_attention as ca
+from cudagraph_rt.kernels import attention as ca
 from cudagraph_rt.tools.bench.attention import FULL, Workload
 
 

@@ -6,7 +6,7 @@ attention (``unfused``) and, where this tree has it, the write inside the attent
 """
 import sys
 
-from cudagraph_rt.kernels import cell_attention as ca
+from cudagraph_rt.kernels import attention as ca
 from cudagraph_rt.tools.bench import profile_replay
 
 

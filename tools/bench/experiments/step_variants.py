@@ -15,7 +15,7 @@ import time
 import torch
 
 from cudagraph_rt import GraphRuntime
-from cudagraph_rt.kernels import cell_attention as ca
+from cudagraph_rt.kernels import attention as ca
 from cudagraph_rt.models import hf
 from cudagraph_rt.tools.bench.common import step_time_us
 from cudagraph_rt.tools.bench.hf import prompts_for, runtime_greedy
