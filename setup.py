@@ -18,6 +18,7 @@ setup(
         "cudagraph_rt.testing",
         "cudagraph_rt.kernels",
         "cudagraph_rt.kernels.attention",
+        "cudagraph_rt.kernels.row_gather",
         "cudagraph_rt.tools",
         "cudagraph_rt.tools.bench",
         "cudagraph_rt.tools.bench.experiments",

@@ -1,5 +1,5 @@
-"""Tests of kernels/row_gather.py: the Triton gather against its torch reference and
-against the contract itself (the "Contract" in kernels/row_gather.py's docstring).
+"""Tests of kernels/row_gather/: the Triton gather against its torch reference and
+against the contract itself (the "Contract" in the package's docstring).
 
 Where the kernel runs: tests/conftest.py sets TRITON_INTERPRET=1 on machines without
 CUDA before anything imports triton, so the "kernel" tests run the interpreter on CPU
@@ -30,12 +30,13 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from cudagraph_rt.errors import InputError  # noqa: E402
+from cudagraph_rt.kernels import common  # noqa: E402
 from cudagraph_rt.kernels import row_gather as rg  # noqa: E402
 from tests.support.models_for_tests import warm_and_capture  # noqa: E402
 from tests.support.extras import kernel_skip, require  # noqa: E402
 from tests.support.seeds import seeded_rng  # noqa: E402
 
-MODE = rg.kernel_mode()
+MODE = common.triton_backend()
 if MODE == "interpreter":
     KDEV = torch.device("cpu")
 elif MODE == "compiled" and torch.cuda.is_available():

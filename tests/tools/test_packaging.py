@@ -25,7 +25,7 @@ import pytest
 
 from tests.support import ROOT
 
-MAPPED = {"kernels": "row_gather", "tools": "options"}  # folder -> a module inside it
+MAPPED = {"kernels": "common", "tools": "options"}  # folder -> a module inside it
 
 # Run in the child: which file each mapped name comes from, and how every other name at
 # the repository root fares as cudagraph_rt.<name>.
@@ -113,7 +113,8 @@ def test_wheel_holds_the_package_only_and_resolves_inside_itself(wheel, tmp_path
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
     assert tops == {"cudagraph_rt", wheel.name.split("-")[0] + "-" + wheel.name.split("-")[1] + ".dist-info"}, tops
-    for must in ("cudagraph_rt/py.typed", "cudagraph_rt/kernels/row_gather.py", "cudagraph_rt/tools/sweep/__init__.py",
+    for must in ("cudagraph_rt/py.typed", "cudagraph_rt/kernels/attention/kernel.py",
+                 "cudagraph_rt/tools/sweep/__init__.py",
                  "cudagraph_rt/models/toy.py", "cudagraph_rt/debug/inspect.py", "cudagraph_rt/spec/runner.py",
                  "cudagraph_rt/tools/bench/compile_child.py", "cudagraph_rt/tools/demo/serve.py"):
         assert must in names, must

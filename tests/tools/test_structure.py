@@ -23,6 +23,13 @@ def test_no_function_in_the_core_or_kernels_is_over_50_lines():
     assert not long, long
 
 
+def test_no_kernel_file_is_over_500_lines():
+    """A kernel's file holds one idea (issue 36: the cell attention's kernel, launchers,
+    checks, reference and tuning are files of their own)."""
+    long = [f"{p.relative_to(ROOT)} ({n} lines)" for p in KERNELS if (n := len(p.read_text().splitlines())) > 500]
+    assert not long, long
+
+
 def test_only_the_host_row_code_reads_the_mode_string():
     pattern = re.compile(r"\.mode\s*(==|!=|in\b)|mode\s*(==|!=)\s*[\"'](host|device|commit)[\"']")
     found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in CORE if "host_rows" not in p.parts
