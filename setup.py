@@ -17,6 +17,7 @@ setup(
         "cudagraph_rt.spec",
         "cudagraph_rt.testing",
         "cudagraph_rt.kernels",
+        "cudagraph_rt.kernels.sampling",
         "cudagraph_rt.tools",
         "cudagraph_rt.tools.bench",
         "cudagraph_rt.tools.bench.experiments",

@@ -1,0 +1,576 @@
+"""The sampler's Triton kernels: sorting-free, each row's vocabulary split over many programs.
+
+Every launch has the grid ``(chunks, N)``: program (c, r) reads chunk c of row r (``chunk``
+logits, whole tiles), writes its partial results to the workspace, and the last program of
+the row to arrive (an acq_rel ticket per row, as in ``small_linear.py``) reduces the
+row's partials in chunk order (so the result does not depend on arrival order), moves the
+row's state on and puts the ticket back to 0. The state of a row (``PHASE`` and the rest
+of the ``_I*`` / ``_F*`` words) says what the next launches do with it; a launch whose
+phase is not the row's returns at once.
+
+1. ``_stats_kernel`` (every row): the row max m and min of the scaled logits
+   ``s = logits * (1 / T)``, the first maximal index, the online softmax mass Z; for rows
+   with no filter the Gumbel-max winner too (one pass: those rows end here), greedy rows end
+   with the first maximal logit. Filtered rows enter the search.
+2. ``_search_kernel`` x ``search_passes``: the k-ary search for the top-k threshold, then
+   (top-p on) for the top-p threshold of the renormalised top-k set. Thresholds are float
+   keys (``_f2key``, an order-preserving int32); the row's bracket [lo, hi) holds the
+   answer t* = the largest data key with pred(t) (top-k: count(key >= t) >= k; top-p:
+   mass(key >= t) >= top_p * mass(top-k set)). A pass tests ``candidates`` thresholds at
+   once (spread evenly in value between the bracket's ends; in key space on every other
+   step of the fallback loop, which bounds the steps), each chunk counting, summing
+   exp(s - m), and taking the smallest key at or above and the largest key below each
+   candidate within the bracket; the reducer keeps the sub-bracket where pred turns false,
+   narrowed to the data in it, so a bracket holding one distinct value is resolved
+   (ties included). Tiles with no key in the bracket skip the candidate work, so later
+   passes only read. The last search launch's reducer finishes any row still searching
+   in a loop of its own over the whole row (rare: many ties of nearby values, or fewer
+   passes than the data needs). Then the threshold is max(search result, m + log(min_p)).
+3. ``_final_kernel``: the Gumbel-max winner over {key >= threshold} (minus the draft when
+   there is one), tiles with nothing kept skipped (no noise drawn there), and the kept mass;
+   the reducer decides the token (acceptance of the draft for a verify).
+4. ``_residual_kernel`` (a verify with a full q only): the token from norm(max(0, p - q))
+   of the rows that rejected their draft.
+5. ``_probs_kernel`` (when asked): the processed distribution p, written out (a draft
+   model's q).
+
+Launch count: 2 + search_passes (+1 full-q verify, +1 probabilities). A row with no filter
+needs only the first; a min-p-only row the first and the final.
+"""
+from __future__ import annotations
+
+try:  # Triton is optional: without it only the torch path runs.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only on installs without triton
+    triton = None
+    tl = None
+
+from cudagraph_rt.kernels.sampling.settings import MIN_TEMPERATURE
+
+# Row state: int32 words ...
+I_PHASE, I_LO, I_HI, I_THR, I_KEFF, I_ARGMAX, I_WORDS = 0, 1, 2, 3, 4, 5, 8
+# ... and float32 words
+F_M, F_TARGET, F_ZFIN, F_ZALL, F_TMIN, F_WORDS = 0, 1, 2, 3, 4, 8
+# Phases
+DONE, SEARCH_K, SEARCH_P, READY, RESIDUAL = 0, 1, 2, 3, 4
+FALLBACK_STEPS = 96  # bound of the fallback loop (it needs at most ~2 * 32 / log2(candidates) per phase)
+
+if triton is not None:
+    from cudagraph_rt.kernels.sampling.philox import tl_gumbel, tl_uniforms
+
+    _MIN_T = tl.constexpr(MIN_TEMPERATURE)
+    _KEY_NEG_INF = tl.constexpr(-2139095041)  # _f2key(-inf): a threshold that keeps everything
+    _KEY_MAX = tl.constexpr(2147483647)
+    _FLT_MAX = tl.constexpr(3.4028234663852886e38)
+    _S_DONE, _S_K, _S_P, _S_READY, _S_RES = (tl.constexpr(v) for v in (DONE, SEARCH_K, SEARCH_P, READY, RESIDUAL))
+
+    @triton.jit
+    def _f2key(s):
+        """Order-preserving int32 key of float32 ``s`` (NaN excluded; -0.0 as +0.0)."""
+        bits = s.to(tl.int32, bitcast=True)
+        return tl.where(s == 0.0, 0, bits ^ ((bits >> 31) & 0x7FFFFFFF))
+
+    @triton.jit
+    def _key2f(key):
+        """The float32 of an order-preserving key (the inverse of ``_f2key``)."""
+        return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _last_to_arrive(ticket_ptr, n_chunks):
+        """True in the row's last program to get here; its partials, and every other
+        program's, are written before (a CTA barrier, then an acq_rel atomic)."""
+        tl.debug_barrier()
+        return tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == n_chunks - 1
+
+    @triton.jit
+    def _reset_ticket(ticket_ptr):
+        tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
+
+    @triton.jit
+    def _row_draft(draft_ptr, r, V, HAS_DRAFT: tl.constexpr):
+        """Row r's draft token, -1 for none (or anything outside [0, V))."""
+        if HAS_DRAFT:
+            d = tl.load(draft_ptr + r)
+            return tl.where((d >= 0) & (d < V), d, -1).to(tl.int32)
+        return tl.full([], -1, tl.int32)
+
+    @triton.jit
+    def _inv_temperature(temp_ptr, r):
+        """(1 / T rounded to nearest, greedy?): greedy rows scale by 1."""
+        t = tl.load(temp_ptr + r)
+        greedy = t < _MIN_T
+        one = tl.full([], 1.0, tl.float32)
+        return tl.where(greedy, one, tl.math.div_rn(one, tl.where(greedy, one, t))), greedy
+
+    @triton.jit
+    def _filtered(topk_ptr, topp_ptr, minp_ptr, r, V):
+        k = tl.load(topk_ptr + r)
+        return ((k > 0) & (k < V)) | (tl.load(topp_ptr + r) < 1.0) | (tl.load(minp_ptr + r) > 0.0)
+
+    @triton.jit
+    def _better(key, idx, best, best_idx):
+        """Keep the larger key; on a tie the earlier candidate (callers go in index order)."""
+        return tl.maximum(best, key), tl.where(key > best, idx, best_idx)
+
+    @triton.jit
+    def _accept_uniform(seed, position):
+        """Index 0 of the acceptance stream (Stream.ACCEPT = 1)."""
+        u = tl_uniforms(seed, position, tl.full([], 1, tl.int32), 0, 4)
+        return tl.sum(tl.where(tl.arange(0, 4) == 0, u, 0.0), 0)
+
+    # ----------------------------------------------------------------------------- stats
+    @triton.jit
+    def _lane_winner(best, bi):
+        """(max, first index of it) over per-lane maxima and their first indices (-1: none)."""
+        top = tl.max(best, 0)
+        first = tl.min(tl.where((best == top) & (bi >= 0), bi, _KEY_MAX), 0)
+        return top, tl.where(first == _KEY_MAX, -1, first)
+
+    @triton.jit
+    def _stats_scan(row_ptr, start, end, inv_t, noisy, seed, position, stream, d, BLOCK: tl.constexpr):
+        """One chunk: (max, first argmax, min, mass relative to the max, Gumbel winner key
+        and index over everything but d when ``noisy``). Per-lane accumulators, reduced
+        once at the end (the scans' loops make at most one call, the noise: under the
+        interpreter every call of a jit function, reductions included, costs a re-patch
+        of triton.language)."""
+        lane = tl.arange(0, BLOCK)
+        mx, am = tl.full([BLOCK], float("-inf"), tl.float32), start + lane
+        mn, z = tl.full([BLOCK], float("inf"), tl.float32), tl.full([BLOCK], 0.0, tl.float32)
+        best, bi = tl.full([BLOCK], float("-inf"), tl.float32), tl.full([BLOCK], -1, tl.int32)
+        for b in range(start, end, BLOCK):
+            idx = b + lane
+            ok = idx < end
+            s = tl.load(row_ptr + idx, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
+            am = tl.where(s > mx, idx, am)
+            new_mx = tl.maximum(mx, s)
+            z = z * tl.where(mx > float("-inf"), tl.exp(mx - new_mx), 0.0) \
+                + tl.where(s > float("-inf"), tl.exp(s - new_mx), 0.0)
+            mx = new_mx
+            mn = tl.minimum(mn, tl.where(ok, s, float("inf")))
+            if noisy:
+                score = tl.where(ok & (idx != d), s + tl_gumbel(seed, position, stream, b, BLOCK), float("-inf"))
+                bi = tl.where(score > best, idx, bi)
+                best = tl.maximum(best, score)
+        m, first = _lane_winner(mx, am)
+        z = tl.sum(tl.where(mx > float("-inf"), z * tl.exp(mx - m), 0.0), 0)
+        best, bi = _lane_winner(best, bi)
+        return m, tl.where(first < 0, start, first), tl.min(mn, 0), z, best, bi
+
+    @triton.jit
+    def _stats_reduce(ipart, fpart, n_chunks, IW: tl.constexpr, FW: tl.constexpr, CB: tl.constexpr):
+        """The row's (m, first argmax, min, Z, Gumbel winner) from its chunks' partials."""
+        m, am, mn = float("-inf"), tl.full([], 0, tl.int32), float("inf")
+        best, bi = float("-inf"), tl.full([], -1, tl.int32)
+        for cb in range(0, n_chunks, CB):
+            cc = cb + tl.arange(0, CB)
+            ok = cc < n_chunks
+            mxc = tl.load(fpart + cc * FW, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            amc = tl.load(ipart + cc * IW, mask=ok, other=0, cache_modifier=".cg")
+            tm = tl.max(mxc, 0)
+            m, am = _better(tm, tl.min(tl.where(mxc == tm, amc, _KEY_MAX), 0), m, am)
+            mn = tl.minimum(mn, tl.min(tl.load(fpart + cc * FW + 1, mask=ok, other=float("inf"),
+                                               cache_modifier=".cg"), 0))
+            bgc = tl.load(fpart + cc * FW + 3, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            bic = tl.load(ipart + cc * IW + 1, mask=ok, other=-1, cache_modifier=".cg")
+            tb = tl.max(bgc, 0)
+            best, bi = _better(tb, tl.min(tl.where((bgc == tb) & (bic >= 0), bic, _KEY_MAX), 0), best, bi)
+        z = 0.0
+        for cb in range(0, n_chunks, CB):
+            cc = cb + tl.arange(0, CB)
+            ok = cc < n_chunks
+            mxc = tl.load(fpart + cc * FW, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            zc = tl.load(fpart + cc * FW + 2, mask=ok, other=0.0, cache_modifier=".cg")
+            z += tl.sum(tl.where(mxc > float("-inf"), zc * tl.exp(mxc - m), 0.0), 0)
+        return m, am, mn, z, best, bi
+
+    @triton.jit
+    def _decide(r, d, best, thr, z, m, inv_t, row_ptr, q_row, seed, position, tok_ptr, pd_ptr, ist, fst,
+                HAS_DRAFT: tl.constexpr, FULL_Q: tl.constexpr):
+        """Row r's token from its Gumbel winner ``best`` over the kept set minus the draft:
+        the draft when accepted (u * q(d) < p(d), p(d) = exp(s_d - m) / z on the kept set),
+        else the winner (a one-hot q's residual; a full q's residual is left to the
+        residual launch: phase RESIDUAL). Stores the token, p(d), threshold and mass."""
+        token = tl.where(best < 0, 0, best)
+        phase = tl.full([], DONE, tl.int32)
+        pd = 0.0
+        if HAS_DRAFT:
+            dc = tl.maximum(d, 0)
+            s_d = tl.load(row_ptr + dc).to(tl.float32) * inv_t
+            pd = tl.where((d >= 0) & (_f2key(s_d) >= thr), tl.math.div_rn(tl.exp(s_d - m), z), 0.0)
+            q_d = tl.load(q_row + dc) if FULL_Q else 1.0
+            accept = (d >= 0) & (_accept_uniform(seed, position) * q_d < pd)
+            token = tl.where(accept, d, token)
+            if FULL_Q:
+                phase = tl.where((d >= 0) & (~accept), RESIDUAL, DONE).to(tl.int32)
+        tl.store(tok_ptr + r, token.to(tl.int64))
+        tl.store(pd_ptr + r, pd)
+        tl.store(ist + I_PHASE, phase)
+        tl.store(ist + I_THR, thr)
+        tl.store(fst + F_ZFIN, z)
+
+    @triton.jit
+    def _settle(phase, lo, hi, mass_lo, target, m, t_min, top_p, V, ist, fst):
+        """Store the row's search state after a step and return (phase, lo, hi, target): a
+        resolved top-k bracket (hi <= lo + 1) moves to top-p (when on) or to READY, a
+        resolved top-p bracket to READY with threshold max(lo, key(m + log(min_p)))."""
+        resolved = hi.to(tl.int64) <= lo.to(tl.int64) + 1
+        if resolved & (phase == _S_K) & (top_p < 1.0):
+            # t_p >= m + log((1 - top_p) / V) (the token at t_p carries >= (1 - top_p) / V of the
+            # mass); one more e of margin for rounding
+            bound = _f2key(m + tl.log(1.0 - top_p) - tl.log(V.to(tl.float32)) - 1.0)
+            phase = tl.full([], SEARCH_P, tl.int32)
+            lo, hi, target = tl.maximum(lo, bound), _f2key(m) + 1, top_p * mass_lo
+            resolved = hi.to(tl.int64) <= lo.to(tl.int64) + 1
+        if resolved:
+            phase = tl.full([], READY, tl.int32)
+            tl.store(ist + I_THR, tl.maximum(lo, _f2key(t_min)))
+        tl.store(ist + I_PHASE, phase)
+        tl.store(ist + I_LO, lo)
+        tl.store(ist + I_HI, hi)
+        tl.store(fst + F_TARGET, target)
+        return phase, lo, hi, target
+
+    @triton.jit
+    def _stats_finish(r, V, d, m, am, mn, z, best, inv_t, greedy, filtered, row_ptr, q_row, seed, position,
+                      topk_ptr, topp_ptr, minp_ptr, tok_ptr, pd_ptr, ist, fst,
+                      HAS_DRAFT: tl.constexpr, FULL_Q: tl.constexpr):
+        """After the stats: greedy rows take the first maximal logit, unfiltered rows their
+        Gumbel winner; filtered rows enter the search (top-k, or a top-k of everything
+        resolved at once when it is off)."""
+        tl.store(fst + F_M, m)
+        tl.store(fst + F_ZALL, z)
+        tl.store(ist + I_ARGMAX, am)
+        min_p = tl.load(minp_ptr + r)
+        t_min = tl.where(min_p > 0.0, m + tl.log(min_p), float("-inf"))
+        tl.store(fst + F_TMIN, t_min)
+        if greedy:
+            tl.store(tok_ptr + r, am.to(tl.int64))
+            tl.store(pd_ptr + r, ((d >= 0) & (d == am)).to(tl.float32))
+            tl.store(ist + I_PHASE, DONE)
+            tl.store(ist + I_THR, _KEY_NEG_INF)
+            tl.store(fst + F_ZFIN, 1.0)
+        elif filtered:
+            k = tl.load(topk_ptr + r)
+            k_on = (k > 0) & (k < V)
+            tl.store(ist + I_KEFF, tl.where(k_on, k, 0).to(tl.int32))
+            lo = _f2key(mn)
+            _settle(tl.full([], SEARCH_K, tl.int32), lo, tl.where(k_on, _f2key(m) + 1, lo + 1), z,
+                    tl.full([], 0.0, tl.float32), m, t_min,
+                    tl.load(topp_ptr + r), V, ist, fst)
+        else:
+            _decide(r, d, best, _KEY_NEG_INF, z, m, inv_t, row_ptr, q_row, seed, position, tok_ptr, pd_ptr, ist, fst,
+                    HAS_DRAFT, FULL_Q)
+
+    @triton.jit
+    def _stats_kernel(logits_ptr, stride_l, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, pos_ptr, draft_ptr,
+                      q_ptr, stride_q, tok_ptr, pd_ptr, ist_ptr, fst_ptr, ipart_ptr, fpart_ptr, ticket_ptr,
+                      chunk, n_chunks, base_stream, IW: tl.constexpr, FW: tl.constexpr, BLOCK: tl.constexpr,
+                      CB: tl.constexpr, HAS_DRAFT: tl.constexpr, FULL_Q: tl.constexpr):
+        c, r = tl.program_id(0), tl.program_id(1).to(tl.int64)
+        inv_t, greedy = _inv_temperature(temp_ptr, r)
+        filtered = _filtered(topk_ptr, topp_ptr, minp_ptr, r, V)
+        d = _row_draft(draft_ptr, r, V, HAS_DRAFT)
+        seed, position = tl.load(seed_ptr + r), tl.load(pos_ptr + r)
+        stream = tl.where(d >= 0, 2, base_stream)  # Stream.RESIDUAL with a draft
+        row_ptr = logits_ptr + r * stride_l
+        start = c * chunk
+        mx, am, mn, z, best, bi = _stats_scan(row_ptr, start, tl.minimum(start + chunk, V), inv_t,
+                                              (~greedy) & (~filtered), seed, position, stream, d, BLOCK)
+        ipart, fpart = ipart_ptr + r * n_chunks * IW, fpart_ptr + r * n_chunks * FW
+        tl.store(fpart + c * FW, mx)
+        tl.store(fpart + c * FW + 1, mn)
+        tl.store(fpart + c * FW + 2, z)
+        tl.store(fpart + c * FW + 3, best)
+        tl.store(ipart + c * IW, am)
+        tl.store(ipart + c * IW + 1, bi)
+        if _last_to_arrive(ticket_ptr + r, n_chunks):
+            m, am, mn, z, best, bi = _stats_reduce(ipart, fpart, n_chunks, IW, FW, CB)
+            _stats_finish(r, V, d, m, am, mn, z, bi, inv_t, greedy, filtered, row_ptr, q_ptr + r * stride_q, seed,
+                          position, topk_ptr, topp_ptr, minp_ptr, tok_ptr, pd_ptr, ist_ptr + r * I_WORDS,
+                          fst_ptr + r * F_WORDS, HAS_DRAFT, FULL_Q)
+            _reset_ticket(ticket_ptr + r)
+
+    # ----------------------------------------------------------------------------- search
+    @triton.jit
+    def _candidates(lo, hi, key_uniform, MC: tl.constexpr):
+        """MC thresholds in [lo, hi) as the floats they stand for, and the bracket's ends:
+        c_0 = lo, then evenly spaced in value between the bracket's ends (in key space where
+        that is not finite, or ``key_uniform``), non-decreasing, with c_1 > lo and
+        c_{MC-1} < hi so that every step shrinks a bracket of two or more distinct values;
+        every key when the bracket is that narrow. (Key to float inline: one call fewer.)"""
+        j = tl.arange(0, MC)
+        lo64, hi64 = lo.to(tl.int64), hi.to(tl.int64)
+        width = hi64 - lo64
+        by_key = lo64 + (width * j) // MC
+        vlo = (lo ^ ((lo >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        top = hi - 1
+        span = (top ^ ((top >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True) - vlo
+        by_value = _f2key(vlo + span * (j.to(tl.float32) * (1.0 / MC))).to(tl.int64)
+        c = tl.where((span <= _FLT_MAX) & (span > 0.0) & (key_uniform == 0), by_value, by_key)
+        c = tl.minimum(tl.maximum(c, lo64 + j), hi64 - MC + j)
+        c = tl.where(width >= MC, c, lo64 + j).to(tl.int32)
+        hi_f = (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        return (c ^ ((c >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True), vlo, hi_f
+
+    @triton.jit
+    def _scan(row_ptr, start, end, inv_t, m, cand_f, lo_f, hi_f, MC: tl.constexpr, BLOCK: tl.constexpr):
+        """One range of the row against the bracket [lo, hi) and its candidates (keys
+        compared as the floats they stand for: the same order for non-NaN values): per
+        candidate c, the count and mass exp(s - m) of key >= c (those at or above hi
+        included), and within the bracket the smallest s >= c and the largest s < c; and
+        the largest s in the bracket. Tiles with nothing in the bracket only count."""
+        cnt = tl.full([MC], 0, tl.int32)
+        mass = tl.full([MC], 0.0, tl.float32)
+        succ = tl.full([MC], float("inf"), tl.float32)
+        pred = tl.full([MC], float("-inf"), tl.float32)
+        n_above, m_above = tl.full([BLOCK], 0, tl.int32), tl.full([BLOCK], 0.0, tl.float32)
+        top = tl.full([BLOCK], float("-inf"), tl.float32)
+        for b in range(start, end, BLOCK):
+            idx = b + tl.arange(0, BLOCK)
+            ok = idx < end
+            s = tl.load(row_ptr + idx, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
+            w = tl.where(s > float("-inf"), tl.exp(s - m), 0.0)
+            above = ok & (s >= hi_f)
+            inb = ok & (s >= lo_f) & (~above)
+            n_above += above.to(tl.int32)
+            m_above += tl.where(above, w, 0.0)
+            top = tl.maximum(top, tl.where(inb, s, float("-inf")))
+            if tl.max(inb.to(tl.int32), 0) > 0:
+                ge = (s[:, None] >= cand_f[None, :]) & inb[:, None]
+                cnt += tl.sum(ge.to(tl.int32), 0)
+                mass += tl.sum(tl.where(ge, w[:, None], 0.0), 0)
+                succ = tl.minimum(succ, tl.min(tl.where(ge, s[:, None], float("inf")), 0))
+                pred = tl.maximum(pred, tl.max(tl.where(inb[:, None] & (~ge), s[:, None], float("-inf")), 0))
+        return cnt + tl.sum(n_above, 0), mass + tl.sum(m_above, 0), succ, pred, tl.max(top, 0)
+
+    @triton.jit
+    def _step(phase, lo, hi, keff, target, cnt, mass, succ, pred, top, m, t_min, top_p, V, ist, fst,
+              MC: tl.constexpr):
+        """Keep the last candidate where pred holds (pred at lo is taken as true), narrowed
+        to the data between it and the next candidate; store and return the new state."""
+        j = tl.arange(0, MC)
+        ok = tl.where(phase == _S_K, cnt >= keff, mass >= target) | (j == 0)
+        js = tl.max(tl.where(ok, j, 0), 0)
+        new_lo = tl.max(tl.where(j == js, succ, float("-inf")), 0)
+        nxt = tl.max(tl.where(j == js + 1, pred, float("-inf")), 0)
+        mass_lo = tl.max(tl.where(j == js, mass, 0.0), 0)
+        empty = new_lo == float("inf")  # no data at or above the kept candidate: cannot happen, stop
+        lo_key = tl.where(empty, lo, _f2key(new_lo))
+        hi_key = tl.where(empty, lo, _f2key(tl.where(js + 1 < MC, nxt, top)) + 1)
+        return _settle(phase, lo_key, hi_key, mass_lo, target, m, t_min, top_p, V, ist, fst)
+
+    @triton.jit
+    def _search_reduce(ipart, fpart, n_chunks, IW: tl.constexpr, FW: tl.constexpr, CB: tl.constexpr,
+                       MC: tl.constexpr):
+        """The row's per-candidate totals from its chunks' partials, summed in chunk order."""
+        j = tl.arange(0, MC)
+        cnt, mass = tl.full([MC], 0, tl.int32), tl.full([MC], 0.0, tl.float32)
+        succ, pred = tl.full([MC], float("inf"), tl.float32), tl.full([MC], float("-inf"), tl.float32)
+        top = float("-inf")
+        for cb in range(0, n_chunks, CB):
+            cc = cb + tl.arange(0, CB)
+            ok = cc < n_chunks
+            at_f, ok2 = fpart + cc[:, None] * FW + j[None, :], ok[:, None]
+            cnt += tl.sum(tl.load(ipart + cc[:, None] * IW + j[None, :], mask=ok2, other=0, cache_modifier=".cg"), 0)
+            mass += tl.sum(tl.load(at_f, mask=ok2, other=0.0, cache_modifier=".cg"), 0)
+            succ = tl.minimum(succ, tl.min(tl.load(at_f + MC, mask=ok2, other=float("inf"), cache_modifier=".cg"), 0))
+            pred = tl.maximum(pred, tl.max(tl.load(at_f + 2 * MC, mask=ok2, other=float("-inf"),
+                                                   cache_modifier=".cg"), 0))
+            top = tl.maximum(top, tl.max(tl.load(fpart + cc * FW + 3 * MC, mask=ok, other=float("-inf"),
+                                                 cache_modifier=".cg"), 0))
+        return cnt, mass, succ, pred, top
+
+    @triton.jit
+    def _search_alone(row_ptr, V, inv_t, m, t_min, phase, lo, hi, keff, target, top_p, ist, fst,
+                      MC: tl.constexpr, BLOCK: tl.constexpr):
+        """The fallback: one program steps the row's search over the whole row until it is
+        resolved, key-uniform candidates on every other step (at most ~2 * 32 / log2(MC)
+        steps a phase); past FALLBACK_STEPS the threshold is the bracket's bottom."""
+        steps = 0
+        while ((phase == _S_K) | (phase == _S_P)) & (steps < FALLBACK_STEPS):
+            cand_f, lo_f, hi_f = _candidates(lo, hi, steps % 2, MC)
+            cnt, mass, succ, pred, top = _scan(row_ptr, 0, V, inv_t, m, cand_f, lo_f, hi_f, MC, BLOCK)
+            phase, lo, hi, target = _step(phase, lo, hi, keff, target, cnt, mass, succ, pred, top, m, t_min,
+                                          top_p, V, ist, fst, MC)
+            steps += 1
+        if (phase == _S_K) | (phase == _S_P):
+            tl.store(ist + I_THR, tl.maximum(lo, _f2key(t_min)))
+            tl.store(ist + I_PHASE, READY)
+
+    @triton.jit
+    def _search_kernel(logits_ptr, stride_l, V, temp_ptr, topp_ptr, ist_ptr, fst_ptr, ipart_ptr, fpart_ptr,
+                       ticket_ptr, chunk, n_chunks, IW: tl.constexpr, FW: tl.constexpr, BLOCK: tl.constexpr,
+                       CB: tl.constexpr, MC: tl.constexpr, LAST: tl.constexpr):
+        c, r = tl.program_id(0), tl.program_id(1).to(tl.int64)
+        ist, fst = ist_ptr + r * I_WORDS, fst_ptr + r * F_WORDS
+        phase = tl.load(ist + I_PHASE)
+        if (phase == _S_K) | (phase == _S_P):
+            lo, hi, m = tl.load(ist + I_LO), tl.load(ist + I_HI), tl.load(fst + F_M)
+            inv_t, _ = _inv_temperature(temp_ptr, r)
+            row_ptr = logits_ptr + r * stride_l
+            start = c * chunk
+            cand_f, lo_f, hi_f = _candidates(lo, hi, 0, MC)
+            cnt, mass, succ, pred, top = _scan(row_ptr, start, tl.minimum(start + chunk, V), inv_t, m, cand_f, lo_f,
+                                               hi_f, MC, BLOCK)
+            j = tl.arange(0, MC)
+            ipart, fpart = ipart_ptr + (r * n_chunks + c) * IW, fpart_ptr + (r * n_chunks + c) * FW
+            tl.store(ipart + j, cnt)
+            tl.store(fpart + j, mass)
+            tl.store(fpart + MC + j, succ)
+            tl.store(fpart + 2 * MC + j, pred)
+            tl.store(fpart + 3 * MC, top)
+            if _last_to_arrive(ticket_ptr + r, n_chunks):
+                cnt, mass, succ, pred, top = _search_reduce(ipart_ptr + r * n_chunks * IW, fpart_ptr + r * n_chunks * FW,
+                                                            n_chunks, IW, FW, CB, MC)
+                keff, target, top_p = tl.load(ist + I_KEFF), tl.load(fst + F_TARGET), tl.load(topp_ptr + r)
+                t_min = tl.load(fst + F_TMIN)
+                phase, lo, hi, target = _step(phase, lo, hi, keff, target, cnt, mass, succ, pred, top, m, t_min,
+                                              top_p, V, ist, fst, MC)
+                if LAST:
+                    _search_alone(row_ptr, V, inv_t, m, t_min, phase, lo, hi, keff, target, top_p, ist, fst, MC, BLOCK)
+                _reset_ticket(ticket_ptr + r)
+
+    # ----------------------------------------------------------------------------- final
+    @triton.jit
+    def _final_scan(row_ptr, start, end, inv_t, m, thr, seed, position, stream, d, BLOCK: tl.constexpr):
+        """One chunk: the Gumbel winner over {key >= thr} minus d and the kept mass; tiles
+        with nothing kept are only read (no noise drawn)."""
+        lane = tl.arange(0, BLOCK)
+        best, bi = tl.full([BLOCK], float("-inf"), tl.float32), tl.full([BLOCK], -1, tl.int32)
+        z = tl.full([BLOCK], 0.0, tl.float32)
+        thr_f = _key2f(thr)
+        for b in range(start, end, BLOCK):
+            idx = b + lane
+            ok = idx < end
+            s = tl.load(row_ptr + idx, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
+            kept = ok & (s >= thr_f)
+            if tl.max(kept.to(tl.int32), 0) > 0:
+                z += tl.where(kept & (s > float("-inf")), tl.exp(s - m), 0.0)
+                score = tl.where(kept & (idx != d), s + tl_gumbel(seed, position, stream, b, BLOCK), float("-inf"))
+                bi = tl.where(score > best, idx, bi)
+                best = tl.maximum(best, score)
+        best, bi = _lane_winner(best, bi)
+        return best, bi, tl.sum(z, 0)
+
+    @triton.jit
+    def _winner_reduce(ipart, fpart, n_chunks, slot, IW: tl.constexpr, FW: tl.constexpr, CB: tl.constexpr):
+        """The row's first maximal (key, index) over its chunks' partials at ``slot``."""
+        best, bi = float("-inf"), tl.full([], -1, tl.int32)
+        for cb in range(0, n_chunks, CB):
+            cc = cb + tl.arange(0, CB)
+            ok = cc < n_chunks
+            kc = tl.load(fpart + cc * FW + slot, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            ic = tl.load(ipart + cc * IW + slot, mask=ok, other=-1, cache_modifier=".cg")
+            tb = tl.max(kc, 0)
+            best, bi = _better(tb, tl.min(tl.where((kc == tb) & (ic >= 0), ic, _KEY_MAX), 0), best, bi)
+        return best, bi
+
+    @triton.jit
+    def _sum_partials(fpart, n_chunks, slot, FW: tl.constexpr, CB: tl.constexpr):
+        z = 0.0
+        for cb in range(0, n_chunks, CB):
+            cc = cb + tl.arange(0, CB)
+            z += tl.sum(tl.load(fpart + cc * FW + slot, mask=cc < n_chunks, other=0.0, cache_modifier=".cg"), 0)
+        return z
+
+    @triton.jit
+    def _final_kernel(logits_ptr, stride_l, V, temp_ptr, seed_ptr, pos_ptr, draft_ptr, q_ptr, stride_q, tok_ptr,
+                      pd_ptr, ist_ptr, fst_ptr, ipart_ptr, fpart_ptr, ticket_ptr, chunk, n_chunks, base_stream,
+                      IW: tl.constexpr, FW: tl.constexpr, BLOCK: tl.constexpr, CB: tl.constexpr,
+                      HAS_DRAFT: tl.constexpr, FULL_Q: tl.constexpr):
+        c, r = tl.program_id(0), tl.program_id(1).to(tl.int64)
+        ist, fst = ist_ptr + r * I_WORDS, fst_ptr + r * F_WORDS
+        if tl.load(ist + I_PHASE) == _S_READY:
+            thr, m = tl.load(ist + I_THR), tl.load(fst + F_M)
+            inv_t, _ = _inv_temperature(temp_ptr, r)
+            d = _row_draft(draft_ptr, r, V, HAS_DRAFT)
+            seed, position = tl.load(seed_ptr + r), tl.load(pos_ptr + r)
+            row_ptr = logits_ptr + r * stride_l
+            start = c * chunk
+            best, bi, z = _final_scan(row_ptr, start, tl.minimum(start + chunk, V), inv_t, m, thr, seed, position,
+                                      tl.where(d >= 0, 2, base_stream), d, BLOCK)
+            ipart, fpart = ipart_ptr + r * n_chunks * IW, fpart_ptr + r * n_chunks * FW
+            tl.store(fpart + c * FW, best)
+            tl.store(fpart + c * FW + 1, z)
+            tl.store(ipart + c * IW, bi)
+            if _last_to_arrive(ticket_ptr + r, n_chunks):
+                best, bi = _winner_reduce(ipart, fpart, n_chunks, 0, IW, FW, CB)
+                z = _sum_partials(fpart, n_chunks, 1, FW, CB)
+                _decide(r, d, bi, thr, z, m, inv_t, row_ptr, q_ptr + r * stride_q, seed, position, tok_ptr, pd_ptr,
+                        ist, fst, HAS_DRAFT, FULL_Q)
+                _reset_ticket(ticket_ptr + r)
+
+    # ----------------------------------------------------------------------------- residual
+    @triton.jit
+    def _residual_scan(row_ptr, q_row, start, end, inv_t, m, thr, z, seed, position, BLOCK: tl.constexpr):
+        """One chunk: the Gumbel winner of log(max(0, p - q)) (p = exp(s - m) / z on the
+        kept set), and of the kept s (used where p - q has no positive entry)."""
+        lane = tl.arange(0, BLOCK)
+        best, bi = tl.full([BLOCK], float("-inf"), tl.float32), tl.full([BLOCK], -1, tl.int32)
+        fb, fi = tl.full([BLOCK], float("-inf"), tl.float32), tl.full([BLOCK], -1, tl.int32)
+        thr_f = _key2f(thr)
+        for b in range(start, end, BLOCK):
+            idx = b + lane
+            ok = idx < end
+            s = tl.load(row_ptr + idx, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
+            kept = ok & (s >= thr_f)
+            p = tl.math.div_rn(tl.where(kept & (s > float("-inf")), tl.exp(s - m), 0.0), z)
+            rest = p - tl.load(q_row + idx, mask=ok, other=0.0)
+            g = tl_gumbel(seed, position, tl.full([], 2, tl.int32), b, BLOCK)  # Stream.RESIDUAL
+            score = tl.where(ok & (rest > 0.0), tl.log(rest) + g, float("-inf"))
+            bi = tl.where(score > best, idx, bi)
+            best = tl.maximum(best, score)
+            score = tl.where(kept, s + g, float("-inf"))
+            fi = tl.where(score > fb, idx, fi)
+            fb = tl.maximum(fb, score)
+        best, bi = _lane_winner(best, bi)
+        fb, fi = _lane_winner(fb, fi)
+        return best, bi, fb, fi
+
+    @triton.jit
+    def _residual_kernel(logits_ptr, stride_l, V, temp_ptr, seed_ptr, pos_ptr, q_ptr, stride_q, tok_ptr, ist_ptr,
+                         fst_ptr, ipart_ptr, fpart_ptr, ticket_ptr, chunk, n_chunks, IW: tl.constexpr,
+                         FW: tl.constexpr, BLOCK: tl.constexpr, CB: tl.constexpr):
+        c, r = tl.program_id(0), tl.program_id(1).to(tl.int64)
+        ist, fst = ist_ptr + r * I_WORDS, fst_ptr + r * F_WORDS
+        if tl.load(ist + I_PHASE) == _S_RES:
+            inv_t, _ = _inv_temperature(temp_ptr, r)
+            start = c * chunk
+            best, bi, fb, fi = _residual_scan(logits_ptr + r * stride_l, q_ptr + r * stride_q, start,
+                                              tl.minimum(start + chunk, V), inv_t, tl.load(fst + F_M),
+                                              tl.load(ist + I_THR), tl.load(fst + F_ZFIN), tl.load(seed_ptr + r),
+                                              tl.load(pos_ptr + r), BLOCK)
+            ipart, fpart = ipart_ptr + r * n_chunks * IW, fpart_ptr + r * n_chunks * FW
+            tl.store(fpart + c * FW, best)
+            tl.store(fpart + c * FW + 1, fb)
+            tl.store(ipart + c * IW, bi)
+            tl.store(ipart + c * IW + 1, fi)
+            if _last_to_arrive(ticket_ptr + r, n_chunks):
+                best, bi = _winner_reduce(ipart, fpart, n_chunks, 0, IW, FW, CB)
+                fb, fi = _winner_reduce(ipart, fpart, n_chunks, 1, IW, FW, CB)
+                token = tl.where(best > float("-inf"), bi, tl.maximum(fi, 0))
+                tl.store(tok_ptr + r, token.to(tl.int64))
+                tl.store(ist + I_PHASE, DONE)
+                _reset_ticket(ticket_ptr + r)
+
+    # ----------------------------------------------------------------------------- probabilities
+    @triton.jit
+    def _probs_kernel(logits_ptr, stride_l, V, temp_ptr, probs_ptr, stride_p, ist_ptr, fst_ptr, chunk,
+                      BLOCK: tl.constexpr):
+        """p of every row after the final launch: exp(s - m) / Z on the kept set, 0 elsewhere;
+        one-hot at the first maximal logit for greedy rows."""
+        c, r = tl.program_id(0), tl.program_id(1).to(tl.int64)
+        ist, fst = ist_ptr + r * I_WORDS, fst_ptr + r * F_WORDS
+        inv_t, greedy = _inv_temperature(temp_ptr, r)
+        thr, m, z, am = tl.load(ist + I_THR), tl.load(fst + F_M), tl.load(fst + F_ZFIN), tl.load(ist + I_ARGMAX)
+        start = c * chunk
+        end = tl.minimum(start + chunk, V)
+        thr_f = _key2f(thr)
+        for b in range(start, end, BLOCK):
+            idx = b + tl.arange(0, BLOCK)
+            ok = idx < end
+            s = tl.load(logits_ptr + r * stride_l + idx, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
+            p = tl.math.div_rn(tl.where((s >= thr_f) & (s > float("-inf")), tl.exp(s - m), 0.0), z)
+            p = tl.where(greedy, (idx == am).to(tl.float32), p)
+            tl.store(probs_ptr + r * stride_p + idx, p, mask=ok)
