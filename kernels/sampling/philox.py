@@ -122,6 +122,7 @@ def gumbel(seed: Tensor, position: Tensor, stream: int, count: int) -> Tensor:
 
 
 if triton is not None:
+    _ROUNDS = tl.constexpr(ROUNDS)
 
     @triton.jit
     def tl_uniforms(seed, position, stream, base, BLOCK: tl.constexpr):
@@ -138,7 +139,7 @@ if triton is not None:
         c3 = zero + stream.to(tl.uint32)
         k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
         k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
-        for _ in tl.static_range(ROUNDS):
+        for _ in tl.static_range(_ROUNDS):
             a0, a2 = c0, c2
             c0 = tl.umulhi(a2, 0xCD9E8D57) ^ c1 ^ k0
             c2 = tl.umulhi(a0, 0xD2511F53) ^ c3 ^ k1

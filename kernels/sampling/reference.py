@@ -31,7 +31,7 @@ def reference_probs(logits: Tensor, settings: SamplingSettings) -> Tensor:
     t = settings.temperature.double()
     greedy = t < MIN_TEMPERATURE
     probs = torch.softmax(logits.double() / torch.where(greedy, 1.0, t)[:, None], -1)
-    sp, order = probs.sort(-1, descending=True, stable=True)
+    sp, order = probs.sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(v, device=logits.device)[None, :]
     k = settings.top_k[:, None]
     sp = torch.where((k <= 0) | (k >= v) | (rank < k), sp, 0.0)

@@ -57,13 +57,32 @@ DONE, SEARCH_K, SEARCH_P, READY, RESIDUAL = 0, 1, 2, 3, 4
 FALLBACK_STEPS = 96  # bound of the fallback loop (it needs at most ~2 * 32 / log2(candidates) per phase)
 
 if triton is not None:
+    # the host's constants, as the kernels must see globals (constexpr)
+    _I_PHASE = tl.constexpr(I_PHASE)
+    _I_LO = tl.constexpr(I_LO)
+    _I_HI = tl.constexpr(I_HI)
+    _I_THR = tl.constexpr(I_THR)
+    _I_KEFF = tl.constexpr(I_KEFF)
+    _I_ARGMAX = tl.constexpr(I_ARGMAX)
+    _I_WORDS = tl.constexpr(I_WORDS)
+    _F_M = tl.constexpr(F_M)
+    _F_TARGET = tl.constexpr(F_TARGET)
+    _F_ZFIN = tl.constexpr(F_ZFIN)
+    _F_ZALL = tl.constexpr(F_ZALL)
+    _F_TMIN = tl.constexpr(F_TMIN)
+    _F_WORDS = tl.constexpr(F_WORDS)
+    _DONE = tl.constexpr(DONE)
+    _SEARCH_K = tl.constexpr(SEARCH_K)
+    _SEARCH_P = tl.constexpr(SEARCH_P)
+    _READY = tl.constexpr(READY)
+    _RESIDUAL = tl.constexpr(RESIDUAL)
+    _FALLBACK_STEPS = tl.constexpr(FALLBACK_STEPS)
     from cudagraph_rt.kernels.sampling.philox import tl_gumbel, tl_uniforms
 
     _MIN_T = tl.constexpr(MIN_TEMPERATURE)
     _KEY_NEG_INF = tl.constexpr(-2139095041)  # _f2key(-inf): a threshold that keeps everything
     _KEY_MAX = tl.constexpr(2147483647)
     _FLT_MAX = tl.constexpr(3.4028234663852886e38)
-    _S_DONE, _S_K, _S_P, _S_READY, _S_RES = (tl.constexpr(v) for v in (DONE, SEARCH_K, SEARCH_P, READY, RESIDUAL))
 
     @triton.jit
     def _f2key(s):
@@ -192,7 +211,7 @@ if triton is not None:
         else the winner (a one-hot q's residual; a full q's residual is left to the
         residual launch: phase RESIDUAL). Stores the token, p(d), threshold and mass."""
         token = tl.where(best < 0, 0, best)
-        phase = tl.full([], DONE, tl.int32)
+        phase = tl.full([], _DONE, tl.int32)
         pd = 0.0
         if HAS_DRAFT:
             dc = tl.maximum(d, 0)
@@ -202,12 +221,12 @@ if triton is not None:
             accept = (d >= 0) & (_accept_uniform(seed, position) * q_d < pd)
             token = tl.where(accept, d, token)
             if FULL_Q:
-                phase = tl.where((d >= 0) & (~accept), RESIDUAL, DONE).to(tl.int32)
+                phase = tl.where((d >= 0) & (~accept), _RESIDUAL, _DONE).to(tl.int32)
         tl.store(tok_ptr + r, token.to(tl.int64))
         tl.store(pd_ptr + r, pd)
-        tl.store(ist + I_PHASE, phase)
-        tl.store(ist + I_THR, thr)
-        tl.store(fst + F_ZFIN, z)
+        tl.store(ist + _I_PHASE, phase)
+        tl.store(ist + _I_THR, thr)
+        tl.store(fst + _F_ZFIN, z)
 
     @triton.jit
     def _settle(phase, lo, hi, mass_lo, target, m, t_min, top_p, V, ist, fst):
@@ -215,20 +234,20 @@ if triton is not None:
         resolved top-k bracket (hi <= lo + 1) moves to top-p (when on) or to READY, a
         resolved top-p bracket to READY with threshold max(lo, key(m + log(min_p)))."""
         resolved = hi.to(tl.int64) <= lo.to(tl.int64) + 1
-        if resolved & (phase == _S_K) & (top_p < 1.0):
+        if resolved & (phase == _SEARCH_K) & (top_p < 1.0):
             # t_p >= m + log((1 - top_p) / V) (the token at t_p carries >= (1 - top_p) / V of the
             # mass); one more e of margin for rounding
-            bound = _f2key(m + tl.log(1.0 - top_p) - tl.log(V.to(tl.float32)) - 1.0)
-            phase = tl.full([], SEARCH_P, tl.int32)
+            bound = _f2key(m + tl.log(1.0 - top_p) - tl.log(tl.full([], 1.0, tl.float32) * V) - 1.0)
+            phase = tl.full([], _SEARCH_P, tl.int32)
             lo, hi, target = tl.maximum(lo, bound), _f2key(m) + 1, top_p * mass_lo
             resolved = hi.to(tl.int64) <= lo.to(tl.int64) + 1
         if resolved:
-            phase = tl.full([], READY, tl.int32)
-            tl.store(ist + I_THR, tl.maximum(lo, _f2key(t_min)))
-        tl.store(ist + I_PHASE, phase)
-        tl.store(ist + I_LO, lo)
-        tl.store(ist + I_HI, hi)
-        tl.store(fst + F_TARGET, target)
+            phase = tl.full([], _READY, tl.int32)
+            tl.store(ist + _I_THR, tl.maximum(lo, _f2key(t_min)))
+        tl.store(ist + _I_PHASE, phase)
+        tl.store(ist + _I_LO, lo)
+        tl.store(ist + _I_HI, hi)
+        tl.store(fst + _F_TARGET, target)
         return phase, lo, hi, target
 
     @triton.jit
@@ -238,24 +257,24 @@ if triton is not None:
         """After the stats: greedy rows take the first maximal logit, unfiltered rows their
         Gumbel winner; filtered rows enter the search (top-k, or a top-k of everything
         resolved at once when it is off)."""
-        tl.store(fst + F_M, m)
-        tl.store(fst + F_ZALL, z)
-        tl.store(ist + I_ARGMAX, am)
+        tl.store(fst + _F_M, m)
+        tl.store(fst + _F_ZALL, z)
+        tl.store(ist + _I_ARGMAX, am)
         min_p = tl.load(minp_ptr + r)
-        t_min = tl.where(min_p > 0.0, m + tl.log(min_p), float("-inf"))
-        tl.store(fst + F_TMIN, t_min)
+        t_min = tl.where(min_p > 0.0, m + tl.log(tl.where(min_p > 0.0, min_p, 1.0)), float("-inf"))
+        tl.store(fst + _F_TMIN, t_min)
         if greedy:
             tl.store(tok_ptr + r, am.to(tl.int64))
             tl.store(pd_ptr + r, ((d >= 0) & (d == am)).to(tl.float32))
-            tl.store(ist + I_PHASE, DONE)
-            tl.store(ist + I_THR, _KEY_NEG_INF)
-            tl.store(fst + F_ZFIN, 1.0)
+            tl.store(ist + _I_PHASE, _DONE)
+            tl.store(ist + _I_THR, _KEY_NEG_INF)
+            tl.store(fst + _F_ZFIN, 1.0)
         elif filtered:
             k = tl.load(topk_ptr + r)
             k_on = (k > 0) & (k < V)
-            tl.store(ist + I_KEFF, tl.where(k_on, k, 0).to(tl.int32))
+            tl.store(ist + _I_KEFF, tl.where(k_on, k, 0).to(tl.int32))
             lo = _f2key(mn)
-            _settle(tl.full([], SEARCH_K, tl.int32), lo, tl.where(k_on, _f2key(m) + 1, lo + 1), z,
+            _settle(tl.full([], _SEARCH_K, tl.int32), lo, tl.where(k_on, _f2key(m) + 1, lo + 1), z,
                     tl.full([], 0.0, tl.float32), m, t_min,
                     tl.load(topp_ptr + r), V, ist, fst)
         else:
@@ -287,8 +306,8 @@ if triton is not None:
         if _last_to_arrive(ticket_ptr + r, n_chunks):
             m, am, mn, z, best, bi = _stats_reduce(ipart, fpart, n_chunks, IW, FW, CB)
             _stats_finish(r, V, d, m, am, mn, z, bi, inv_t, greedy, filtered, row_ptr, q_ptr + r * stride_q, seed,
-                          position, topk_ptr, topp_ptr, minp_ptr, tok_ptr, pd_ptr, ist_ptr + r * I_WORDS,
-                          fst_ptr + r * F_WORDS, HAS_DRAFT, FULL_Q)
+                          position, topk_ptr, topp_ptr, minp_ptr, tok_ptr, pd_ptr, ist_ptr + r * _I_WORDS,
+                          fst_ptr + r * _F_WORDS, HAS_DRAFT, FULL_Q)
             _reset_ticket(ticket_ptr + r)
 
     # ----------------------------------------------------------------------------- search
@@ -350,7 +369,7 @@ if triton is not None:
         """Keep the last candidate where pred holds (pred at lo is taken as true), narrowed
         to the data between it and the next candidate; store and return the new state."""
         j = tl.arange(0, MC)
-        ok = tl.where(phase == _S_K, cnt >= keff, mass >= target) | (j == 0)
+        ok = tl.where(phase == _SEARCH_K, cnt >= keff, mass >= target) | (j == 0)
         js = tl.max(tl.where(ok, j, 0), 0)
         new_lo = tl.max(tl.where(j == js, succ, float("-inf")), 0)
         nxt = tl.max(tl.where(j == js + 1, pred, float("-inf")), 0)
@@ -388,25 +407,25 @@ if triton is not None:
         resolved, key-uniform candidates on every other step (at most ~2 * 32 / log2(MC)
         steps a phase); past FALLBACK_STEPS the threshold is the bracket's bottom."""
         steps = 0
-        while ((phase == _S_K) | (phase == _S_P)) & (steps < FALLBACK_STEPS):
+        while ((phase == _SEARCH_K) | (phase == _SEARCH_P)) & (steps < _FALLBACK_STEPS):
             cand_f, lo_f, hi_f = _candidates(lo, hi, steps % 2, MC)
             cnt, mass, succ, pred, top = _scan(row_ptr, 0, V, inv_t, m, cand_f, lo_f, hi_f, MC, BLOCK)
             phase, lo, hi, target = _step(phase, lo, hi, keff, target, cnt, mass, succ, pred, top, m, t_min,
                                           top_p, V, ist, fst, MC)
             steps += 1
-        if (phase == _S_K) | (phase == _S_P):
-            tl.store(ist + I_THR, tl.maximum(lo, _f2key(t_min)))
-            tl.store(ist + I_PHASE, READY)
+        if (phase == _SEARCH_K) | (phase == _SEARCH_P):
+            tl.store(ist + _I_THR, tl.maximum(lo, _f2key(t_min)))
+            tl.store(ist + _I_PHASE, _READY)
 
     @triton.jit
     def _search_kernel(logits_ptr, stride_l, V, temp_ptr, topp_ptr, ist_ptr, fst_ptr, ipart_ptr, fpart_ptr,
                        ticket_ptr, chunk, n_chunks, IW: tl.constexpr, FW: tl.constexpr, BLOCK: tl.constexpr,
                        CB: tl.constexpr, MC: tl.constexpr, LAST: tl.constexpr):
         c, r = tl.program_id(0), tl.program_id(1).to(tl.int64)
-        ist, fst = ist_ptr + r * I_WORDS, fst_ptr + r * F_WORDS
-        phase = tl.load(ist + I_PHASE)
-        if (phase == _S_K) | (phase == _S_P):
-            lo, hi, m = tl.load(ist + I_LO), tl.load(ist + I_HI), tl.load(fst + F_M)
+        ist, fst = ist_ptr + r * _I_WORDS, fst_ptr + r * _F_WORDS
+        phase = tl.load(ist + _I_PHASE)
+        if (phase == _SEARCH_K) | (phase == _SEARCH_P):
+            lo, hi, m = tl.load(ist + _I_LO), tl.load(ist + _I_HI), tl.load(fst + _F_M)
             inv_t, _ = _inv_temperature(temp_ptr, r)
             row_ptr = logits_ptr + r * stride_l
             start = c * chunk
@@ -423,8 +442,8 @@ if triton is not None:
             if _last_to_arrive(ticket_ptr + r, n_chunks):
                 cnt, mass, succ, pred, top = _search_reduce(ipart_ptr + r * n_chunks * IW, fpart_ptr + r * n_chunks * FW,
                                                             n_chunks, IW, FW, CB, MC)
-                keff, target, top_p = tl.load(ist + I_KEFF), tl.load(fst + F_TARGET), tl.load(topp_ptr + r)
-                t_min = tl.load(fst + F_TMIN)
+                keff, target, top_p = tl.load(ist + _I_KEFF), tl.load(fst + _F_TARGET), tl.load(topp_ptr + r)
+                t_min = tl.load(fst + _F_TMIN)
                 phase, lo, hi, target = _step(phase, lo, hi, keff, target, cnt, mass, succ, pred, top, m, t_min,
                                               top_p, V, ist, fst, MC)
                 if LAST:
@@ -480,9 +499,9 @@ if triton is not None:
                       IW: tl.constexpr, FW: tl.constexpr, BLOCK: tl.constexpr, CB: tl.constexpr,
                       HAS_DRAFT: tl.constexpr, FULL_Q: tl.constexpr):
         c, r = tl.program_id(0), tl.program_id(1).to(tl.int64)
-        ist, fst = ist_ptr + r * I_WORDS, fst_ptr + r * F_WORDS
-        if tl.load(ist + I_PHASE) == _S_READY:
-            thr, m = tl.load(ist + I_THR), tl.load(fst + F_M)
+        ist, fst = ist_ptr + r * _I_WORDS, fst_ptr + r * _F_WORDS
+        if tl.load(ist + _I_PHASE) == _READY:
+            thr, m = tl.load(ist + _I_THR), tl.load(fst + _F_M)
             inv_t, _ = _inv_temperature(temp_ptr, r)
             d = _row_draft(draft_ptr, r, V, HAS_DRAFT)
             seed, position = tl.load(seed_ptr + r), tl.load(pos_ptr + r)
@@ -533,13 +552,13 @@ if triton is not None:
                          fst_ptr, ipart_ptr, fpart_ptr, ticket_ptr, chunk, n_chunks, IW: tl.constexpr,
                          FW: tl.constexpr, BLOCK: tl.constexpr, CB: tl.constexpr):
         c, r = tl.program_id(0), tl.program_id(1).to(tl.int64)
-        ist, fst = ist_ptr + r * I_WORDS, fst_ptr + r * F_WORDS
-        if tl.load(ist + I_PHASE) == _S_RES:
+        ist, fst = ist_ptr + r * _I_WORDS, fst_ptr + r * _F_WORDS
+        if tl.load(ist + _I_PHASE) == _RESIDUAL:
             inv_t, _ = _inv_temperature(temp_ptr, r)
             start = c * chunk
             best, bi, fb, fi = _residual_scan(logits_ptr + r * stride_l, q_ptr + r * stride_q, start,
-                                              tl.minimum(start + chunk, V), inv_t, tl.load(fst + F_M),
-                                              tl.load(ist + I_THR), tl.load(fst + F_ZFIN), tl.load(seed_ptr + r),
+                                              tl.minimum(start + chunk, V), inv_t, tl.load(fst + _F_M),
+                                              tl.load(ist + _I_THR), tl.load(fst + _F_ZFIN), tl.load(seed_ptr + r),
                                               tl.load(pos_ptr + r), BLOCK)
             ipart, fpart = ipart_ptr + r * n_chunks * IW, fpart_ptr + r * n_chunks * FW
             tl.store(fpart + c * FW, best)
@@ -551,7 +570,7 @@ if triton is not None:
                 fb, fi = _winner_reduce(ipart, fpart, n_chunks, 1, IW, FW, CB)
                 token = tl.where(best > float("-inf"), bi, tl.maximum(fi, 0))
                 tl.store(tok_ptr + r, token.to(tl.int64))
-                tl.store(ist + I_PHASE, DONE)
+                tl.store(ist + _I_PHASE, _DONE)
                 _reset_ticket(ticket_ptr + r)
 
     # ----------------------------------------------------------------------------- probabilities
@@ -561,9 +580,9 @@ if triton is not None:
         """p of every row after the final launch: exp(s - m) / Z on the kept set, 0 elsewhere;
         one-hot at the first maximal logit for greedy rows."""
         c, r = tl.program_id(0), tl.program_id(1).to(tl.int64)
-        ist, fst = ist_ptr + r * I_WORDS, fst_ptr + r * F_WORDS
+        ist, fst = ist_ptr + r * _I_WORDS, fst_ptr + r * _F_WORDS
         inv_t, greedy = _inv_temperature(temp_ptr, r)
-        thr, m, z, am = tl.load(ist + I_THR), tl.load(fst + F_M), tl.load(fst + F_ZFIN), tl.load(ist + I_ARGMAX)
+        thr, m, z, am = tl.load(ist + _I_THR), tl.load(fst + _F_M), tl.load(fst + _F_ZFIN), tl.load(ist + _I_ARGMAX)
         start = c * chunk
         end = tl.minimum(start + chunk, V)
         thr_f = _key2f(thr)
