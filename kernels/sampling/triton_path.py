@@ -51,12 +51,14 @@ from cudagraph_rt.kernels.sampling.settings import MIN_TEMPERATURE
 # Row state: int32 words ...
 I_PHASE, I_LO, I_HI, I_THR, I_KEFF, I_ARGMAX, I_WORDS = 0, 1, 2, 3, 4, 5, 8
 # ... and float32 words
-F_M, F_TARGET, F_ZFIN, F_ZALL, F_TMIN, F_WORDS = 0, 1, 2, 3, 4, 8
+F_M, F_TARGET, F_ZFIN, F_TMIN, F_WORDS = 0, 1, 2, 3, 8
 # Phases
 DONE, SEARCH_K, SEARCH_P, READY, RESIDUAL = 0, 1, 2, 3, 4
 FALLBACK_STEPS = 96  # bound of the fallback loop (it needs at most ~2 * 32 / log2(candidates) per phase)
 
 if triton is not None:
+    from cudagraph_rt.kernels.sampling.philox import tl_gumbel, tl_uniforms
+
     # the host's constants, as the kernels must see globals (constexpr)
     _I_PHASE = tl.constexpr(I_PHASE)
     _I_LO = tl.constexpr(I_LO)
@@ -68,7 +70,6 @@ if triton is not None:
     _F_M = tl.constexpr(F_M)
     _F_TARGET = tl.constexpr(F_TARGET)
     _F_ZFIN = tl.constexpr(F_ZFIN)
-    _F_ZALL = tl.constexpr(F_ZALL)
     _F_TMIN = tl.constexpr(F_TMIN)
     _F_WORDS = tl.constexpr(F_WORDS)
     _DONE = tl.constexpr(DONE)
@@ -77,8 +78,6 @@ if triton is not None:
     _READY = tl.constexpr(READY)
     _RESIDUAL = tl.constexpr(RESIDUAL)
     _FALLBACK_STEPS = tl.constexpr(FALLBACK_STEPS)
-    from cudagraph_rt.kernels.sampling.philox import tl_gumbel, tl_uniforms
-
     _MIN_T = tl.constexpr(MIN_TEMPERATURE)
     _KEY_NEG_INF = tl.constexpr(-2139095041)  # _f2key(-inf): a threshold that keeps everything
     _KEY_MAX = tl.constexpr(2147483647)
@@ -258,7 +257,6 @@ if triton is not None:
         Gumbel winner; filtered rows enter the search (top-k, or a top-k of everything
         resolved at once when it is off)."""
         tl.store(fst + _F_M, m)
-        tl.store(fst + _F_ZALL, z)
         tl.store(ist + _I_ARGMAX, am)
         min_p = tl.load(minp_ptr + r)
         t_min = tl.where(min_p > 0.0, m + tl.log(tl.where(min_p > 0.0, min_p, 1.0)), float("-inf"))
