@@ -110,6 +110,15 @@ class SamplingWorkspace:
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the zeroed tickets, before any stream's launch
 
+    @classmethod
+    def for_logits(cls, logits: Tensor, plan: SamplingPlan | None = None) -> "SamplingWorkspace":
+        """A workspace of one's own for calls on ``logits``' shape and device under ``plan``
+        (default: :func:`plan_sampling`'s): one per stream that samples at the same time as
+        another. Allocate it outside any capture."""
+        n, v = logits.shape
+        plan = plan or plan_sampling(n, v, logits.device)
+        return cls(logits.device, n, plan.chunks(v), plan.candidates)
+
 
 class _Workspaces:
     def __init__(self):

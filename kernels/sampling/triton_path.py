@@ -231,14 +231,20 @@ if triton is not None:
     def _settle(phase, lo, hi, mass_lo, target, m, t_min, top_p, V, ist, fst):
         """Store the row's search state after a step and return (phase, lo, hi, target): a
         resolved top-k bracket (hi <= lo + 1) moves to top-p (when on) or to READY, a
-        resolved top-p bracket to READY with threshold max(lo, key(m + log(min_p)))."""
+        resolved top-p bracket to READY with threshold max(lo, key(m + log(min_p))).
+
+        ``mass_lo`` is the mass at or above lo when known (< 0: not, a top-k step counts
+        only): top-p then starts at lo = t_k with its target left for its first step, whose
+        bottom candidate is t_k (``target`` < 0: top_p * the mass there)."""
         resolved = hi.to(tl.int64) <= lo.to(tl.int64) + 1
         if resolved & (phase == _SEARCH_K) & (top_p < 1.0):
             # t_p >= m + log((1 - top_p) / V) (the token at t_p carries >= (1 - top_p) / V of the
             # mass); one more e of margin for rounding
             bound = _f2key(m + tl.log(1.0 - top_p) - tl.log(tl.full([], 1.0, tl.float32) * V) - 1.0)
             phase = tl.full([], _SEARCH_P, tl.int32)
-            lo, hi, target = tl.maximum(lo, bound), _f2key(m) + 1, top_p * mass_lo
+            known = mass_lo >= 0.0
+            lo = tl.where(known, tl.maximum(lo, bound), lo)
+            hi, target = _f2key(m) + 1, tl.where(known, top_p * mass_lo, -1.0)
             resolved = hi.to(tl.int64) <= lo.to(tl.int64) + 1
         if resolved:
             phase = tl.full([], _READY, tl.int32)
@@ -331,12 +337,14 @@ if triton is not None:
         return (c ^ ((c >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True), vlo, hi_f
 
     @triton.jit
-    def _scan(row_ptr, start, end, inv_t, m, cand_f, lo_f, hi_f, MC: tl.constexpr, BLOCK: tl.constexpr):
+    def _scan(row_ptr, start, end, inv_t, m, cand_f, lo_f, hi_f, by_mass, MC: tl.constexpr, BLOCK: tl.constexpr):
         """One range of the row against the bracket [lo, hi) and its candidates (keys
         compared as the floats they stand for: the same order for non-NaN values): per
-        candidate c, the count and mass exp(s - m) of key >= c (those at or above hi
-        included), and within the bracket the smallest s >= c and the largest s < c; and
-        the largest s in the bracket. Tiles with nothing in the bracket only count."""
+        candidate c, the count (``by_mass`` false: a top-k step) or the mass exp(s - m)
+        (a top-p step) of key >= c, those at or above hi included; within the bracket the
+        smallest s >= c and the largest s < c; and the largest s in the bracket. Tiles with
+        nothing in the bracket only count. Outside the bracket s is NaN for the comparisons
+        (never >= anything) and -inf for the largest-below: two operations fewer per pair."""
         cnt = tl.full([MC], 0, tl.int32)
         mass = tl.full([MC], 0.0, tl.float32)
         succ = tl.full([MC], float("inf"), tl.float32)
@@ -352,13 +360,16 @@ if triton is not None:
             inb = ok & (s >= lo_f) & (~above)
             n_above += above.to(tl.int32)
             m_above += tl.where(above, w, 0.0)
-            top = tl.maximum(top, tl.where(inb, s, float("-inf")))
+            low = tl.where(inb, s, float("-inf"))
+            top = tl.maximum(top, low)
             if tl.max(inb.to(tl.int32), 0) > 0:
-                ge = (s[:, None] >= cand_f[None, :]) & inb[:, None]
-                cnt += tl.sum(ge.to(tl.int32), 0)
-                mass += tl.sum(tl.where(ge, w[:, None], 0.0), 0)
+                ge = tl.where(inb, s, float("nan"))[:, None] >= cand_f[None, :]
+                if by_mass:
+                    mass += tl.sum(tl.where(ge, w[:, None], 0.0), 0)
+                else:
+                    cnt += tl.sum(ge.to(tl.int32), 0)
                 succ = tl.minimum(succ, tl.min(tl.where(ge, s[:, None], float("inf")), 0))
-                pred = tl.maximum(pred, tl.max(tl.where(inb[:, None] & (~ge), s[:, None], float("-inf")), 0))
+                pred = tl.maximum(pred, tl.max(tl.where(ge, float("-inf"), low[:, None]), 0))
         return cnt + tl.sum(n_above, 0), mass + tl.sum(m_above, 0), succ, pred, tl.max(top, 0)
 
     @triton.jit
@@ -367,11 +378,12 @@ if triton is not None:
         """Keep the last candidate where pred holds (pred at lo is taken as true), narrowed
         to the data between it and the next candidate; store and return the new state."""
         j = tl.arange(0, MC)
+        target = tl.where(target < 0.0, top_p * tl.max(tl.where(j == 0, mass, 0.0), 0), target)
         ok = tl.where(phase == _SEARCH_K, cnt >= keff, mass >= target) | (j == 0)
         js = tl.max(tl.where(ok, j, 0), 0)
         new_lo = tl.max(tl.where(j == js, succ, float("-inf")), 0)
         nxt = tl.max(tl.where(j == js + 1, pred, float("-inf")), 0)
-        mass_lo = tl.max(tl.where(j == js, mass, 0.0), 0)
+        mass_lo = tl.where(phase == _SEARCH_K, -1.0, tl.max(tl.where(j == js, mass, 0.0), 0))
         empty = new_lo == float("inf")  # no data at or above the kept candidate: cannot happen, stop
         lo_key = tl.where(empty, lo, _f2key(new_lo))
         hi_key = tl.where(empty, lo, _f2key(tl.where(js + 1 < MC, nxt, top)) + 1)
@@ -407,7 +419,8 @@ if triton is not None:
         steps = 0
         while ((phase == _SEARCH_K) | (phase == _SEARCH_P)) & (steps < _FALLBACK_STEPS):
             cand_f, lo_f, hi_f = _candidates(lo, hi, steps % 2, MC)
-            cnt, mass, succ, pred, top = _scan(row_ptr, 0, V, inv_t, m, cand_f, lo_f, hi_f, MC, BLOCK)
+            cnt, mass, succ, pred, top = _scan(row_ptr, 0, V, inv_t, m, cand_f, lo_f, hi_f, phase == _SEARCH_P, MC,
+                                               BLOCK)
             phase, lo, hi, target = _step(phase, lo, hi, keff, target, cnt, mass, succ, pred, top, m, t_min,
                                           top_p, V, ist, fst, MC)
             steps += 1
@@ -429,7 +442,7 @@ if triton is not None:
             start = c * chunk
             cand_f, lo_f, hi_f = _candidates(lo, hi, 0, MC)
             cnt, mass, succ, pred, top = _scan(row_ptr, start, tl.minimum(start + chunk, V), inv_t, m, cand_f, lo_f,
-                                               hi_f, MC, BLOCK)
+                                               hi_f, phase == _SEARCH_P, MC, BLOCK)
             j = tl.arange(0, MC)
             ipart, fpart = ipart_ptr + (r * n_chunks + c) * IW, fpart_ptr + (r * n_chunks + c) * FW
             tl.store(ipart + j, cnt)

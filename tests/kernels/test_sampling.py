@@ -15,9 +15,9 @@ import math
 import pytest
 import torch
 
-from cudagraph_rt.errors import InputError
-from cudagraph_rt.kernels.sampling import (SamplingPlan, SamplingSettings, Stream, check_setting_values, sample,
-                                           sample_with_probs, verify)
+from cudagraph_rt.errors import CaptureError, InputError
+from cudagraph_rt.kernels.sampling import (SamplingPlan, SamplingSettings, SamplingWorkspace, Stream,
+                                           check_setting_values, sample, sample_with_probs, verify)
 from cudagraph_rt.kernels.sampling import launch, philox
 from cudagraph_rt.kernels.sampling.reference import reference_probs, reference_sample
 from cudagraph_rt.kernels.sampling.torch_path import process
@@ -34,9 +34,10 @@ ALPHA = 1e-3  # chi-square significance
 TRIALS = 100_000
 PLANS = {  # small programs, so the interpreter has few to run; every phase of the kernels on each
     "one-pass": SamplingPlan(chunk=64, block=64, search_block=64, candidates=8, search_passes=1),
-    "two-pass": SamplingPlan(chunk=128, block=128, search_block=64, candidates=16, search_passes=2),
+    "two-pass": SamplingPlan(chunk=128, block=64, search_block=32, candidates=16, search_passes=2),
     "default": None,
 }
+TILED = SamplingPlan(chunk=64, block=16, search_block=16, candidates=4, search_passes=1)  # 4 tiles a program
 
 
 @pytest.fixture
@@ -128,7 +129,7 @@ def poisoned(n):
 @pytest.mark.parametrize("plan", list(PLANS), ids=list(PLANS))
 def test_kernels_match_the_torch_path(plan, rng):
     plan = PLANS[plan]
-    n, v = 8, rng.randrange(90, 300)
+    n, v = 6, rng.randrange(60, 260)
     dtype = rng.choice([torch.float32, torch.float16])
     logits, settings = random_logits(rng, n, v, dtype, DEV), random_settings(rng, n, v, DEV)
     stream = rng.choice([Stream.SAMPLE, Stream.DRAFT])
@@ -151,7 +152,7 @@ def test_kernels_match_the_torch_path(plan, rng):
 @pytest.mark.parametrize("plan", ["one-pass", "two-pass"])
 def test_kernels_match_the_torch_path_with_a_draft_models_q(plan, rng):
     plan = PLANS[plan]
-    n, v = 8, rng.randrange(90, 300)
+    n, v = 6, rng.randrange(60, 260)
     logits, settings = random_logits(rng, n, v, device=DEV), random_settings(rng, n, v, DEV)
     draft_logits, draft_settings = random_logits(rng, n, v, device=DEV), random_settings(rng, n, v, DEV)
     draft, q = torch.full((n,), -7, dtype=torch.int64, device=DEV), torch.full((n, v), float("nan"), device=DEV)
@@ -168,10 +169,12 @@ def test_kernels_match_the_torch_path_with_a_draft_models_q(plan, rng):
     tickets_back_at_zero()
 
 
-def greedy_case(rng, n=6, v=80):
-    """Small integer logits (many ties, the maximum included) in float32 and float16."""
+def greedy_case(rng, n=6, v=64):
+    """Small integer logits (many ties, the maximum included; the first row all equal) in
+    float32 and float16."""
     logits = torch.randint(-3, 3, (n, v), generator=torch.Generator().manual_seed(rng.randrange(2**31))).float()
-    settings = random_settings(rng, n, v)
+    logits[0] = 1.0
+    settings = random_settings(rng, n, v, kinds=("plain", "min_p"))  # batch-mates, quick under the interpreter
     settings.temperature[: n // 2] = torch.tensor([0.0, 1e-6, 0.0])[: n // 2]
     return logits, settings
 
@@ -182,11 +185,11 @@ def test_temperature_zero_is_greedy_tokens_bit_for_bit(kernel, rng):
     for dtype in (torch.float32, torch.float16):
         x, st = logits.to(dtype).to(DEV), on(DEV, settings)
         greedy = greedy_tokens(x)
-        rows = slice(0, 3)
-        assert torch.equal(sample(x, st, use_kernel=kernel)[rows], greedy[rows])
+        rows, plan = slice(0, 3), TILED if kernel else None  # ties within a lane, across its tiles
+        assert torch.equal(sample(x, st, use_kernel=kernel, plan=plan)[rows], greedy[rows])
         draft = torch.stack([greedy[0], (greedy[1] + 1) % x.shape[1], torch.tensor(-1, device=DEV)]).to(DEV)
         draft = torch.cat([draft, torch.full((3,), -1, dtype=torch.int64, device=DEV)])
-        tokens, p_d = verify(x, st, draft, use_kernel=kernel)
+        tokens, p_d = verify(x, st, draft, use_kernel=kernel, plan=plan)
         assert torch.equal(tokens[rows], greedy[rows])
         assert p_d[rows].tolist() == [1.0, 0.0, 0.0]
 
@@ -208,6 +211,29 @@ def test_a_rows_token_depends_only_on_its_own_row(kernel, rng):
     assert torch.equal(sample(logits[i:i + 1], settings.rows(slice(i, i + 1)), use_kernel=kernel), base[i:i + 1])
     if kernel:
         tickets_back_at_zero()
+
+
+@needs_kernel
+def test_a_workspace_of_ones_own_serves_its_shape_and_refuses_another(rng):
+    n, v = 4, 64
+    logits, settings, plan = random_logits(rng, n, v, device=DEV), random_settings(rng, n, v, DEV), PLANS["two-pass"]
+    ws = SamplingWorkspace.for_logits(logits, plan)
+    assert ws not in launch.WORKSPACES.all()
+    got = sample(logits, settings, plan=plan, workspace=ws, use_kernel=True)
+    assert_same_tokens(got, sample(logits, settings, use_kernel=False), logits, settings, "own workspace")
+    assert int(ws.tickets.abs().sum()) == 0
+    with pytest.raises(InputError, match="^workspace: expected"):
+        sample(logits[:2], settings.rows(slice(0, 2)), plan=plan, workspace=ws, use_kernel=True)
+
+
+def test_a_workspace_is_never_first_allocated_during_a_capture(monkeypatch):
+    """A shape first sampled inside a capture would put its tickets in the graph's pool:
+    refused with CaptureError, before any allocation."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    before = len(launch.WORKSPACES.all())
+    with pytest.raises(CaptureError, match="outside capture"):
+        launch.WORKSPACES.get(torch.device("cuda", 0), 3, 7, 16)
+    assert len(launch.WORKSPACES.all()) == before
 
 
 # ------------------------------------------------------------------------------ distributions
