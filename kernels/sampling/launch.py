@@ -212,8 +212,8 @@ def _launch_all(call: _Call, probs: Tensor | None, opts: dict) -> None:
                            ws.istate, ws.fstate, *tail, call.stream, BLOCK=plan.block, **call.common(), **flags,
                            **opts)
     if call.q is not None:
-        tp._residual_kernel[grid](*head, s.temperature, s.seed, s.position, q, stride_q, call.tokens, ws.istate,
-                                  ws.fstate, *tail, BLOCK=plan.block, **call.common(), **opts)
+        tp._residual_kernel[grid](*head, s.temperature, s.seed, s.position, draft, q, stride_q, call.tokens,
+                                  ws.istate, ws.fstate, *tail, BLOCK=plan.block, **call.common(), **opts)
     if probs is not None:
         tp._probs_kernel[grid](*head, s.temperature, probs, probs.stride(0), ws.istate, ws.fstate, plan.chunk,
                                BLOCK=plan.block, **opts)

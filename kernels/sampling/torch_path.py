@@ -128,17 +128,18 @@ def verify_torch(logits: Tensor, settings: SamplingSettings, draft: Tensor, q: T
     noise = torch.where(valid[:, None], residual_noise, gumbel(settings.seed, settings.position, int(stream), v))
     token = _gumbel_argmax(pr, noise, d)
     if q is not None:
-        token = torch.where(valid, _residual(pr, residual_noise, q), token)
+        token = torch.where(valid, _residual(pr, residual_noise, q, d), token)
     token = torch.where(accept, d, token)
     return torch.where(pr.greedy, pr.argmax, token), p_d, pr
 
 
-def _residual(pr: Processed, g: Tensor, q: Tensor) -> Tensor:
+def _residual(pr: Processed, g: Tensor, q: Tensor, d: Tensor) -> Tensor:
     """The token drawn from norm(max(0, p - q)) with the residual stream's noise (Gumbel-max
-    over log(p - q) where p > q); from p itself where p - q has no positive entry (p == q
-    up to rounding, where a rejection can only come from rounding)."""
+    over log(p - q) where p > q, which never holds at a rejected draft); from p without the
+    draft where p - q has no positive entry (p == q up to rounding, where a rejection can only
+    come from rounding), so that a token equals its draft only when it was accepted."""
     p = torch.where(pr.kept, torch.exp(pr.s - pr.m[:, None]) / pr.mass[:, None], 0.0)
     r = p - q
     score = torch.where(r > 0, torch.log(r) + g, _NEG_INF)
-    fallback = torch.where(pr.kept, pr.s + g, _NEG_INF).argmax(-1)
+    fallback = _gumbel_argmax(pr, g, d)
     return torch.where((r > 0).any(-1), score.argmax(-1), fallback)

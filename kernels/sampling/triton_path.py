@@ -533,9 +533,9 @@ if triton is not None:
 
     # ----------------------------------------------------------------------------- residual
     @triton.jit
-    def _residual_scan(row_ptr, q_row, start, end, inv_t, m, thr, z, seed, position, BLOCK: tl.constexpr):
+    def _residual_scan(row_ptr, q_row, start, end, inv_t, m, thr, z, seed, position, d, BLOCK: tl.constexpr):
         """One chunk: the Gumbel winner of log(max(0, p - q)) (p = exp(s - m) / z on the
-        kept set), and of the kept s (used where p - q has no positive entry)."""
+        kept set), and of the kept s but the draft d (used where p - q has no positive entry)."""
         lane = tl.arange(0, BLOCK)
         best, bi = tl.full([BLOCK], float("-inf"), tl.float32), tl.full([BLOCK], -1, tl.int32)
         fb, fi = tl.full([BLOCK], float("-inf"), tl.float32), tl.full([BLOCK], -1, tl.int32)
@@ -551,7 +551,7 @@ if triton is not None:
             score = tl.where(ok & (rest > 0.0), tl.log(rest) + g, float("-inf"))
             bi = tl.where(score > best, idx, bi)
             best = tl.maximum(best, score)
-            score = tl.where(kept, s + g, float("-inf"))
+            score = tl.where(kept & (idx != d), s + g, float("-inf"))
             fi = tl.where(score > fb, idx, fi)
             fb = tl.maximum(fb, score)
         best, bi = _lane_winner(best, bi)
@@ -559,8 +559,8 @@ if triton is not None:
         return best, bi, fb, fi
 
     @triton.jit
-    def _residual_kernel(logits_ptr, stride_l, V, temp_ptr, seed_ptr, pos_ptr, q_ptr, stride_q, tok_ptr, ist_ptr,
-                         fst_ptr, ipart_ptr, fpart_ptr, ticket_ptr, chunk, n_chunks, IW: tl.constexpr,
+    def _residual_kernel(logits_ptr, stride_l, V, temp_ptr, seed_ptr, pos_ptr, draft_ptr, q_ptr, stride_q, tok_ptr,
+                         ist_ptr, fst_ptr, ipart_ptr, fpart_ptr, ticket_ptr, chunk, n_chunks, IW: tl.constexpr,
                          FW: tl.constexpr, BLOCK: tl.constexpr, CB: tl.constexpr):
         c, r = tl.program_id(0), tl.program_id(1).to(tl.int64)
         ist, fst = ist_ptr + r * _I_WORDS, fst_ptr + r * _F_WORDS
@@ -570,7 +570,7 @@ if triton is not None:
             best, bi, fb, fi = _residual_scan(logits_ptr + r * stride_l, q_ptr + r * stride_q, start,
                                               tl.minimum(start + chunk, V), inv_t, tl.load(fst + _F_M),
                                               tl.load(ist + _I_THR), tl.load(fst + _F_ZFIN), tl.load(seed_ptr + r),
-                                              tl.load(pos_ptr + r), BLOCK)
+                                              tl.load(pos_ptr + r), _row_draft(draft_ptr, r, V, True), BLOCK)
             ipart, fpart = ipart_ptr + r * n_chunks * IW, fpart_ptr + r * n_chunks * FW
             tl.store(fpart + c * FW, best)
             tl.store(fpart + c * FW + 1, fb)

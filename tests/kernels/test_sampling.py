@@ -328,6 +328,27 @@ def test_rejection_with_a_draft_models_q_is_lossless():
     assert abs(accepted - alpha) <= 4.5 * math.sqrt(alpha * (1 - alpha) / TRIALS), (accepted, alpha)
 
 
+@pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=needs_kernel)], ids=["torch", "kernel"])
+def test_a_token_equals_its_draft_exactly_when_accepted(kernel, rng):
+    """Drafts at each row's most probable token with q twice p there and p elsewhere: every
+    rejection (u * q(d) >= p(d), about half) meets a p - q with no positive entry, the
+    corner where the residual falls back to p, and still never returns the draft, so
+    ``greedy_accept``'s ``tokens != next_tokens`` is the rejection, exactly."""
+    n, v = 12, 48
+    logits = random_logits(rng, n, v, masked=False)
+    settings = random_settings(rng, n, v, kinds=("plain", "top_k", "top_p"))
+    pr = process(logits, settings)
+    rows, d = torch.arange(n), pr.argmax
+    p = pr.probs()
+    q = p.clone()
+    q[rows, d] *= 2
+    tokens, p_d = verify(logits.to(DEV), on(DEV, settings), d.to(DEV), q=q.to(DEV), use_kernel=kernel)
+    accepted = philox.uniform(settings.seed, settings.position, Stream.ACCEPT) * q[rows, d] < p[rows, d]
+    assert accepted.any() and (~accepted).any(), "a case with one outcome tests nothing"
+    assert torch.equal(tokens.cpu() == d, accepted)
+    torch.testing.assert_close(p_d.cpu(), p[rows, d], rtol=1e-5, atol=1e-7)
+
+
 def test_a_bonus_row_is_a_plain_sample(rng):
     n, v = 6, 50
     logits, settings = random_logits(rng, n, v), random_settings(rng, n, v)
