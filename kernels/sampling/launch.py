@@ -69,12 +69,14 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def plan_sampling(rows: int, vocab: int, device: torch.device) -> SamplingPlan:
+def plan_sampling(rows: int, vocab: int, device: torch.device, sm_count: int | None = None) -> SamplingPlan:
     """The default plan: about two programs per multiprocessor over all rows (one row of a
     128k vocabulary in ~128 chunks of 1024), more candidates per search step where there
-    are few rows (the steps cost launches there, the candidates cost arithmetic at many rows)."""
+    are few rows (the steps cost launches there, the candidates cost arithmetic at many rows).
+    ``sm_count``: the device's multiprocessors (default: asked of the device)."""
+    device = torch.device(device)
     block = 1024 if device.type == "cuda" else 64
-    want = max(1, _cdiv(2 * _sm_count(device), max(rows, 1)))
+    want = max(1, _cdiv(2 * (sm_count or _sm_count(device)), max(rows, 1)))
     chunk = max(block, _cdiv(_cdiv(vocab, want), block) * block)
     candidates = 64 if rows <= 4 else 32 if rows <= 16 else 16
     if device.type != "cuda":
@@ -93,6 +95,19 @@ def _check_plan(plan: SamplingPlan) -> None:
         raise InputError(expected("plan.search_passes", ">= 1", plan.search_passes))
 
 
+def partial_words(candidates: int) -> tuple[int, int]:
+    """(int32, float32) words of one program's partial results: a search step's counts
+    [MC] and masses, successors, predecessors [MC] each plus the bracket's top."""
+    return max(candidates, 2), max(3 * candidates + 1, 4)
+
+
+def launch_constants(plan: SamplingPlan, vocab: int) -> dict:
+    """The compile-time constants every launch of ``plan`` shares (the partials' layout and
+    the reducers' chunks per block)."""
+    iw, fw = partial_words(plan.candidates)
+    return dict(IW=iw, FW=fw, CB=min(_pow2(plan.chunks(vocab)), max(1, 1024 // plan.candidates)))
+
+
 class SamplingWorkspace:
     """Row states (int32 / float32 [N, 8]), per-chunk partials and tickets (int32 [N], 0
     between launches) of one (device, rows, chunks, candidates); kept for as long as any
@@ -101,7 +116,7 @@ class SamplingWorkspace:
 
     def __init__(self, device: torch.device, rows: int, chunks: int, candidates: int):
         self.key = (device, rows, chunks, candidates)
-        self.iw, self.fw = max(candidates, 2), max(3 * candidates + 1, 4)
+        self.iw, self.fw = partial_words(candidates)
         self.istate = torch.zeros(rows, tp.I_WORDS, dtype=torch.int32, device=device)
         self.fstate = torch.zeros(rows, tp.F_WORDS, dtype=torch.float32, device=device)
         self.ipart = torch.zeros(rows * chunks * self.iw, dtype=torch.int32, device=device)
@@ -165,9 +180,7 @@ class _Call:
     ws: SamplingWorkspace
 
     def common(self) -> dict:
-        n_chunks = self.plan.chunks(self.logits.shape[1])
-        cb = min(_pow2(n_chunks), max(1, 1024 // self.plan.candidates))
-        return dict(IW=self.ws.iw, FW=self.ws.fw, CB=cb)
+        return launch_constants(self.plan, self.logits.shape[1])
 
 
 def launch_sampler(logits: Tensor, settings: SamplingSettings, tokens: Tensor, p_draft: Tensor, *,

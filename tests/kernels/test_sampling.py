@@ -22,6 +22,7 @@ from cudagraph_rt.kernels.sampling import launch, philox
 from cudagraph_rt.kernels.sampling.reference import reference_probs, reference_sample
 from cudagraph_rt.kernels.sampling.torch_path import process
 from cudagraph_rt.models.cells import greedy_tokens
+from tests.support import run_compile_script
 from tests.support.sampling_cases import assert_same_tokens, chi_square, random_logits, random_settings
 from tests.support.seeds import seeded_rng
 
@@ -437,6 +438,19 @@ def test_the_bench_runs_in_smoke_mode(capsys):
     assert bench.main(["--smoke", "--rows", "1", "--vocab", "64"]) == 0
     out = capsys.readouterr().out
     assert "top_p=0.9" in out and "NO" not in out
+
+
+@needs_kernel
+def test_the_kernels_compile_for_sm90_as_the_default_plans_launch_them():
+    """The interpreter accepts what the compiler refuses: every launch of the default plans
+    (1 and 64 rows of 128,256 logits, a vocabulary of 1) compiled offline for sm_90, with
+    its ticket atomic, a round-to-nearest 1 / T and libdevice's log (compile_sampling.py)."""
+    if torch.cuda.is_available():
+        pytest.skip("the cuda tests compile the kernels for real here")
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    done = run_compile_script("compile_sampling.py")
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert done.stdout.count("ok ") >= 28 and "FAILED" not in done.stdout, done.stdout
 
 
 # ------------------------------------------------------------------------------ CUDA
