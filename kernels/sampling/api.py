@@ -19,9 +19,8 @@ before anything is launched or written.
 """
 from __future__ import annotations
 
-from torch import Tensor
-
 import torch
+from torch import Tensor
 
 from cudagraph_rt.errors import InputError, expected
 from cudagraph_rt.kernels.sampling import launch
@@ -44,10 +43,10 @@ def uses_kernel(logits: Tensor, use_kernel: bool | None = None) -> bool:
     return bool(use_kernel)
 
 
-def _checked(logits, settings, draft, q, tokens, p_draft, validate: bool) -> tuple[Tensor, Tensor]:
+def _checked(logits, settings, draft, q, tokens, p_draft, validate: bool, probs=None) -> tuple[Tensor, Tensor]:
     """Check the arguments, then return the outputs to write (given, or new)."""
     if validate:
-        check_sampling_args(logits, settings, draft, q, tokens, p_draft)
+        check_sampling_args(logits, settings, draft, q, tokens, p_draft, probs)
         if all(t.device.type == "cpu" for t in settings.tensors()):
             check_setting_values(settings, logits.shape[1], draft if draft is not None and draft.is_cpu else None)
     n, dev = logits.shape[0], logits.device
@@ -86,7 +85,7 @@ def sample_with_probs(logits: Tensor, settings: SamplingSettings, *, stream: int
     the kept set, 0 elsewhere, one-hot for greedy rows): the q that :func:`verify` takes."""
     stream = _check_stream(stream)
     tokens, probs = out if out is not None else (None, None)
-    tokens, _ = _checked(logits, settings, None, probs, tokens, None, validate)  # probs: checked as a q
+    tokens, _ = _checked(logits, settings, None, None, tokens, None, validate, probs)
     probs = torch.empty(logits.shape, dtype=torch.float32, device=logits.device) if probs is None else probs
     if not uses_kernel(logits, use_kernel):
         tokens.copy_(sample_torch(logits, settings, stream))
@@ -102,8 +101,9 @@ def verify(logits: Tensor, settings: SamplingSettings, draft: Tensor, *, q: Tens
            workspace: SamplingWorkspace | None = None, use_kernel: bool | None = None,
            validate: bool = True) -> tuple[Tensor, Tensor]:
     """Rejection sampling on the device (Leviathan et al. 2023; Chen et al. 2023). Row i
-    holds the target's logits for the position its ``draft[i]`` token claims (-1: none,
-    the bonus row; a value outside [0, V) counts as none on the device). With p the
+    holds the target's logits for the next token of its sequence, and ``draft[i]`` the token
+    the drafter proposed there (-1: none, the bonus row; a value outside [0, V) counts as
+    none on the device). ``settings.position`` names that token's position. With p the
     row's processed distribution and q one-hot at the draft (``q=None``: a deterministic
     drafter) or the row of ``q`` [N, V] (a sampling draft model's distribution): accept
     the draft with probability min(1, p(d) / q(d)) (the acceptance stream's uniform),

@@ -83,11 +83,12 @@ def _desc(t) -> str:
     return f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, Tensor) else type(t).__name__
 
 
-def check_sampling_args(logits, settings, draft=None, q=None, out_tokens=None, out_p=None) -> None:
+def check_sampling_args(logits, settings, draft=None, q=None, out_tokens=None, out_p=None, out_probs=None) -> None:
     """InputError naming the first argument whose shape, dtype or device breaks the
     contract (``logits`` [N, V] float32/float16/bfloat16 with a contiguous last dimension;
-    each setting [N] of its dtype; ``draft`` [N] int64; ``q`` [N, V] float32; the outputs
-    [N] int64 / [N] float32), all on the logits' device. Metadata only: no sync."""
+    each setting [N] of its dtype; ``draft`` [N] int64; ``q`` and ``out_probs`` [N, V]
+    float32; the outputs [N] int64 / [N] float32), all on the logits' device. Metadata
+    only: no sync."""
     if not isinstance(logits, Tensor) or logits.dim() != 2 or logits.dtype not in LOGIT_DTYPES:
         raise InputError(expected("logits", "a [N, V] float32, float16 or bfloat16 tensor", _desc(logits)))
     n, v = logits.shape
@@ -103,10 +104,11 @@ def check_sampling_args(logits, settings, draft=None, q=None, out_tokens=None, o
             continue
         if not isinstance(t, Tensor) or tuple(t.shape) != (n,) or t.dtype != dtype or t.device != logits.device:
             raise InputError(expected(name, f"a [{n}] {dtype} tensor on {logits.device}", _desc(t)))
-    if q is not None and (not isinstance(q, Tensor) or tuple(q.shape) != (n, v) or q.dtype != torch.float32
-                          or q.device != logits.device or q.stride(1) != 1):
-        raise InputError(expected("q", f"a [{n}, {v}] float32 tensor on {logits.device}, last dimension contiguous",
-                                  _desc(q)))
+    for name, t in (("q", q), ("out_probs", out_probs)):
+        if t is not None and (not isinstance(t, Tensor) or tuple(t.shape) != (n, v) or t.dtype != torch.float32
+                              or t.device != logits.device or t.stride(1) != 1):
+            raise InputError(expected(name, f"a [{n}, {v}] float32 tensor on {logits.device}, last dimension "
+                                      "contiguous", _desc(t)))
 
 
 def _first_bad(name: str, values: Tensor, bad: Tensor, want: str) -> None:

@@ -417,6 +417,12 @@ def test_a_bad_shape_dtype_or_device_is_an_input_error_naming_it(name, change, m
                use_kernel=True if INTERP else None)
 
 
+def test_a_bad_probabilities_output_is_an_input_error_naming_it():
+    with pytest.raises(InputError, match="^out_probs: expected"):
+        sample_with_probs(torch.randn(2, 8), SamplingSettings.full(2), out=(torch.empty(2, dtype=torch.int64),
+                                                                            torch.empty(2, 9)))
+
+
 def test_a_stream_other_than_sample_or_draft_is_refused():
     with pytest.raises(InputError, match="^stream: expected"):
         sample(torch.randn(2, 8), SamplingSettings.full(2), stream=Stream.ACCEPT)
