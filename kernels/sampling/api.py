@@ -55,10 +55,26 @@ def _checked(logits, settings, draft, q, tokens, p_draft, validate: bool, probs=
 
 
 def _check_stream(stream) -> int:
-    if stream not in (Stream.SAMPLE, Stream.DRAFT):
+    if isinstance(stream, bool) or not isinstance(stream, int) or stream not in (Stream.SAMPLE, Stream.DRAFT):
         raise InputError(expected("stream", "Stream.SAMPLE (a target's token) or Stream.DRAFT (a draft model's)",
-                                  stream))
+                                  repr(stream)))
     return int(stream)
+
+
+def _pair(out, names: str) -> tuple:
+    """``out`` as the pair of output tensors it must be (None: none given)."""
+    if out is None:
+        return None, None
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise InputError(expected("out", f"None or a ({names}) pair of tensors", type(out).__name__))
+    return tuple(out)
+
+
+def _check_launch_args(plan, workspace) -> None:
+    if plan is not None and not isinstance(plan, SamplingPlan):
+        raise InputError(expected("plan", "None or a SamplingPlan", type(plan).__name__))
+    if workspace is not None and not isinstance(workspace, SamplingWorkspace):
+        raise InputError(expected("workspace", "None or a SamplingWorkspace", type(workspace).__name__))
 
 
 def sample(logits: Tensor, settings: SamplingSettings, *, stream: int = Stream.SAMPLE, out: Tensor | None = None,
@@ -69,6 +85,7 @@ def sample(logits: Tensor, settings: SamplingSettings, *, stream: int = Stream.S
     rows give ``greedy_tokens``' token. ``out``: an [N] int64 tensor to write (returned).
     ``plan`` / ``workspace``: the kernels' (``launch.py``); ignored by the torch path."""
     stream = _check_stream(stream)
+    _check_launch_args(plan, workspace)
     tokens, p_draft = _checked(logits, settings, None, None, out, None, validate)
     if not uses_kernel(logits, use_kernel):
         return tokens.copy_(sample_torch(logits, settings, stream))
@@ -84,7 +101,8 @@ def sample_with_probs(logits: Tensor, settings: SamplingSettings, *, stream: int
     default: a draft model drafting a position) and the distribution it drew from (p on
     the kept set, 0 elsewhere, one-hot for greedy rows): the q that :func:`verify` takes."""
     stream = _check_stream(stream)
-    tokens, probs = out if out is not None else (None, None)
+    _check_launch_args(plan, workspace)
+    tokens, probs = _pair(out, "tokens, probs")
     tokens, _ = _checked(logits, settings, None, None, tokens, None, validate, probs)
     probs = torch.empty(logits.shape, dtype=torch.float32, device=logits.device) if probs is None else probs
     if not uses_kernel(logits, use_kernel):
@@ -114,7 +132,8 @@ def verify(logits: Tensor, settings: SamplingSettings, draft: Tensor, *, q: Tens
     Returns (tokens [N] int64, p(d) [N] float32; 0 without a draft). A token equals its
     draft exactly when the draft was accepted, so ``models.accept.greedy_accept`` decides
     the committed rows from ``tokens != next_tokens`` unchanged."""
-    tokens, p_draft = _checked(logits, settings, draft, q, *(out if out is not None else (None, None)), validate)
+    _check_launch_args(plan, workspace)
+    tokens, p_draft = _checked(logits, settings, draft, q, *_pair(out, "tokens, p_draft"), validate)
     if not uses_kernel(logits, use_kernel):
         t, p, _ = verify_torch(logits, settings, draft, q)
         return tokens.copy_(t), p_draft.copy_(p)

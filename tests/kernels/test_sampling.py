@@ -425,9 +425,17 @@ def test_a_bad_probabilities_output_is_an_input_error_naming_it():
                                                                             torch.empty(2, 9)))
 
 
-def test_a_stream_other_than_sample_or_draft_is_refused():
+@pytest.mark.parametrize("stream", [Stream.ACCEPT, Stream.RESIDUAL, True, 3.0, "3", None, 7])
+def test_a_stream_other_than_sample_or_draft_is_refused(stream):
     with pytest.raises(InputError, match="^stream: expected"):
-        sample(torch.randn(2, 8), SamplingSettings.full(2), stream=Stream.ACCEPT)
+        sample(torch.randn(2, 8), SamplingSettings.full(2), stream=stream)
+
+
+@pytest.mark.parametrize("name,value", [("out", torch.empty(2, dtype=torch.int64)), ("out", (None,)),
+                                        ("plan", {"chunk": 64}), ("workspace", "ws")])
+def test_outputs_plans_and_workspaces_of_another_kind_are_refused(name, value):
+    with pytest.raises(InputError, match=f"^{name}: expected"):
+        verify(torch.randn(2, 8), SamplingSettings.full(2), torch.full((2,), -1), **{name: value})
 
 
 @needs_kernel
