@@ -1,41 +1,9 @@
 """The sampler's Triton kernels: sorting-free, each row's vocabulary split over many programs.
 
-Every launch has the grid ``(chunks, N)``: program (c, r) reads chunk c of row r (``chunk``
-logits, whole tiles), writes its partial results to the workspace, and the last program of
-the row to arrive (an acq_rel ticket per row, as in ``small_linear.py``) reduces the
-row's partials in chunk order (so the result does not depend on arrival order), moves the
-row's state on and puts the ticket back to 0. The state of a row (``PHASE`` and the rest
-of the ``_I*`` / ``_F*`` words) says what the next launches do with it; a launch whose
-phase is not the row's returns at once.
-
-1. ``_stats_kernel`` (every row): the row max m and min of the scaled logits
-   ``s = logits * (1 / T)``, the first maximal index, the online softmax mass Z; for rows
-   with no filter the Gumbel-max winner too (one pass: those rows end here), greedy rows end
-   with the first maximal logit. Filtered rows enter the search.
-2. ``_search_kernel`` x ``search_passes``: the k-ary search for the top-k threshold, then
-   (top-p on) for the top-p threshold of the renormalised top-k set. Thresholds are float
-   keys (``_f2key``, an order-preserving int32); the row's bracket [lo, hi) holds the
-   answer t* = the largest data key with pred(t) (top-k: count(key >= t) >= k; top-p:
-   mass(key >= t) >= top_p * mass(top-k set)). A pass tests ``candidates`` thresholds at
-   once (spread evenly in value between the bracket's ends; in key space on every other
-   step of the fallback loop, which bounds the steps), each chunk counting, summing
-   exp(s - m), and taking the smallest key at or above and the largest key below each
-   candidate within the bracket; the reducer keeps the sub-bracket where pred turns false,
-   narrowed to the data in it, so a bracket holding one distinct value is resolved
-   (ties included). Tiles with no key in the bracket skip the candidate work, so later
-   passes only read. The last search launch's reducer finishes any row still searching
-   in a loop of its own over the whole row (rare: many ties of nearby values, or fewer
-   passes than the data needs). Then the threshold is max(search result, m + log(min_p)).
-3. ``_final_kernel``: the Gumbel-max winner over {key >= threshold} (minus the draft when
-   there is one), tiles with nothing kept skipped (no noise drawn there), and the kept mass;
-   the reducer decides the token (acceptance of the draft for a verify).
-4. ``_residual_kernel`` (a verify with a full q only): the token from norm(max(0, p - q))
-   of the rows that rejected their draft.
-5. ``_probs_kernel`` (when asked): the processed distribution p, written out (a draft
-   model's q).
-
-Launch count: 2 + search_passes (+1 full-q verify, +1 probabilities). A row with no filter
-needs only the first; a min-p-only row the first and the final.
+Grid ``(chunks, N)``; the last program of a row to arrive (an acq_rel ticket) reduces the
+row's partials in chunk order and moves the row's phase on. Launches: stats, search x
+passes, final (+ residual for a full-q verify, + probabilities when asked). How they work:
+ARCHITECTURE.md, "The sampler".
 """
 from __future__ import annotations
 
@@ -46,96 +14,16 @@ except ImportError:  # pragma: no cover - exercised only on installs without tri
     triton = None
     tl = None
 
-from cudagraph_rt.kernels.sampling.settings import MIN_TEMPERATURE
-
-# Row state: int32 words ...
-I_PHASE, I_LO, I_HI, I_THR, I_KEFF, I_ARGMAX, I_WORDS = 0, 1, 2, 3, 4, 5, 8
-# ... and float32 words
-F_M, F_TARGET, F_ZFIN, F_TMIN, F_WORDS = 0, 1, 2, 3, 8
-# Phases
-DONE, SEARCH_K, SEARCH_P, READY, RESIDUAL = 0, 1, 2, 3, 4
-FALLBACK_STEPS = 96  # bound of the fallback loop (it needs at most ~2 * 32 / log2(candidates) per phase)
+from cudagraph_rt.kernels.sampling.row_state import F_WORDS, I_WORDS  # noqa: F401 - the launcher's
 
 if triton is not None:
-    from cudagraph_rt.kernels.sampling.philox import tl_gumbel, tl_uniforms
-
-    # the host's constants, as the kernels must see globals (constexpr)
-    _I_PHASE = tl.constexpr(I_PHASE)
-    _I_LO = tl.constexpr(I_LO)
-    _I_HI = tl.constexpr(I_HI)
-    _I_THR = tl.constexpr(I_THR)
-    _I_KEFF = tl.constexpr(I_KEFF)
-    _I_ARGMAX = tl.constexpr(I_ARGMAX)
-    _I_WORDS = tl.constexpr(I_WORDS)
-    _F_M = tl.constexpr(F_M)
-    _F_TARGET = tl.constexpr(F_TARGET)
-    _F_ZFIN = tl.constexpr(F_ZFIN)
-    _F_TMIN = tl.constexpr(F_TMIN)
-    _F_WORDS = tl.constexpr(F_WORDS)
-    _DONE = tl.constexpr(DONE)
-    _SEARCH_K = tl.constexpr(SEARCH_K)
-    _SEARCH_P = tl.constexpr(SEARCH_P)
-    _READY = tl.constexpr(READY)
-    _RESIDUAL = tl.constexpr(RESIDUAL)
-    _FALLBACK_STEPS = tl.constexpr(FALLBACK_STEPS)
-    _MIN_T = tl.constexpr(MIN_TEMPERATURE)
-    _KEY_NEG_INF = tl.constexpr(-2139095041)  # _f2key(-inf): a threshold that keeps everything
-    _KEY_MAX = tl.constexpr(2147483647)
-    _FLT_MAX = tl.constexpr(3.4028234663852886e38)
-
-    @triton.jit
-    def _f2key(s):
-        """Order-preserving int32 key of float32 ``s`` (NaN excluded; -0.0 as +0.0)."""
-        bits = s.to(tl.int32, bitcast=True)
-        return tl.where(s == 0.0, 0, bits ^ ((bits >> 31) & 0x7FFFFFFF))
-
-    @triton.jit
-    def _key2f(key):
-        """The float32 of an order-preserving key (the inverse of ``_f2key``)."""
-        return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _last_to_arrive(ticket_ptr, n_chunks):
-        """True in the row's last program to get here; its partials, and every other
-        program's, are written before (a CTA barrier, then an acq_rel atomic)."""
-        tl.debug_barrier()
-        return tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == n_chunks - 1
-
-    @triton.jit
-    def _reset_ticket(ticket_ptr):
-        tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
-
-    @triton.jit
-    def _row_draft(draft_ptr, r, V, HAS_DRAFT: tl.constexpr):
-        """Row r's draft token, -1 for none (or anything outside [0, V))."""
-        if HAS_DRAFT:
-            d = tl.load(draft_ptr + r)
-            return tl.where((d >= 0) & (d < V), d, -1).to(tl.int32)
-        return tl.full([], -1, tl.int32)
-
-    @triton.jit
-    def _inv_temperature(temp_ptr, r):
-        """(1 / T rounded to nearest, greedy?): greedy rows scale by 1."""
-        t = tl.load(temp_ptr + r)
-        greedy = t < _MIN_T
-        one = tl.full([], 1.0, tl.float32)
-        return tl.where(greedy, one, tl.math.div_rn(one, tl.where(greedy, one, t))), greedy
-
-    @triton.jit
-    def _filtered(topk_ptr, topp_ptr, minp_ptr, r, V):
-        k = tl.load(topk_ptr + r)
-        return ((k > 0) & (k < V)) | (tl.load(topp_ptr + r) < 1.0) | (tl.load(minp_ptr + r) > 0.0)
-
-    @triton.jit
-    def _better(key, idx, best, best_idx):
-        """Keep the larger key; on a tie the earlier candidate (callers go in index order)."""
-        return tl.maximum(best, key), tl.where(key > best, idx, best_idx)
-
-    @triton.jit
-    def _accept_uniform(seed, position):
-        """Index 0 of the acceptance stream (Stream.ACCEPT = 1)."""
-        u = tl_uniforms(seed, position, tl.full([], 1, tl.int32), 0, 4)
-        return tl.sum(tl.where(tl.arange(0, 4) == 0, u, 0.0), 0)
+    from cudagraph_rt.kernels.sampling.philox import tl_gumbel
+    from cudagraph_rt.kernels.sampling.row_state import (  # noqa: F401
+        _I_PHASE, _I_LO, _I_HI, _I_THR, _I_KEFF, _I_ARGMAX, _I_WORDS, _F_M, _F_TARGET, _F_ZFIN,
+        _F_TMIN, _F_WORDS, _DONE, _SEARCH_K, _SEARCH_P, _READY, _RESIDUAL, _FALLBACK_STEPS,
+        _KEY_NEG_INF, _KEY_MAX, _FLT_MAX, _f2key, _key2f, _last_to_arrive,
+        _reset_ticket, _row_draft, _inv_temperature, _filtered, _better, _accept_uniform,
+    )
 
     # ----------------------------------------------------------------------------- stats
     @triton.jit
