@@ -19,6 +19,7 @@ setup(
         "cudagraph_rt.kernels",
         "cudagraph_rt.kernels.attention",
         "cudagraph_rt.kernels.row_gather",
+        "cudagraph_rt.kernels.sampling",
         "cudagraph_rt.tools",
         "cudagraph_rt.tools.bench",
         "cudagraph_rt.tools.bench.experiments",

@@ -55,6 +55,7 @@ MARKED = ("tests/core/test_pieces.py", "tests/properties/test_fuzz_marked_calls.
 OUTPUTS = ("tests/core/test_host_rows.py",)
 ARGS = ("tests/properties/test_bad_arguments.py",)  # the bad-argument fuzz (issue 35)
 CLI = ("tests/tools/test_cli.py",)
+SAMPLING = ("tests/kernels/test_sampling.py", "tests/properties/test_sampling_contract.py")
 
 M = Mutation
 CATALOGUE: tuple[Mutation, ...] = (
@@ -536,4 +537,56 @@ CATALOGUE: tuple[Mutation, ...] = (
       'if n is None and device == "cpu":',
       "the adapter's torch.device compared with a string: never equal, so assert_sweep runs on torch's "
       "default thread count on a CPU", SWEEP),
+    # ---------------------------------------------------------------- sampling (kernels/sampling)
+    M(100, "sampling rng", "kernels/sampling/philox.py",
+      "c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0",
+      "c0, c1, c2, c3 = hi1 ^ c1 ^ k1, lo1, hi0 ^ c3 ^ k0, lo0",
+      "the two key words swapped in a Philox round: still random-looking, no longer Philox4x32 (the "
+      "Random123 known answers catch it; uniformity tests would not)", SAMPLING),
+    M(101, "sampling rng", "kernels/sampling/philox.py",
+      "return (words >> 9).to(torch.float32) * 2.0**-23 + 2.0**-24",
+      "return (words >> 8).to(torch.float32) * 2.0**-24",
+      "the 'obvious' 24-bit uniform in [0, 1): u = 0 comes once in 2**24 draws and its Gumbel noise is "
+      "-inf (and the Triton side still draws the open interval)", SAMPLING),
+    M(102, "sampling rng", "kernels/sampling/philox.py",
+      "words = tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), [BLOCK])",
+      "words = tl.reshape(tl.join(tl.join(c0, c1), tl.join(c2, c3)), [BLOCK])",
+      "the four Philox words interleaved in the natural-looking order: join's last axis is the inner one, "
+      "so indices 4c+1 and 4c+2 swap words and the kernels' noise is no longer the torch path's", SAMPLING),
+    M(103, "sampling rejection", "kernels/sampling/torch_path.py",
+      "residual_noise = gumbel(settings.seed, settings.position, Stream.RESIDUAL, v)",
+      "residual_noise = gumbel(settings.seed, settings.position, Stream.DRAFT, v)",
+      "the residual draw reuses the draft model's stream: the token replacing a rejected draft is "
+      "correlated with the noise that chose the draft", SAMPLING),
+    M(104, "sampling filters", "kernels/sampling/torch_path.py",
+      "hit = w.cumsum(-1) >= (settings.top_p * w.sum(-1))[:, None]",
+      "hit = w.cumsum(-1) >= (settings.top_p * torch.exp(sd - m[:, None]).sum(-1))[:, None]",
+      "top-p measured against the whole distribution instead of the renormalised top-k set (the order "
+      "of application the reference and vLLM use)", SAMPLING),
+    M(105, "sampling rejection", "kernels/sampling/torch_path.py",
+      "accept = valid & (u * q_d < p_d)",
+      "accept = valid & (u < p_d)",
+      "the acceptance test written for one-hot drafts only: with a draft model's q, min(1, p/q) becomes "
+      "p, and the emitted tokens follow a mixture of p and q", SAMPLING),
+    M(106, "sampling kernel", "kernels/sampling/triton_path.py",
+      "ok = tl.where(phase == _SEARCH_K, cnt >= keff, mass >= target) | (j == 0)",
+      "ok = tl.where(phase == _SEARCH_K, cnt > keff, mass >= target) | (j == 0)",
+      "`>` for `>=` in the top-k search: the threshold lands one distinct value too high, k - 1 tokens kept",
+      SAMPLING),
+    M(107, "sampling kernel", "kernels/sampling/triton_path.py",
+      "_reset_ticket(ticket_ptr + r)",
+      "pass",
+      "the stats launch's last program leaves its row's ticket raised: the next call's programs never "
+      "see themselves last, and no token of that row is written again", SAMPLING,
+      anchor="fst_ptr + r * _F_WORDS, HAS_DRAFT, FULL_Q)"),
+    M(108, "sampling kernel", "kernels/sampling/triton_path.py",
+      "am = tl.where(s > mx, idx, am)",
+      "am = tl.where(s >= mx, idx, am)",
+      "`>=` in the running argmax: a tie moves the greedy token to the last maximal logit, no longer "
+      "greedy_tokens' first", SAMPLING),
+    M(109, "sampling checks", "kernels/sampling/settings.py",
+      '_first_bad("top_p", p, ~((p > 0) & (p <= 1)), "a value in (0, 1] (1: off)")',
+      '_first_bad("top_p", p, ~((p >= 0) & (p <= 1)), "a value in (0, 1] (1: off)")',
+      "top_p = 0 let through: an empty nucleus that the kernels resolve to the most probable token, "
+      "silently greedy", SAMPLING),
 )
