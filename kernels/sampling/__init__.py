@@ -16,11 +16,11 @@ The modules, one idea each:
 * ``bench``: ``python -m cudagraph_rt.kernels.sampling.bench`` (``--smoke`` on a CPU).
 """
 from cudagraph_rt.kernels.sampling.api import sample, sample_with_probs, uses_kernel, verify
-from cudagraph_rt.kernels.sampling.launch import SamplingPlan, SamplingWorkspace, kernel_mode, plan_sampling
+from cudagraph_rt.kernels.sampling.launch import SamplingPlan, SamplingWorkspace, plan_sampling
 from cudagraph_rt.kernels.sampling.philox import Stream
 from cudagraph_rt.kernels.sampling.settings import (MIN_TEMPERATURE, SamplingSettings, check_sampling_args,
                                                     check_setting_values)
 
 __all__ = ["MIN_TEMPERATURE", "SamplingPlan", "SamplingSettings", "SamplingWorkspace", "Stream",
-           "check_sampling_args", "check_setting_values", "kernel_mode", "plan_sampling", "sample",
+           "check_sampling_args", "check_setting_values", "plan_sampling", "sample",
            "sample_with_probs", "uses_kernel", "verify"]

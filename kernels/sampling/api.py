@@ -35,7 +35,7 @@ __all__ = ["sample", "sample_with_probs", "uses_kernel", "verify"]
 def uses_kernel(logits: Tensor, use_kernel: bool | None = None) -> bool:
     """Whether a call on ``logits`` runs the Triton kernels (see the module doc);
     InputError when ``use_kernel=True`` cannot be honoured here."""
-    mode = launch.kernel_mode()
+    mode = launch.triton_backend()
     if use_kernel is None:
         return logits.device.type == "cuda" and mode == "compiled"
     if use_kernel and (mode == "unavailable" or (logits.device.type != "cuda" and mode != "interpreter")):

@@ -166,8 +166,8 @@ def _goals(rows: list[Row]) -> list[str]:
 
 def main(argv=None) -> int:
     args = _parse(argv)
-    from cudagraph_rt.kernels.sampling.launch import kernel_mode
-    if args.smoke and kernel_mode() == "compiled" and not torch.cuda.is_available():
+    from cudagraph_rt.kernels.common import triton_backend
+    if args.smoke and triton_backend() == "compiled" and not torch.cuda.is_available():
         env = dict(os.environ, TRITON_INTERPRET="1")  # triton fixes the mode at import: start again with it set
         return subprocess.run([sys.executable, "-m", __spec__.name, *(argv if argv is not None else sys.argv[1:])],
                               env=env).returncode

@@ -22,11 +22,12 @@ import torch
 from torch import Tensor
 
 from cudagraph_rt.errors import CaptureError, InputError, expected
+from cudagraph_rt.kernels.common import triton_backend  # noqa: F401 - the sampler's callers ask here
 from cudagraph_rt.kernels.sampling import triton_path as tp
 from cudagraph_rt.kernels.sampling.philox import Stream
 from cudagraph_rt.kernels.sampling.settings import SamplingSettings
 
-__all__ = ["SamplingPlan", "SamplingWorkspace", "kernel_mode", "launch_sampler", "plan_sampling"]
+__all__ = ["SamplingPlan", "SamplingWorkspace", "launch_sampler", "plan_sampling"]
 
 _TILE_ELEMS = 4096  # search_block * candidates: the [tile, candidates] comparison of one search step
 
@@ -159,14 +160,6 @@ class _Workspaces:
 
 
 WORKSPACES = _Workspaces()
-
-
-def kernel_mode() -> str:
-    """``"compiled"`` (CUDA tensors), ``"interpreter"`` (``TRITON_INTERPRET=1`` set before
-    import: CPU tensors, no bf16) or ``"unavailable"`` (no triton). Fixed at import."""
-    if tp.triton is None:
-        return "unavailable"
-    return "interpreter" if type(tp._stats_kernel).__name__ == "InterpretedFunction" else "compiled"
 
 
 @dataclass(frozen=True)

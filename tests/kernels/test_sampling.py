@@ -29,9 +29,9 @@ from tests.support.seeds import seeded_rng
 pytestmark = [pytest.mark.usefixtures("one_thread"),  # see conftest.py
               # the interpreter evaluates both sides of every tl.where (-inf - -inf in masked lanes)
               pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")]
-KERNEL = launch.kernel_mode() != "unavailable"
-DEV = torch.device("cuda") if launch.kernel_mode() == "compiled" and torch.cuda.is_available() else torch.device("cpu")
-INTERP = launch.kernel_mode() == "interpreter"
+KERNEL = launch.triton_backend() != "unavailable"
+DEV = torch.device("cuda") if launch.triton_backend() == "compiled" and torch.cuda.is_available() else torch.device("cpu")
+INTERP = launch.triton_backend() == "interpreter"
 needs_kernel = pytest.mark.skipif(not KERNEL, reason="triton is not installed")
 ALPHA = 1e-3  # chi-square significance
 TRIALS = 100_000

@@ -93,12 +93,12 @@ def test_the_sampler_keeps_its_contract(case):
             assert pr.kept[i, got[i]], "a rejected draft's replacement comes from the kept set"
 
 
-@pytest.mark.skipif(launch.kernel_mode() == "unavailable", reason="triton is not installed")
+@pytest.mark.skipif(launch.triton_backend() == "unavailable", reason="triton is not installed")
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(rows(max_rows=3, max_vocab=40), st.integers(1, 3), st.sampled_from([4, 8, 16]))
 def test_the_kernels_keep_the_torch_paths_tokens(case, passes, candidates):
     logits, s, draft = case
-    dev = torch.device("cuda") if launch.kernel_mode() == "compiled" else torch.device("cpu")
+    dev = torch.device("cuda") if launch.triton_backend() == "compiled" else torch.device("cpu")
     logits, draft = logits.to(dev), draft.to(dev)
     s = SamplingSettings(*(t.to(dev) for t in s.tensors()))
     plan = SamplingPlan(chunk=16, block=16, search_block=16, candidates=candidates, search_passes=passes)
