@@ -2,8 +2,8 @@
 
 kernels/ and tools/ are top-level folders of the repository but install under the package
 (cudagraph_rt.kernels, cudagraph_rt.tools), so nothing claims a global module named
-`kernels` or `tools`. Run from the source tree (PYTHONPATH=.), cudagraph_rt/_source_tree.py
-maps the same two names to the same two folders.
+`kernels` or `tools`. The mapping is the packaging's alone: run the tree as an editable
+install (`pip install --no-deps --no-build-isolation -e .` works offline).
 """
 from setuptools import setup
 

@@ -7,18 +7,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from . import _lazy, _source_tree
-
 # kernels/ and tools/ are top-level folders of the repository that install as
-# cudagraph_rt.kernels and cudagraph_rt.tools; from a source tree (PYTHONPATH=.) the
-# finder maps those two names, and only those (see _source_tree).
-_source_tree.install(__path__[0])  # type: ignore[name-defined]
-
-from . import _moved  # noqa: E402
-
-# The modules that moved into the wings (debug/, spec/) stay importable at their old paths
-# for one release, with a DeprecationWarning (see _moved).
-_moved.install()
+# cudagraph_rt.kernels and cudagraph_rt.tools: setup.py's package_dir maps them, in a wheel
+# and in an editable install alike (run the tree installed: pip install -e .).
+from . import _lazy
 
 __all__ = [
     "GraphRuntime",

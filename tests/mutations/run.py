@@ -95,9 +95,48 @@ def scratch_copy(files: dict[str, bytes], dest: Path) -> None:
         (dest / f).write_bytes(data)
 
 
+# The scratch copy is not installed: the interpreters run on it (pytest and every child it
+# starts, which inherit PYTHONPATH) map cudagraph_rt.kernels and .tools to the scratch's
+# folders, ahead of the editable install's finder (which maps them to the checkout's).
+SCRATCH_SITECUSTOMIZE = """
+import importlib.abc, importlib.util, os, sys
+
+ROOT = {root!r}
+MAPPED = {{"cudagraph_rt.kernels": "kernels", "cudagraph_rt.tools": "tools"}}
+
+
+class ScratchFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path=None, target=None):
+        folder = MAPPED.get(fullname)
+        if folder is None:
+            return None
+        where = os.path.join(ROOT, folder)
+        return importlib.util.spec_from_file_location(fullname, os.path.join(where, "__init__.py"),
+                                                      submodule_search_locations=[where])
+
+
+sys.meta_path.insert(0, ScratchFinder())
+"""
+
+
+def scratch_site(scratch: Path) -> Path:
+    """A folder holding the sitecustomize that maps the scratch's kernels/ and tools/."""
+    site = Path(tempfile.mkdtemp(prefix=f"{scratch.name}-site-"))
+    (site / "sitecustomize.py").write_text(SCRATCH_SITECUSTOMIZE.format(root=str(scratch)))
+    return site
+
+
 def pytest(scratch: Path, args: list[str], timeout: float) -> tuple[str, str | None, float, str]:
     """(outcome, first failing test, seconds, output tail): outcome passed | failed | timeout."""
-    env = {**os.environ, "PYTHONPATH": str(scratch), "PYTHONDONTWRITEBYTECODE": "1"}
+    site = scratch_site(scratch)
+    try:
+        return _pytest(scratch, site, args, timeout)
+    finally:
+        shutil.rmtree(site, ignore_errors=True)
+
+
+def _pytest(scratch: Path, site: Path, args: list[str], timeout: float) -> tuple[str, str | None, float, str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(scratch)]), "PYTHONDONTWRITEBYTECODE": "1"}
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *args]
     t0 = time.perf_counter()
     try:

@@ -217,7 +217,7 @@ def test_version(capsys):
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and f"cudagraph_rt) {__version__}" in out and torch.__version__ in out
     proc = subprocess.run([sys.executable, "-m", "cudagraph_rt", "--version"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+                          text=True, timeout=120)
     assert proc.returncode == 0 and __version__ in proc.stdout
 
 
@@ -228,7 +228,7 @@ def _with_closed_stdout(argv: list[str]) -> subprocess.CompletedProcess:
     read, write = os.pipe()
     os.close(read)
     try:
-        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1")
         return subprocess.run([sys.executable, "-m", "cudagraph_rt", *argv], stdout=write, stderr=subprocess.PIPE,
                               cwd=ROOT, env=env, text=True, timeout=300)
     finally:
@@ -275,8 +275,7 @@ def test_help_and_usage_errors_answer_without_importing_torch():
             f"for argv in {PARSE_ONLY!r}:\n"
             "    out.append([main(argv), sorted(m for m in ('torch', 'numpy') if m in sys.modules)])\n"
             "print(json.dumps(out), file=sys.stderr)\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stderr.strip().splitlines()[-1])
     assert [rc for rc, _ in results] == [0] * 5 + [2] * 6, results
@@ -290,8 +289,7 @@ def test_the_package_and_the_tools_import_without_torch():
             "cudagraph_rt.tools.sweep", "cudagraph_rt.tools.demo", "cudagraph_rt.tools.inspect_cmd",
             "cudagraph_rt.tools.bench", "cudagraph_rt.testing.plans", "cudagraph_rt.testing.graph_modes"]
     code = f"import importlib, sys\nfor m in {mods!r}: importlib.import_module(m)\nprint('torch' in sys.modules)"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stdout + proc.stderr[-3000:]
     import cudagraph_rt
 
@@ -348,11 +346,11 @@ def test_importing_the_library_leaves_the_thread_count_alone():
     run; importing the library (every module) must not."""
     code = ("import importlib, pkgutil, torch\ntorch.set_num_threads(3)\nimport cudagraph_rt\n"
             "for m in pkgutil.walk_packages(cudagraph_rt.__path__, 'cudagraph_rt.'):\n"
-            "    if not any(s in m.name for s in ('.tools', '.kernels', '_moved', '__main__')):\n"
+            "    if not any(s in m.name for s in ('.tools', '.kernels', '__main__')):\n"
             "        importlib.import_module(m.name)\n"
             "print(torch.get_num_threads())")
     proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                          timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "3", proc.stdout + proc.stderr[-3000:]
 
 

@@ -1,10 +1,11 @@
-"""The package as it is imported three ways: from the source tree (``PYTHONPATH=.``, as on
-the GPU machine), from a built wheel and from an editable install. Each way,
-``cudagraph_rt.kernels`` and ``cudagraph_rt.tools`` resolve to the repository's
-``kernels/`` and ``tools/`` (or their installed copies), and nothing else at the
+"""The package as it is imported two ways: from a built wheel and from an editable install
+(how the tree runs everywhere, the GPU machine included). Each way, ``cudagraph_rt.kernels``
+and ``cudagraph_rt.tools`` resolve to the repository's ``kernels/`` and ``tools/`` (or their
+installed copies) through setup.py's ``package_dir`` alone, and nothing else at the
 repository root is importable through the package (``cudagraph_rt.tests``,
-``cudagraph_rt.setup``, ...). Every import runs in a fresh interpreter outside the
-checkout, so this test session's own imports prove nothing here.
+``cudagraph_rt.setup``, ...); importing the package adds no finder to ``sys.meta_path``.
+Every import runs in a fresh interpreter outside the checkout, so this test session's own
+imports prove nothing here.
 
 Also: the wheel's contents and metadata (py.typed, the license, dependencies by need:
 triton, cuda-python and matplotlib only behind extras), and the extras' message.
@@ -81,9 +82,30 @@ def _assert_layout(found: dict, package: Path, mapped_root: Path) -> None:
     assert not leaked, f"importable through the package: {leaked}"
 
 
-def test_source_tree_maps_kernels_and_tools_and_nothing_else(tmp_path):
-    found = _probe(tmp_path, _clean_env(PYTHONPATH=str(ROOT)))
-    _assert_layout(found, ROOT / "cudagraph_rt", ROOT)
+# Run in the child: sys.meta_path before and after the package, its public names, the
+# kernels and the tools are imported.
+META_PROBE = r"""
+import importlib, json, sys
+before = [repr(f) for f in sys.meta_path]
+import cudagraph_rt
+cudagraph_rt.GraphRuntime, cudagraph_rt.InputSpec
+for name in ("cudagraph_rt.kernels.common", "cudagraph_rt.tools.options", "cudagraph_rt.debug.inspect"):
+    importlib.import_module(name)
+print(json.dumps({"before": before, "after": [repr(f) for f in sys.meta_path],
+                  "kernels": cudagraph_rt.kernels.__file__}))
+"""
+
+
+def test_importing_the_package_adds_no_finder_to_sys_meta_path(tmp_path):
+    """kernels/ and tools/ import through the packaging's mapping (here the editable install
+    this session runs), not through a finder the package installs on import."""
+    proc = subprocess.run([sys.executable, "-c", META_PROBE], cwd=tmp_path, env=_clean_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    found = json.loads(proc.stdout.splitlines()[-1])
+    assert found["after"] == found["before"], found
+    assert Path(found["kernels"]).name == "__init__.py"
+    assert not list((ROOT / "cudagraph_rt").glob("_source_tree.py")) + list((ROOT / "cudagraph_rt").glob("_moved.py"))
 
 
 def _copy_tree(dst: Path) -> Path:
@@ -184,57 +206,3 @@ def test_extras_message_names_the_extra_and_a_command_that_works_anywhere(monkey
                                                         r'pip install "cudagraph_rt\[nothing\]"'):
         extras.require("nothing", "x")
     assert extras.available("plot") == (importlib.util.find_spec("matplotlib") is not None)
-
-
-# Run in the child: each old path of a module that moved into a wing, imported as users
-# wrote it, against the module at its new path.
-MOVED_PROBE = r"""
-import importlib, json, sys, warnings
-from cudagraph_rt._moved import MOVED
-out = {}
-for old, new in MOVED.items():
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        ns = {}
-        exec(f"import {old} as module", ns)  # an import statement, as users write it
-        module = ns["module"]
-    target = importlib.import_module(new)
-    names = [n for n in dir(target) if not n.startswith("__")]
-    parent, leaf = old.rsplit(".", 1)
-    out[old] = {
-        "same_module": module is target and sys.modules[old] is target,
-        "attribute": getattr(importlib.import_module(parent), leaf) is target,
-        "spec": target.__spec__.name,
-        "different": [n for n in names if getattr(module, n) is not getattr(target, n)],
-        "from_import": eval(f"__import__({old!r}, fromlist=['x'])") is target,
-        "warnings": [(w.category.__name__, str(w.message), w.filename) for w in caught],
-        "names": len(names),
-    }
-print(json.dumps(out))
-"""
-
-
-def test_moved_module_paths_are_the_new_modules_and_warn(tmp_path):
-    """The modules that moved into cudagraph_rt.debug and cudagraph_rt.spec still import at
-    their old paths for one release: the same module object (so every name, private ones
-    and monkeypatches included, is the same), one DeprecationWarning naming the new path,
-    attributed to the importing line; and the README lists each as deprecated."""
-    from cudagraph_rt._moved import MOVED
-
-    proc = subprocess.run([sys.executable, "-c", MOVED_PROBE], cwd=tmp_path, env=_clean_env(PYTHONPATH=str(ROOT)),
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    found = json.loads(proc.stdout.splitlines()[-1])
-    assert set(found) == set(MOVED) and len(MOVED) == 7
-    for old, new in MOVED.items():
-        got = found[old]
-        assert got["same_module"] and got["attribute"] and got["from_import"], (old, got)
-        assert got["spec"] == new and not got["different"] and got["names"] > 3, (old, got)
-        assert [(c, m) for c, m, _ in got["warnings"]] == [
-            ("DeprecationWarning", f"{old} moved to {new}; the old path goes in cudagraph_rt 0.2")], (old, got)
-        assert got["warnings"][0][2] == "<string>", got["warnings"]  # the importer's line, not importlib's
-        assert not (ROOT / (old.replace(".", "/") + ".py")).exists(), f"{old}: a file at the old path"
-    changes = (ROOT / "CHANGELOG.md").read_text()
-    deprecated = changes[changes.index("- Deprecated"):].split("\n- ")[0]  # that item only
-    for old, new in MOVED.items():
-        assert f"`{old}`" in deprecated and f"`{new}`" in changes, old
