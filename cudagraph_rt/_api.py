@@ -19,5 +19,5 @@ from .errors import (
 from .host_rows import HostRows, HostRowsHandle
 from .pieces import eager, step_values
 from .runtime import GraphRuntime, RuntimeStats, StepResult
-from .specs import InputSpec
+from .inputs.spec import InputSpec
 from .widths import Slice, default_widths, plan_step

@@ -11,7 +11,7 @@ from .checks import as_bool, resolve_device
 from .errors import InputError, expected
 from .graph_mode import GraphMode, graph_mode_for
 from .host_rows import HostRows
-from .specs import InputSpec
+from .inputs.spec import InputSpec
 from .width_modes import CapturePolicy
 from .widths import check_widths, default_dynamic_limit, default_widths
 

@@ -44,7 +44,7 @@ from torch.utils._pytree import tree_map
 from .errors import CaptureError, CgrtError, InputError, expected
 from .host_rows import HostRows, HostRowsHandle
 from .runtime import GraphRuntime, StepResult
-from .specs import InputSpec
+from .inputs.spec import InputSpec
 
 _STANDIN = "__cgrt_standin_rows__"  # the one-column source a non-shipping rank gathers
 

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import torch
 
 from ..errors import BusyError, InputError, expected
-from ..specs import InputSpec
+from .spec import InputSpec
 from .arena import ArenaLayout
 from .feed import Feed
 from .stager import ArenaStager, Stager, stagers

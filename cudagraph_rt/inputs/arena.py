@@ -7,7 +7,8 @@ from typing import Any, Mapping
 
 import torch
 
-from ..specs import NUMPY_DTYPES, InputSpec, itemsize
+from .casting import NUMPY_DTYPES
+from .spec import InputSpec, itemsize
 
 ALIGN = 256  # bytes: keeps every view aligned for vectorised loads (and no word in two blocks)
 ONE_COPY_BYTES = 64 * 1024  # below this a host-to-device copy costs its latency, not its size

@@ -17,8 +17,8 @@ import torch
 
 from .._cuda import RawEvent, copy_h2d, cudart
 from .arena import ONE_COPY_BYTES, ArenaLayout, numpy_views
+from .casting import NUMPY_DTYPES
 from .validate import Prepared
-from ..specs import NUMPY_DTYPES
 
 
 def put_rows(dst: torch.Tensor, dst_np, t: torch.Tensor, start: int, length: int) -> None:

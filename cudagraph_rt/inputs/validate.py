@@ -7,7 +7,8 @@ from typing import Any, Callable, Mapping, NamedTuple
 import torch
 
 from ..errors import InputError, expected
-from ..specs import InputSpec, as_input_tensor, cast_input
+from .casting import as_input_tensor, cast_input
+from .spec import InputSpec
 
 _STRIDED = torch.strided
 _OVERLAP = ("memory apart from the runtime's static buffers (or the rows device_inputs() gave, or the "

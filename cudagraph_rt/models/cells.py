@@ -16,7 +16,7 @@ from torch import Tensor
 from ..checks import as_int, token_ids
 from ..errors import InputError, expected
 from ..pieces import eager
-from ..specs import InputSpec
+from ..inputs.spec import InputSpec
 from . import attention_op
 from .accept import greedy_accept
 from .pool import KVPool

@@ -8,7 +8,7 @@ from typing import Protocol, Sequence, runtime_checkable
 import torch
 from torch import Tensor
 
-from ..specs import InputSpec
+from ..inputs.spec import InputSpec
 from .pool import KVPool
 
 

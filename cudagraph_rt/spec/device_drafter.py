@@ -28,7 +28,7 @@ from .drafting import CommittedRows, DraftRule, _Seen, check_drafter, controlled
 from ..checks import as_int
 from ..errors import InputError, expected
 from ..runtime import GraphRuntime
-from ..specs import InputSpec
+from ..inputs.spec import InputSpec
 
 
 class _Batch:

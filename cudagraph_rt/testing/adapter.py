@@ -10,7 +10,7 @@ from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from ..specs import InputSpec
+from ..inputs.spec import InputSpec
 from ..errors import InputError, expected
 from ..models.protocol import Decoder
 from ..models.toy import ToyConfig, ToyDecoder

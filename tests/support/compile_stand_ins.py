@@ -19,7 +19,7 @@ from cudagraph_rt.kernels.attention import cell_attention_reference, write_cells
 from cudagraph_rt.models import attention_op
 from cudagraph_rt.models.cells import ROW_INPUTS, take_rows
 from cudagraph_rt.models.compiled import CompiledRows
-from cudagraph_rt.specs import InputSpec
+from cudagraph_rt.inputs.spec import InputSpec
 
 
 class StandInPool:
