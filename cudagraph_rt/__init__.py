@@ -14,6 +14,7 @@ from . import _lazy
 
 __all__ = [
     "GraphRuntime",
+    "Graphs",
     "InputSpec",
     "HostRows",
     "HostRowsHandle",

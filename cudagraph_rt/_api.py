@@ -3,7 +3,6 @@
 here is re-exported (``cudagraph_rt.__all__`` lists them)."""
 from __future__ import annotations
 
-from .capture import CaptureReport, WidthCapture
 from .digest import StateDigest
 from .errors import (
     BusyError,
@@ -16,6 +15,8 @@ from .errors import (
     StaleRowsError,
     StepFunctionError,
 )
+from .graphs import Graphs
+from .graphs.capture import CaptureReport, WidthCapture
 from .host_rows import HostRows, HostRowsHandle
 from .pieces import eager, step_values
 from .runtime import GraphRuntime, RuntimeStats, StepResult

@@ -9,10 +9,10 @@ import torch
 
 from .checks import as_bool, resolve_device
 from .errors import InputError, expected
-from .graph_mode import GraphMode, graph_mode_for
 from .host_rows import HostRows
 from .inputs.spec import InputSpec
-from .width_modes import CapturePolicy
+from .graphs.backends import GraphBackend, backend_for
+from .graphs.policy import CapturePolicy
 from .widths import check_widths, default_dynamic_limit, default_widths
 
 StepFn = Callable[[Mapping[str, torch.Tensor]], Any]
@@ -24,12 +24,12 @@ def _int(name: str, v: Any, lo: int, what: str) -> int:
     return v
 
 
-def _device(device: Any, mode: GraphMode) -> torch.device:
+def _device(device: Any, backend: GraphBackend) -> torch.device:
     """The resolved device ("cuda" -> "cuda:<current>"); InputError for what cannot run
-    (the check every constructor shares, then the graph mode's own)."""
+    (the check every constructor shares, then the graph backend's own)."""
     dev = resolve_device(device)
     if dev.type == "cpu":
-        mode.check_device(dev)
+        backend.check_device(dev)
     return dev
 
 
@@ -49,10 +49,11 @@ class RuntimeConfig:
     """Everything a GraphRuntime is built from, checked: the arguments of
     :class:`~cudagraph_rt.GraphRuntime` (see its docstring), with ``widths``,
     ``dynamic_limit`` and ``device`` resolved. ``rows`` is the arena's rows per input:
-    the widest step one slice runs. ``graphs`` reads back as given (True, False or
-    ``"emulate"``); ``graph_mode`` is the object it chose (see ``graph_mode``);
+    the widest step one slice runs. ``graphs`` reads back as True, False or
+    ``"emulate"`` (whatever :class:`~cudagraph_rt.Graphs` spelling was given); ``backend``
+    is the object it chose (see ``graphs.backends``);
     ``capture_policy`` what each width tries at capture, from ``pieces`` and
-    ``on_capture_error`` (see ``width_modes``). Raises InputError naming the argument."""
+    ``on_capture_error`` (see ``graphs.policy``). Raises InputError naming the argument."""
 
     step_fn: StepFn
     inputs: Mapping[str, InputSpec]
@@ -67,7 +68,7 @@ class RuntimeConfig:
     warmup: int
     keep_graphs: bool
     watch: Callable[[], Iterable[torch.Tensor]] | None
-    graph_mode: GraphMode
+    backend: GraphBackend
     pieces: Any = False
     step_values: Callable | None = None
     capture_policy: CapturePolicy | None = None
@@ -94,7 +95,7 @@ class RuntimeConfig:
         if host_rows is not None and not isinstance(host_rows, HostRows):
             raise InputError(expected("host_rows", "a HostRows or None", type(host_rows).__name__))
         slicing = as_bool("slicing", slicing)
-        mode = graph_mode_for(graphs)
-        dev = _device(device, mode)
-        return cls(step_fn, specs, ws, limit, slicing, mode.value, dev, dynamic_fn, host_rows, on_capture_error,
-                   warmup, keep_graphs, watch, mode, pieces, step_values, policy)
+        backend = backend_for(graphs)
+        dev = _device(device, backend)
+        return cls(step_fn, specs, ws, limit, slicing, backend.value, dev, dynamic_fn, host_rows, on_capture_error,
+                   warmup, keep_graphs, watch, backend, pieces, step_values, policy)

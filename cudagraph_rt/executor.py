@@ -19,7 +19,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import StepFunctionError, expected
-from .pieces import StepValues
+from .graphs.pieces import StepValues
 from .widths import Slice
 
 

@@ -16,14 +16,15 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from .inputs import StaticInputs
-from .capture import CaptureReport, CaptureSettings, WatchedTensors, WidthCapture
-from .pieces import StepValues
+from .graphs import Graphs
+from .graphs.capture import CaptureReport, CaptureSettings, WatchedTensors, WidthCapture
+from .graphs.pieces import StepValues
 from .config import RuntimeConfig, StepFn
 from .digest import StateDigest, runtime_digest
 from .errors import BusyError, CapacityError, CgrtError, InputError, expected
 from .direct_step import DirectStep
 from .executor import Counters, GraphSlice, OutputLayout, StepBody, eager_executors
-from .width_modes import WidthParts, capture_widths, modes_of
+from .graphs.policy import WidthParts, capture_widths, modes_of
 from .host_rows import HostRows, HostRowsHandle, make_rows_mode
 from .results import PlannedStep, RuntimeStats, StepResult
 from .widths import Planner, Slice
@@ -45,10 +46,12 @@ class GraphRuntime:
     caller's current stream and never concurrently; one host thread at a time may step
     (a second is refused with BusyError).
 
-    ``graphs``: True (CUDA graphs), False (every width eager over the same buffers) or
-    ``"emulate"``: the graph path's code on any device, a CPU included, each replay an
-    eager re-run into the width's static outputs (see ``graph_mode``; what it does not
-    emulate is listed there and in the README).
+    ``graphs``: a :class:`~cudagraph_rt.Graphs` member, its value or a bool: ``Graphs.ON``
+    (True, "on": CUDA graphs), ``Graphs.OFF`` (False, "off": every width eager over the same
+    buffers) or ``Graphs.EMULATE`` ("emulate"): the graph path's code on any device, a CPU
+    included, each replay an eager re-run into the width's static outputs (see
+    ``graphs.emulation``; what it does not emulate is listed there and in the README).
+    ``rt.graphs`` reads back as True, False or "emulate".
 
     Failure modes: bad inputs raise InputError / CapacityError before anything is
     written; a width that cannot be captured raises CaptureError (or, with
@@ -58,11 +61,11 @@ class GraphRuntime:
 
     ``pieces=True`` (or widths) captures widths as graphs split at calls marked
     ``cudagraph_rt.eager`` (``on_capture_error="pieces"``: where a whole graph fails);
-    ``step_values(rows, width)`` gives marked calls per-step host values (``pieces.py``).
+    ``step_values(rows, width)`` gives marked calls per-step host values (``pieces``).
     """
 
     def __init__(self, step_fn: StepFn, inputs: Mapping[str, Any], *, widths: Iterable[int] | None = None,
-                 max_width: int = 64, dynamic_limit: int | None = None, slicing: bool = True, graphs: bool | str = True,
+                 max_width: int = 64, dynamic_limit: int | None = None, slicing: bool = True, graphs: Graphs | bool | str = True,
                  device: str | torch.device | None = None, dynamic_fn: StepFn | None = None,
                  host_rows: HostRows | None = None, on_capture_error: str = "raise", warmup: int = 2,
                  keep_graphs: bool = False, watch: Callable[[], Iterable[torch.Tensor]] | None = None,
@@ -76,16 +79,16 @@ class GraphRuntime:
         self.host_rows_config, self.on_capture_error = cfg.host_rows, cfg.on_capture_error
         self.warmup, self.keep_graphs = cfg.warmup, cfg.keep_graphs
         hr = self._rows_mode = make_rows_mode(cfg.host_rows, cfg.rows, self.device)  # NoHostRows without HostRows
-        mode = self._graph_mode = cfg.graph_mode
+        backend = self._backend = cfg.backend
         self._inputs = StaticInputs(cfg.inputs, cfg.rows, self.device, hr.control_blocks(),
-                                    feed_event=mode.feed_event(self.device))
+                                    feed_event=backend.feed_event(self.device))
         self._layout = OutputLayout(hr.count_leaf)
         self._body = StepBody(cfg.step_fn, self._layout, hr, self._inputs.control, StepValues(cfg.step_values, cfg.inputs))
         self._replaying = hr.replaying
         self._watch = WatchedTensors(cfg.watch)
         self._lock, self._token = threading.Lock(), object()  # the token marks this runtime's StepResults
         self._planner = Planner(self.widths, self.dynamic_limit, self.slicing)
-        self._capturer = mode.capturer(CaptureSettings(self.device, cfg.warmup, cfg.keep_graphs))
+        self._capturer = backend.capturer(CaptureSettings(self.device, cfg.warmup, cfg.keep_graphs))
         self._ready, self.capture_report = False, None
         self._counters = Counters()
         self._direct: DirectStep | None = None  # the common step's short path, once captured
@@ -131,10 +134,10 @@ class GraphRuntime:
             probed = self._rows_mode.probe(self._body.values.on_pads(self.step_fn), self._inputs, self._layout,
                                            self.widths[-1])
             t0, calls = time.perf_counter(), [int(probed)]
-            reports, pool = self._capture_graphs(calls) if self._graph_mode.captures else ([], 0)
+            reports, pool = self._capture_graphs(calls) if self._backend.captures else ([], 0)
         self.capture_report = CaptureReport(tuple(reports), time.perf_counter() - t0, pool, calls[0],
-                                            self._graph_mode.name)
-        log.debug("captured %d widths (%s) in %.2f s", len(reports), self._graph_mode.name,
+                                            self._backend.name)
+        log.debug("captured %d widths (%s) in %.2f s", len(reports), self._backend.name,
                   self.capture_report.seconds)
         self._ready = True
         if self._inputs.graph_stager.short_path and not self._rows_mode.ships_rows:
@@ -205,7 +208,7 @@ class GraphRuntime:
         c = self._counters
         return RuntimeStats(c.steps, c.slices, c.padding, MappingProxyType(dict(c.replays)),
                             MappingProxyType(dict(c.eager)), MappingProxyType(dict(c.dynamic)), c.commits,
-                            self._graph_mode.name, MappingProxyType(modes_of(self._by_width)))
+                            self._backend.name, MappingProxyType(modes_of(self._by_width)))
 
     def reset_stats(self) -> None:
         self._counters.reset()
@@ -379,11 +382,11 @@ class GraphRuntime:
         """Warm-up and capture run the step function for real: on padding rows only, with
         every gather aimed at a spare slot (recapture() comes after real steps; their rows,
         KV slots and held host rows must not be touched again). Each width as the capture
-        policy says (``width_modes``)."""
+        policy says (``graphs.policy``)."""
         self._inputs.reset(self._rows_mode.spare_control())
         cap = self._capturer
         cap.begin()
-        parts = WidthParts(self._body, self._inputs, self._counters, self._graph_mode, self._replaying, self.device,
+        parts = WidthParts(self._body, self._inputs, self._counters, self._backend, self._replaying, self.device,
                            self.explain_capture)
         reports = capture_widths(self.config.capture_policy, cap, self._by_width, parts, calls)
         self._rows_mode.capture_extra(cap.body, self._inputs)

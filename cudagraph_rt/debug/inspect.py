@@ -249,7 +249,7 @@ def _step_hazards(rt, width: int) -> tuple[Hazard, ...]:
         fn = rt.step_fn
         values = getattr(getattr(rt, "config", None), "step_values", None)
         if values is not None:  # the step's marked calls read step values: those of padding rows
-            from ..pieces import StepValues
+            from ..graphs.pieces import StepValues
             fn = StepValues(values, rt.input_specs).on_pads(fn)
         return find_capture_hazards(fn, dict(rt.static_inputs(width)))
     except Exception as exc:   # no static inputs (an unfinished runtime): say so

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import InputError, expected
+from ..graphs import Graphs, as_graphs
 
 GRAPHS = ("auto", "on", "off", "both", "emulate")
 MEANING = ("auto | on | off | both | emulate (default auto: on and off where CUDA exists, else off; both: on "
@@ -24,13 +25,13 @@ MEANING = ("auto | on | off | both | emulate (default auto: on and off where CUD
 ANYWHERE = ("auto", "off", "emulate")  # the values a device without CUDA runs
 
 
-def resolve_graphs(graphs: str | bool, device: Any, name: str = "graphs") -> tuple[tuple[bool | str, ...], tuple[str, ...]]:
+def resolve_graphs(graphs: Graphs | str | bool, device: Any, name: str = "graphs") -> tuple[tuple[bool | str, ...], tuple[str, ...]]:
     """The modes to run on ``device``, in order (True: graphs on, False: off, "emulate"),
-    and notes (graphs on skipped under ``auto``). ``graphs`` may also be a bool (on /
-    off). InputError naming ``name``: a value not in :data:`GRAPHS`, or one that needs
+    and notes (graphs on skipped under ``auto``). ``graphs`` may also be a
+    :class:`~cudagraph_rt.Graphs` member or a bool (on / off). InputError naming ``name``: a value not in :data:`GRAPHS`, or one that needs
     CUDA graphs where ``device`` is not CUDA."""
-    if isinstance(graphs, bool):
-        graphs = "on" if graphs else "off"
+    if isinstance(graphs, (bool, Graphs)):
+        graphs = as_graphs(graphs).value
     if graphs not in GRAPHS:
         raise InputError(expected(name, " | ".join(GRAPHS), repr(graphs)))
     if graphs == "emulate":
@@ -46,16 +47,14 @@ def resolve_graphs(graphs: str | bool, device: Any, name: str = "graphs") -> tup
     raise InputError(expected(name, f"{' | '.join(ANYWHERE)} here ({why}; CUDA graphs need a GPU)", repr(graphs)))
 
 
-def mode_name(graphs: bool | str) -> str:
+def mode_name(graphs: Graphs | bool | str) -> str:
     """How a sweep mode reads: graphs on (True), off (False) or emulated ("emulate")."""
-    if graphs == "emulate":
-        return "graphs emulated"
-    return "graphs on" if graphs else "graphs off"
+    return {Graphs.ON: "graphs on", Graphs.OFF: "graphs off", Graphs.EMULATE: "graphs emulated"}[as_graphs(graphs)]
 
 
-def mode_flag(graphs: bool | str) -> str:
+def mode_flag(graphs: Graphs | bool | str) -> str:
     """The ``--graphs`` value that runs that mode alone: on, off or emulate."""
-    return "emulate" if graphs == "emulate" else ("on" if graphs else "off")
+    return as_graphs(graphs).value
 
 
 def _why_no_graphs(device: Any) -> str:

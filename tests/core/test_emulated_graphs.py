@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cudagraph_rt import CgrtError, GraphRuntime, HostRows, InputError, InputSpec
-from cudagraph_rt.graph_mode import EmulatedGraph
+from cudagraph_rt import CgrtError, GraphRuntime, Graphs, HostRows, InputError, InputSpec
+from cudagraph_rt.graphs import as_graphs
+from cudagraph_rt.graphs.emulation import EmulatedGraph
 from tests.support.models_for_tests import InPlaceArgsModel, SlotModel
 from tests.support.seeds import seeded_rng
 
@@ -51,10 +52,33 @@ def test_the_mode_is_public_and_says_what_it_is():
     assert off.capture().graph_mode == "off" and off.stats().graph_mode == "off"
 
 
-@pytest.mark.parametrize("bad", ["yes", "EMULATE", 2, None, 1.0])
+@pytest.mark.parametrize("bad", ["yes", "EMULATE", "ON", 2, None, 1.0])
 def test_other_graphs_values_are_refused(bad):
-    with pytest.raises(InputError, match=r"graphs: expected True, False or 'emulate'"):
+    with pytest.raises(InputError, match=r"graphs: expected True, False or 'emulate'") as e:
         GraphRuntime(lambda x: x["a"], {"a": InputSpec()}, graphs=bad, device="cpu")
+    assert "Graphs.ON | Graphs.OFF | Graphs.EMULATE" in str(e.value) and "'on' | 'off' | 'emulate'" in str(e.value)
+
+
+@pytest.mark.parametrize("spellings, back, mode", [((Graphs.OFF, "off", False, 0), False, "off"),
+                                                   ((Graphs.EMULATE, "emulate"), "emulate", "emulated")])
+def test_each_spelling_of_a_graphs_choice_builds_the_same_runtime(spellings, back, mode):
+    """graphs= takes a Graphs member, its value or a bool, resolved in one place (as_graphs);
+    rt.graphs reads back as before (False or "emulate") and every spelling steps alike."""
+    seed = seeded_rng("CGRT_EMULATE_SEED").randrange(2**31)
+    hidden = []
+    for g in spellings:
+        m = SlotModel("cpu", seed=9)
+        rt = GraphRuntime(m, m.specs(), graphs=g, device="cpu")
+        assert as_graphs(g) is spellings[0] and (rt.graphs, rt.capture().graph_mode) == (back, mode)
+        hidden.append(rt.step(**m.random_inputs(3, gen=torch.Generator().manual_seed(seed))).outputs["hidden"])
+    assert all(torch.equal(h, hidden[0]) for h in hidden)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+@pytest.mark.parametrize("on", [Graphs.ON, "on", True])
+def test_each_spelling_of_graphs_on_is_refused_on_a_cpu_alike(on):
+    with pytest.raises(InputError, match=r"graphs: expected False on a CPU device .*graphs='emulate'"):
+        GraphRuntime(lambda x: x["a"], {"a": InputSpec()}, graphs=on, device="cpu")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")

@@ -18,7 +18,9 @@ import cudagraph_rt
 from cudagraph_rt import CaptureError, CgrtError, GraphRuntime, HostRows, InputError, InputSpec
 from cudagraph_rt.debug.hazards import find_capture_hazards
 from cudagraph_rt.debug.inspect import inspect_runtime
-from cudagraph_rt.pieces import EagerCall, EmulatedPieces, PieceLaunch, PiecewiseGraph, is_marked
+from cudagraph_rt.graphs.emulation import EmulatedPieces
+from cudagraph_rt.graphs.pieces import EagerCall, PieceLaunch, PiecewiseGraph
+from cudagraph_rt.pieces import is_marked
 from cudagraph_rt.testing.checks import check_pad_rows
 from tests.support.extras import require
 from tests.support.models_for_tests import InPlaceArgsModel, MarkedSlotModel, SlotModel
@@ -684,7 +686,7 @@ def test_the_cuda_capture_of_pieces_in_order_with_stand_in_graphs(monkeypatch):
     captures names it and resets the stream state. The real thing: the cuda tests."""
     import contextlib
 
-    import cudagraph_rt.piece_capture as pc
+    import cudagraph_rt.graphs.piece_capture as pc
     from tests.support.models_for_tests import _scaled_rows
     log = []
 

@@ -182,11 +182,11 @@ CATALOGUE: tuple[Mutation, ...] = (
       "while vec > 1 and H % vec:",
       "the vector width checked against H only: a false alignment hint for padded strides (GPU loads)", GATHER),
     # ---------------------------------------------------------------- capture
-    M(27, "capture", "cudagraph_rt/graph_mode.py",
+    M(27, "capture", "cudagraph_rt/graphs/emulation.py",
       "for _ in range(st.warmup):",
       "for _ in range(st.warmup - 1):",
       "one warm-up run short under emulation (step_fn_calls and stateful step functions see it)", CAPTURE),
-    M(28, "capture", "cudagraph_rt/capture.py",
+    M(28, "capture", "cudagraph_rt/graphs/capture.py",
       "return None if self._watch is None else [(t.data_ptr(), tuple(t.shape)) for t in self._watch()]",
       "return None if self._watch is None else [t.data_ptr() for t in self._watch()]",
       "watch() remembers addresses only: a watched tensor resized in place is not seen", CAPTURE),
@@ -299,7 +299,7 @@ CATALOGUE: tuple[Mutation, ...] = (
       "the size rule forgotten: a big arena is fed, and every replay copies all of it (bandwidth, not latency)",
       ("tests/core/test_stagers.py",) + FEED, graph_path=True),
     # ---------------------------------------------------------------- bound replays of marked calls
-    M(52, "bound replays", "cudagraph_rt/pieces.py",
+    M(52, "bound replays", "cudagraph_rt/graphs/pieces.py",
       "self._run = bind(*args, **kwargs) if bind is not None else functools.partial(fn, *args, **kwargs)",
       "self._run = functools.partial(fn, *args, **kwargs)",
       "the bind forgotten: replays run the call's host work again (right numbers, none of the saving)",
@@ -394,7 +394,7 @@ CATALOGUE: tuple[Mutation, ...] = (
       "pass",
       "close() forgets the host-row mode: the ring, its commit snapshots and a chooser's outputs stay with "
       "the runtime object until it goes", ("tests/core/test_lifecycle.py",)),
-    M(71, "capture", "cudagraph_rt/width_modes.py",
+    M(71, "capture", "cudagraph_rt/graphs/policy.py",
       "capturer.renew()",
       "pass",
       "no fresh stream and pool after a failed capture attempt: later widths are captured on the stream and "
@@ -410,22 +410,22 @@ CATALOGUE: tuple[Mutation, ...] = (
       "a chunk's tokens count only where all its margins are clear: the near-tie of a prefill row (which wants "
       "no token) excuses a wrong token of its chunk's last row", SWEEP),
     # ---------------------------------------------------------------- marked calls (issue 35)
-    M(74, "marked calls", "cudagraph_rt/pieces.py",
+    M(74, "marked calls", "cudagraph_rt/graphs/emulation.py",
       "call.give_back(copied)",
       "pass",
       "the emulated replay runs the call on the capture's tensors and never copies back: the code after "
       "it reads the re-run's own, never written ([1, 1, 1] for [3, 5, 7])", MARKED, graph_path=True),
-    M(75, "marked calls", "cudagraph_rt/pieces.py",
+    M(75, "marked calls", "cudagraph_rt/graphs/pieces.py",
       "if 0 in dst.stride():",
       "if False:",
       "a plain copy_ into an argument made with expand(): a raw RuntimeError at every emulated replay",
       MARKED, graph_path=True),
-    M(76, "marked calls", "cudagraph_rt/pieces.py",
+    M(76, "marked calls", "cudagraph_rt/graphs/pieces.py",
       "_check_outputs(self._static)",
       "pass",
       "a host value a marked call returns is recorded like a tensor: every replay keeps the capture's "
       "value where graphs off uses the live one", MARKED, graph_path=True),
-    M(77, "marked calls", "cudagraph_rt/pieces.py",
+    M(77, "marked calls", "cudagraph_rt/graphs/pieces.py",
       "if now is not was:",
       "if False:",
       "only the arguments' structure and tensor layouts compared: an entry of a list argument replaced "

@@ -32,7 +32,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cudagraph_rt import CapacityError, GraphRuntime, HostRows, InputError, InputSpec
+from cudagraph_rt import CapacityError, GraphRuntime, Graphs, HostRows, InputError, InputSpec
 from cudagraph_rt.kernels import attention as ca
 from cudagraph_rt.kernels import common
 from cudagraph_rt.kernels import rotary_cells as rc
@@ -69,7 +69,7 @@ TOKENS = st.one_of(st.lists(st.integers(0, 127), min_size=1, max_size=5), st.sam
     [1.5, 2], [1, 2.0], [True, 2], [1, None], (3, np.float64(2.0)), "12", 7, [], [128], [-1, 2],
     np.array([1.0, 2.0]), np.array([[1, 2]]), torch.tensor([1.5]), torch.tensor([True]), torch.tensor(3),
     np.array([1, 2], np.int32), torch.tensor([4, 5]), (np.int64(3), 4), range(2, 5)]))
-GRAPHS = st.one_of(FLAGS, st.sampled_from(["emulate", "on", "off", "both", 2, -1]))
+GRAPHS = st.one_of(FLAGS, st.sampled_from(["emulate", "on", "off", "both", "ON", 2, -1, *Graphs]))
 SCALARS = st.one_of(REALS, st.booleans(), st.sampled_from([np.True_, np.int8(-3), np.float16(0.5)]))
 CELLS = st.sampled_from([torch.tensor([4, 0, 9]), torch.tensor([4, 0, 9], dtype=torch.int32), torch.tensor([4.0, 0, 9]),
                          torch.tensor([4, 0]), torch.tensor([[4, 0, 9]]), torch.tensor([True, False, True]),
@@ -107,9 +107,11 @@ def plain(kind: str, v: Any) -> Any:
         return NONE
     if kind == "dtype":
         return v if isinstance(v, torch.dtype) else NONE
-    if kind == "graphs":  # GraphRuntime's graphs: True, False (0 and 1 too) or "emulate"
+    if kind == "graphs":  # GraphRuntime's graphs: a Graphs member, its value, True, False (0 and 1 too)
+        if isinstance(v, Graphs):  # read back as True, False or "emulate"
+            v = v.value
         if isinstance(v, str):
-            return v if v == "emulate" else NONE
+            return {"on": True, "off": False, "emulate": "emulate"}.get(v, NONE)
         return bool(v) if isinstance(v, (bool, np.bool_)) or (type(v) is int and v in (0, 1)) else NONE
     if kind == "scalar":  # a pad: a Python bool, int or float, or a numpy scalar of one
         if isinstance(v, (np.bool_, np.integer, np.floating)):

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-import cudagraph_rt.capture as capture
+import cudagraph_rt.graphs.capture as capture
 from cudagraph_rt import GraphRuntime
 from cudagraph_rt.models.toy import ToyConfig, ToyDecoder
 

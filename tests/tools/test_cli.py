@@ -366,7 +366,7 @@ def test_verbose_prints_the_librarys_log_and_quiet_prints_nothing(capsys):
     level, handlers = logger.level, list(logger.handlers)
     assert main(["sweep", *QUICK_SWEEP, "--graphs", "emulate", "--verbose"]) == 0
     err = capsys.readouterr().err
-    assert "cudagraph_rt.width_modes: capturing width 4 (1 of 3)" in err, err
+    assert "cudagraph_rt.graphs.policy: capturing width 4 (1 of 3)" in err, err
     assert "cudagraph_rt.testing.harness: graphs emulated: building the runtime and capturing" in err
     assert (logger.level, logger.handlers) == (level, handlers)
     assert main(["sweep", *QUICK_SWEEP, "--graphs", "emulate"]) == 0
@@ -399,7 +399,7 @@ def test_on_a_terminal_the_display_shows_the_phase_and_the_latest_message():
     with Activity("cgrt test", console=con) as activity:
         assert activity.live
         with activity.phase("capturing"):
-            logging.getLogger("cudagraph_rt.width_modes").info("capturing width %d (%d of %d)", 8, 2, 3)
+            logging.getLogger("cudagraph_rt.graphs.policy").info("capturing width %d (%d of %d)", 8, 2, 3)
             done = activity.counter("graphs off", 10)
             done(4)
             activity.progress.refresh()
@@ -409,7 +409,7 @@ def test_on_a_terminal_the_display_shows_the_phase_and_the_latest_message():
     with Activity("cgrt test", quiet=True, console=quiet) as activity:
         assert not activity.live
         with activity.phase("capturing"):
-            logging.getLogger("cudagraph_rt.width_modes").info("capturing width 8")
+            logging.getLogger("cudagraph_rt.graphs.policy").info("capturing width 8")
     assert quiet.file.getvalue() == ""
 
 

@@ -38,7 +38,7 @@ from cudagraph_rt.debug.inspect import (
     node_counts,
     to_dot,
 )
-from cudagraph_rt.capture import CaptureReport, WidthCapture
+from cudagraph_rt.graphs.capture import CaptureReport, WidthCapture
 from cudagraph_rt.debug.inspect import _capture_facts
 import cudagraph_rt.debug.graph_nodes as graph_nodes_mod
 import cudagraph_rt.debug.hazards as hazards_mod

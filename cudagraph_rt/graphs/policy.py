@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
 from .capture import WidthCapture
-from .errors import CaptureError, InputError, expected
-from .executor import GraphSlice, PiecewiseSlice
+from ..errors import CaptureError, InputError, expected
+from ..executor import GraphSlice, PiecewiseSlice
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ class WidthParts(NamedTuple):
     body: Any  # StepBody
     inputs: Any  # StaticInputs
     counters: Any
-    graph_mode: Any  # GraphMode
+    backend: Any  # graphs.backends.GraphBackend
     replaying: Callable[[], None]  # the host-row mode's bookkeeping before a graph runs its gather
     device: Any
     explain: Callable[[int], tuple]  # the hazard finder on width w
@@ -54,9 +54,9 @@ class WholeGraph(WidthMode):
         return capturer.width(w, run, replay, explain)
 
     def executor(self, w, graph, out, parts: WidthParts) -> GraphSlice:
-        mode = parts.graph_mode
-        return GraphSlice(w, graph, out, parts.inputs, parts.counters, mode.before_launch(parts.replaying),
-                          mode.launcher(graph, parts.device))
+        backend = parts.backend
+        return GraphSlice(w, graph, out, parts.inputs, parts.counters, backend.before_launch(parts.replaying),
+                          backend.launcher(graph, parts.device))
 
 
 class Pieces(WidthMode):
@@ -70,7 +70,7 @@ class Pieces(WidthMode):
                                                eager_calls=tuple(c.name for c in graph.calls))
 
     def executor(self, w, graph, out, parts: WidthParts) -> PiecewiseSlice:
-        launch = graph.launcher(parts.device, parts.graph_mode.before_launch(parts.replaying))
+        launch = graph.launcher(parts.device, parts.backend.before_launch(parts.replaying))
         return PiecewiseSlice(w, graph, out, parts.inputs, parts.counters, launch, parts.body.values)
 
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from ._cuda import cudart
-from .errors import CgrtError
+from .._cuda import cudart
+from ..errors import CgrtError
 
 
 class GraphLaunch:

@@ -1,12 +1,5 @@
-"""How a runtime's widths run: as CUDA graphs, eagerly, or as emulated graphs.
-
-One object per mode, chosen once from GraphRuntime's ``graphs`` argument
-(:func:`graph_mode_for`): it checks the device, makes the feed's event, the capturer of
-the widths and the launcher of a captured width. The runtime never asks which mode it
-holds; ``name`` is what ``stats()`` and ``CaptureReport`` say.
-
-``graphs="emulate"`` (:class:`EmulatedGraphs`) runs the graph path's own code on any
-device, a CPU included: the feed (unpinned on a CPU) and its prologue, the short path,
+"""Emulated graphs (``graphs="emulate"``): the graph path's own code run eagerly on any
+device, a CPU included. The feed (unpinned on a CPU) and its prologue, the short path,
 handed views, staging and padding bookkeeping run as with fed CUDA graphs. Capture runs
 each width (warm-up, then one run whose outputs become that width's static outputs);
 a replay runs the same width again over the same static input buffers and copies what it
@@ -15,6 +8,9 @@ width is overwritten exactly as a CUDA graph overwrites it. Not emulated: kernel
 step runs eagerly, op by op), timing, the CUDA context and what a capture refuses (a host
 sync, a pinned allocation: they run fine here; ``find_capture_hazards`` finds them),
 stream concurrency, and events (no-ops on a CPU).
+
+Also the capturer of a runtime without graphs (:class:`NoPool`) and the event where nothing
+runs asynchronously (:class:`NoEvent`).
 """
 from __future__ import annotations
 
@@ -24,11 +20,10 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ._cuda import external_event
-from .capture import CaptureSettings, WidthCapture, WidthCapturer
-from .errors import CaptureError, CgrtError, InputError, expected
-from .launch import GraphLaunch
-from .pieces import frozen
+from ..errors import CaptureError, CgrtError
+from ..pieces import PLAIN, call_name, frozen, marked_calls, with_values
+from .capture import CaptureSettings, WidthCapture
+from .pieces import EagerCall, layout
 
 
 class NoEvent:
@@ -96,7 +91,7 @@ class NoPool:
 
 class EmulatedCapturer(NoPool):
     """Captures widths as :class:`EmulatedGraph` (``warmup`` runs, then one run whose
-    outputs become the width's static outputs) or in pieces as ``pieces.EmulatedPieces``.
+    outputs become the width's static outputs) or in pieces as ``EmulatedPieces``.
     A step function that raises (or reads ``step_values()`` outside a marked call, which a
     real capture would freeze) becomes a CaptureError naming the width, as a failed CUDA
     warm-up does; no hazard finder runs. What a failed width does next is the policy's."""
@@ -122,95 +117,63 @@ class EmulatedCapturer(NoPool):
 
     def pieces(self, w: int, run: Callable[[], Any], replay: Callable[[], Any], explain: Callable[[], tuple]):
         from .piece_capture import emulate_pieces
-        graph, out, tw, tc = emulate_pieces(w, run, replay, self.settings.warmup)
-        return graph, out, WidthCapture(w, tw, tc, 0, pool=self.pool_index)
+        calls, out, tw, tc = emulate_pieces(w, run, self.settings.warmup)
+        return EmulatedPieces(w, replay, out, calls), out, WidthCapture(w, tw, tc, 0, pool=self.pool_index)
 
     def body(self, fn: Callable[[], None]) -> EmulatedGraph:
         """A graph of ``fn`` (a host-row mode's own, e.g. commit's gather)."""
         return EmulatedGraph(0, fn, None)
 
 
-class GraphMode:
-    """What ``graphs=`` chose. ``value`` reads back as ``GraphRuntime.graphs``; ``captures``
-    whether ``capture()`` makes a graph per width."""
+class EmulatedPieces:
+    """One width captured in pieces under ``graphs="emulate"``: a replay runs the width's
+    body again; at each marked call the fresh arguments are copied into the capture's
+    tensors (what the piece before it writes at a CUDA replay), the recorded call runs on
+    those (as at a CUDA replay), what it left in them is copied back into the fresh ones
+    (what it wrote in place, which the next piece reads) and the capture's outputs go on
+    to the code after it (what the next piece reads). A call that differs from the capture's (another function, a
+    constant that changed, one call more or fewer) raises CgrtError: a CUDA graph would
+    silently replay the capture's. The width's outputs are copied into its static
+    outputs, as an emulated whole graph's. Lifetime: the runtime's graphs."""
 
-    name = "off"
-    value: Any = False
-    captures = False
+    def __init__(self, width: int, body: Callable[[], Any], static_out: Any, calls: tuple[EagerCall, ...]):
+        self.width, self._body, self.calls = width, body, tuple(calls)
+        self.pieces = tuple(f"piece {i + 1}" for i in range(len(calls) + 1))
+        self._static = tree_flatten(static_out)[0]
+        self._next = 0
 
-    def check_device(self, device: torch.device) -> None:
-        """InputError where this mode cannot run on ``device``."""
+    @property
+    def layout(self) -> tuple[str, ...]:
+        return layout(len(self.pieces), self.calls)
 
-    def feed_event(self, device: torch.device):
-        """The event of a feed for fed graphs, or None (no feed)."""
-        return None
+    def launcher(self, device: torch.device, before_last: Callable[[], None]) -> Callable[[], None]:
+        return self.replay  # the body's gather does the host-row bookkeeping itself
 
-    def capturer(self, settings: CaptureSettings):
-        return NoPool(settings)
+    def _marked(self, fn, args, kwargs):
+        i = self._next
+        if i >= len(self.calls) or self.calls[i].fn is not fn:
+            got = "one more marked call" if i >= len(self.calls) else f"{call_name(fn)}"
+            raise CgrtError(f"width {self.width}: marked call {i + 1} at this replay is {got}, not what the capture "
+                            "recorded: the step took another path than at capture")
+        self._next = i + 1
+        call = self.calls[i]
+        copied = call.absorb(i + 1, args, kwargs)
+        out = call.replay()
+        call.give_back(copied)
+        return out
 
-    def launcher(self, graph, device: torch.device) -> Callable[[], None]:
-        raise CgrtError(f"graphs={self.value!r} captures no graph")
+    def replay(self, values: Any = None) -> None:
+        self._next = 0
+        with torch.inference_mode(), frozen(), marked_calls(self._marked), \
+                (with_values(values) if values is not None else PLAIN):
+            new = tree_flatten(self._body())[0]
+        if self._next != len(self.calls):
+            raise CgrtError(f"width {self.width}: {self._next} marked calls at this replay, {len(self.calls)} at "
+                            "capture: the step took another path than at capture")
+        with torch.inference_mode():
+            for dst, src in zip(self._static, new):
+                if dst is not src:
+                    dst.copy_(src)
 
-    def before_launch(self, replaying: Callable[[], None]) -> Callable[[], None]:
-        """What a graph step calls before its launch: the host-row mode's ``replaying``
-        where the launch runs the captured gather without Python (CUDA graphs)."""
-        return replaying
-
-
-class GraphsOff(GraphMode):
-    """``graphs=False``: every width runs eagerly over the same static buffers."""
-
-
-class CudaGraphs(GraphMode):
-    """``graphs=True``: one CUDA graph per width, in one pool; fed where torch can."""
-
-    name, value, captures = "cuda", True, True
-
-    def check_device(self, device: torch.device) -> None:
-        if device.type != "cuda":
-            raise InputError(expected("graphs", "False on a CPU device (CUDA graphs need a GPU; graphs='emulate' "
-                                      "runs the graph path without them)", True))
-
-    def feed_event(self, device: torch.device):
-        return external_event()  # recorded inside a capture: a node of the graph
-
-    def capturer(self, settings: CaptureSettings) -> WidthCapturer:
-        return WidthCapturer(settings)
-
-    def launcher(self, graph, device: torch.device) -> Callable[[], None]:
-        return GraphLaunch(graph, device)
-
-
-class EmulatedGraphs(GraphMode):
-    """``graphs="emulate"``: the graph path run eagerly (module docstring)."""
-
-    name, value, captures = "emulated", "emulate", True
-
-    def feed_event(self, device: torch.device):
-        return torch.cuda.Event() if device.type == "cuda" else NoEvent()  # recorded eagerly, never captured
-
-    def capturer(self, settings: CaptureSettings) -> EmulatedCapturer:
-        return EmulatedCapturer(settings)
-
-    def launcher(self, graph: EmulatedGraph, device: torch.device) -> Callable[[], None]:
-        return graph.replay
-
-    def before_launch(self, replaying: Callable[[], None]) -> Callable[[], None]:
-        # the replay runs the body, whose gather says ``replaying`` itself, when it gets there:
-        # a step function that raises before it wrote no snapshot (and uses up no turn)
-        return _nothing
-
-
-def _nothing() -> None:
-    pass
-
-
-def graph_mode_for(graphs: Any) -> GraphMode:
-    """The mode object of GraphRuntime's ``graphs`` argument: True, False or "emulate"
-    (InputError for anything else)."""
-    if isinstance(graphs, str):
-        if graphs == "emulate":
-            return EmulatedGraphs()
-    elif type(graphs) is bool or (type(graphs) is int and graphs in (0, 1)):
-        return CudaGraphs() if graphs else GraphsOff()
-    raise InputError(expected("graphs", "True, False or 'emulate'", repr(graphs)))
+    def reset(self) -> None:
+        raise CgrtError("an emulated graph cannot be reset (steps replay it): call recapture() instead")

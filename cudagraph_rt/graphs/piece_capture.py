@@ -9,9 +9,10 @@ from typing import Any, Callable
 
 import torch
 
-from .capture_hygiene import no_collection, release_blas_workspaces, reset_after_failure
-from .errors import CaptureError, CgrtError
-from .pieces import ArgumentsSeen, EagerCall, EmulatedPieces, PiecewiseGraph, frozen, marked_calls
+from .hygiene import no_collection, release_blas_workspaces, reset_after_failure
+from ..errors import CaptureError, CgrtError
+from ..pieces import frozen, marked_calls
+from .pieces import ArgumentsSeen, EagerCall, PiecewiseGraph
 
 
 class _MarkedCallFailed(Exception):
@@ -165,10 +166,11 @@ class _EmulatedRecorder(_Counter):
         return out
 
 
-def emulate_pieces(width: int, run: Callable[[], Any], replay: Callable[[], Any], warmup: int
-                   ) -> tuple[EmulatedPieces, Any, float, float]:
+def emulate_pieces(width: int, run: Callable[[], Any], warmup: int
+                   ) -> tuple[tuple[EagerCall, ...], Any, float, float]:
     """``warmup`` runs, then one recorded run whose outputs (and marked calls' outputs)
-    become the width's static tensors. Returns ``(graph, outputs, warmup_s, capture_s)``;
+    become the width's static tensors. Returns ``(calls, outputs, warmup_s, capture_s)``
+    (``emulation.EmulatedPieces`` replays them);
     a step function that raises is a CaptureError naming the width and the piece."""
     t0 = time.perf_counter()
     rec: _Counter = _Counter()
@@ -191,5 +193,4 @@ def emulate_pieces(width: int, run: Callable[[], Any], replay: Callable[[], Any]
     except Exception as e:  # noqa: BLE001 - as capture_width: every failure a CaptureError
         raise CaptureError(f"width {width}, piece {rec.piece}: the step function raised during emulated capture: "
                            f"{type(e).__name__}: {e}", width=width, piece=rec.piece, cause=e) from e
-    graph = EmulatedPieces(width, replay, out, tuple(rec.recorded))
-    return graph, out, t1 - t0, time.perf_counter() - t1
+    return tuple(rec.recorded), out, t1 - t0, time.perf_counter() - t1

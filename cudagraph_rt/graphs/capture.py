@@ -8,8 +8,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .capture_hygiene import no_collection, release_blas_workspaces, reset_after_failure
-from .errors import CaptureError, CgrtError, StaleCaptureError
+from .hygiene import no_collection, release_blas_workspaces, reset_after_failure
+from ..errors import CaptureError, CgrtError, StaleCaptureError
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ class WatchedTensors:
 class CaptureSettings:
     """How widths are captured: on which device, how many eager warm-up runs first, and
     whether each graph stays readable (``keep_graph``). What a failed width does next is
-    the capture policy's (``width_modes.CapturePolicy``)."""
+    the capture policy's (``policy.CapturePolicy``)."""
 
     device: torch.device
     warmup: int
