@@ -49,18 +49,29 @@ class Control:
 
 def output(out: Any, key: str | int, what: str) -> torch.Tensor:
     """``out[key]`` (a NamedTuple's field also by name) as a tensor, or StepFunctionError
-    naming ``what``."""
+    naming ``what`` and listing the outputs the step function returned."""
     try:
         t = out[key]
     except (KeyError, IndexError, TypeError):
         if not (isinstance(key, str) and key in getattr(out, "_fields", ())):
             raise StepFunctionError(
-                expected(what, f"the step function's output {key!r}", f"outputs of type {type(out).__name__}")
+                expected(what, f"the step function's output {key!r}", f"the outputs {_output_names(out)}")
             ) from None
         t = getattr(out, key)
     if not isinstance(t, torch.Tensor):
         raise StepFunctionError(expected(what, "a tensor", type(t).__name__))
     return t
+
+
+def _output_names(out: Any) -> str:
+    """The names (a dict's keys, a NamedTuple's fields) or indices a step's outputs offer."""
+    if isinstance(out, dict):
+        names = list(out)
+    elif isinstance(out, (tuple, list)):
+        names = list(getattr(out, "_fields", ())) or list(range(len(out)))
+    else:
+        return f"of a {type(out).__name__}"
+    return f"{names} (a {type(out).__name__})"
 
 
 @dataclass(frozen=True)

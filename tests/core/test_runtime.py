@@ -490,7 +490,10 @@ class Faulty(SlotModel):
 @pytest.mark.usefixtures("rig_graphs", "one_thread")  # graphs off, then emulated
 @pytest.mark.parametrize("mode,fault,msg", [
     ("host", lambda x, o: o["hidden"], r"step_fn output: expected a dict or tuple when HostRows is used, got Tensor"),
-    ("host", lambda x, o: {"tok": o["tok"]}, r"HostRows.source: expected the step function's output 'hidden'"),
+    ("host", lambda x, o: {"tok": o["tok"]},
+     r"HostRows.source: expected the step function's output 'hidden', got the outputs \['tok'\] \(a dict\)"),
+    ("host", lambda x, o: (o["tok"], o["hidden"]),
+     r"HostRows.source: expected the step function's output 'hidden', got the outputs \[0, 1\] \(a tuple\)"),
     ("host", lambda x, o: {"hidden": o["tok"]}, r"HostRows.source: expected an output of shape \[64, H\], got \(64,\)"),
     ("host", lambda x, o: {"hidden": o["hidden"].numpy()}, r"HostRows.source: expected a tensor, got ndarray"),
     ("device", lambda x, o: {**o, "accept_count": o["accept_count"].float()},
@@ -498,7 +501,8 @@ class Faulty(SlotModel):
     ("device", lambda x, o: {**o, "accept_count": o["accept_rows"]},
      r"HostRows.rows_output/count_output: expected integer"),
     ("device", lambda x, o: {k: v for k, v in o.items() if k != "accept_rows"},
-     r"HostRows.rows_output: expected the step function's output 'accept_rows'"),
+     r"HostRows.rows_output: expected the step function's output 'accept_rows', got the outputs "
+     r"\['hidden', 'tok', 'accept_count'\]"),
     ("host", lambda x, o: {**o, "extra": 3}, r"step_fn output leaf \d: expected a tensor, got int"),
 ])
 def test_bad_output_found_at_first_step_then_fixed(mode, fault, msg):
