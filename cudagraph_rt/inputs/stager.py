@@ -1,13 +1,7 @@
-"""What a stager offers: the one interface of the ways a step's host rows reach the arena.
-
-Three stagers, one interface (`Stager`): `CpuStaging` (graphs off or eager slices on a
-CPU: rows straight into the arena), `PinnedStaging` (CUDA: two pinned arenas that steps
-alternate between, each moved in one host-to-device copy) and `Feed` (fed graphs: one
-arena each captured graph copies in itself, in its prologue). `StaticInputs` holds two
-roles, chosen once by :func:`stagers`: the arena stager (eager and dynamic slices, and the
-control blocks a commit writes between steps; an `ArenaStager`) and the graph stager
-(graph slices: the feed where graphs are fed, else the arena stager itself). The rooms
-ask the stager they hold; none asks whether the graphs are fed.
+"""The one interface (`Stager`) of the ways a step's host rows reach the arena:
+`CpuStaging` (a CPU: rows straight into the arena), `PinnedStaging` (CUDA: two pinned
+arenas, each moved in one host-to-device copy) and `Feed` (fed graphs copy the arena in
+themselves). :func:`stagers` picks the two roles once: the arena stager and the graph stager.
 """
 from __future__ import annotations
 
@@ -23,10 +17,9 @@ from .validate import Prepared
 
 @runtime_checkable
 class Stager(Protocol):
-    """How host rows reach the arena. Lifetime: the static inputs' (the graphs bake in
-    the addresses of its buffers). Its writes raise only what the host copies raise (the
-    rows were checked before, by ``Validator``); an interrupted write leaves bookkeeping
-    that pads every row it may have touched."""
+    """How host rows reach the arena. Lifetime: the static inputs' (graphs bake in its
+    buffers' addresses). Writes raise only what host copies raise (``Validator`` checked the
+    rows); an interrupted write leaves bookkeeping that pads every row it may have touched."""
 
     fed: bool  # graphs copy these rows in themselves (what ``rt.fed_graphs`` reports)
     short_path: bool  # ``write_rows`` / ``all_host`` exist: the short path (DirectStep) may write
@@ -42,8 +35,7 @@ class Stager(Protocol):
 
     @property
     def buffers(self) -> list[torch.Tensor]:
-        """Every buffer it owns (host arenas, any device copy): memory a step's inputs
-        must stay apart from."""
+        """Every buffer it owns: memory a step's inputs must stay apart from."""
 
     def wait(self, k: int) -> None:
         """Until the host may write arena ``k`` (its last copy has left it)."""
@@ -55,12 +47,10 @@ class Stager(Protocol):
         stream-ordered (or in the next replay's prologue)."""
 
     def prologue(self) -> None:
-        """The first work of every graph captured over this stager (nothing, unless the
-        graph copies its rows in itself)."""
+        """The first work of every graph captured over it (nothing, unless graphs are fed)."""
 
     def unfeed(self) -> None:
-        """Graphs keep the arena's rows as they are until the next write (a caller wrote
-        them by hand and replays a graph directly)."""
+        """Graphs keep the arena's rows until the next write (a graph replayed by hand)."""
 
     def reset(self, control: Mapping[str, Any] | None) -> None:
         """Padding only from here on, whatever earlier writes left (capture runs next)."""
@@ -71,8 +61,8 @@ class Stager(Protocol):
 
 @runtime_checkable
 class ArenaStager(Stager, Protocol):
-    """A stager that reaches the arena outside a replay as well: the one every runtime
-    has, which also writes the control blocks a commit sets between steps."""
+    """A stager that reaches the arena outside a replay too (every runtime has one): it
+    also writes the control blocks a commit sets between steps."""
 
     def take_for_control(self) -> int | None:
         """The host arena ``write_control`` goes through (its handed views are used up),
@@ -85,9 +75,8 @@ class ArenaStager(Stager, Protocol):
 def stagers(layout: ArenaLayout, arena: torch.Tensor, full: Mapping[str, torch.Tensor], device: torch.device,
             feed_event) -> tuple[ArenaStager, Stager]:
     """(the arena stager, the graph stager): pinned staging on CUDA, straight writes on a
-    CPU; the feed for graph slices where the graph mode gives a ``feed_event`` and the
-    arena is small enough to cross in one copy (else graphs are not fed: the graph
-    stager is the arena stager)."""
+    CPU; the graph stager is the feed where the graph mode gives a ``feed_event`` and the
+    arena crosses in one copy, else the arena stager itself."""
     cuda = device.type == "cuda"
     staging = PinnedStaging(layout, arena, full, device) if cuda else CpuStaging(layout, full)
     if feed_event is None or layout.nbytes > ONE_COPY_BYTES:

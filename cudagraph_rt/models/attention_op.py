@@ -1,32 +1,18 @@
 """Attention with its K/V write as ONE opaque op for torch.compile, the pool kept out of the graph.
 
-A compiled step that writes K/V into the pool with ``index_copy_`` hands the pool to
-inductor as a graph input; functionalization turns the in-place write into "new pool =
-old pool with rows replaced" plus a copy back, so every layer copies its whole cache
-(``triton_poi_fused_copy_``, about 125 us each on the H200 for the 1B). vLLM avoids this
-by making attention a custom op that looks its cache up by layer name; this module does
-the same for any KV-pool-like object with ``attend(layer, q, k, v, seq_ids, positions,
-cells, *, scale, window=None, slopes=None, bias_shift=0, out=None)`` (and ``rotary=`` for the
-calls that pass one, :mod:`.hf_rotary`'s):
+For any KV-pool-like object with ``attend(layer, q, k, v, seq_ids, positions, cells, *,
+scale, window=None, slopes=None, bias_shift=0, out=None)`` (and ``rotary=`` for the calls
+that pass one, :mod:`.hf_rotary`'s):
 
-* :func:`pool_id` registers a pool in a weak registry (the registry never keeps a pool
-  alive) and returns a Python int; :func:`attend` takes that int and the layer index, so
-  the graph holds two constants, never the pool's tensors;
-* ``torch.ops.cgrt.attend_cells`` is a ``torch.library.custom_op`` that declares the one
-  tensor argument it writes, ``out`` (``mutates_args=("out",)``), and has a fake that
-  does nothing (the output's shape is the caller's ``out``). Inductor reinplaces the op
-  into ``out`` (an empty buffer it allocated), calls it as an extern kernel, and never
-  sees the pool's writes: the op's body fetches the pool by id and calls ``pool.attend``.
+* :func:`pool_id` registers a pool in a weak registry (which never keeps it alive) and
+  returns an int; :func:`attend` takes that int and the layer index, so a compiled graph
+  holds two constants, never the pool's tensors;
+* under torch.compile the call is ``torch.ops.cgrt.attend_cells``, a custom op that writes
+  only ``out`` and whose body fetches the pool by id and calls ``pool.attend``; eager calls
+  go straight to ``pool.attend``. Both run the same code and give the same result.
 
-Why ``custom_op`` and not ``triton_op``/``wrap_triton``: those let inductor trace the
-Triton kernel's launch, so the kernel's tensor arguments (the pool's K/V) would have to be
-graph inputs again (and be functionalized and copied back); and the op's body must also
-run the torch reference on a CPU. Nothing across the attention boundary is worth fusing
-into the kernel that inductor could do better than the kernel's own fused K/V write.
-
-Eager calls (not under torch.compile) go straight to ``pool.attend``: the op's
-dispatcher costs host time and hides the pool's ops from a TorchDispatchMode (the
-capture-hazard finder). Both paths run the same ``pool.attend`` and give the same result.
+Why an opaque op, and not ``triton_op`` or the pool as a graph input: ARCHITECTURE.md,
+"The attention as one opaque op".
 """
 
 import itertools

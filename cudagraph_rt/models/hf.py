@@ -3,28 +3,12 @@
 :class:`HFDecoder` wraps a ``*ForCausalLM`` (Llama, Qwen2, Qwen3, Mistral and anything
 built the same way) and gives it the toy decoder's surfaces (``inputs``, ``step``,
 ``verify_step``, ``reference``, ``cell_for``, ...), so every tool and the sweep harness take
-either. It plugs in through transformers' own extension points only, never by patching
-model source:
-
-* an attention function registered with ``AttentionInterface.register`` (name
-  :data:`ATTENTION`). It is selected for the duration of a step only (the config's
-  attention implementation is switched around the call and restored), so ``reference``,
-  ``generate`` and anything else the user runs see the model exactly as it was. The step
-  passes its per-step state (the pool and the rows' sequence ids, positions and cells)
-  through the model call's keyword arguments, which the model forwards to every attention
-  call; the function is one call of :meth:`KVPool.attend`: it writes the rows' K/V (after
-  RoPE, which the model applied from ``position_ids``) into layer ``module.layer_idx`` of
-  the pool and attends over each row's own sequence through the block table. Sliding-
-  window layers (Mistral, Qwen2/3 with ``layer_types``) pass their window;
-* no mask tensor: transformers' masking code builds none for an attention implementation
-  that has no mask function registered (it returns ``None`` at once), so none of it runs
-  and nothing syncs with the host.
-
-transformers' own ``StaticCache`` is not used: it advances a device counter on every call,
-so warm-up runs, captures and padding rows would shift it.
-
-The KV pool is every model's (``pool.py``): blocks of cells taken as sequences grow, one
-scratch cell that padding rows write.
+either. It plugs in through transformers' own extension points, never by patching model
+source: an attention function registered as :data:`ATTENTION`, selected for the duration
+of a step only (``reference``, ``generate`` and the user's own calls see the model as it
+was), which is one call of :meth:`KVPool.attend` per layer; no mask tensor is built and
+transformers' ``StaticCache`` is not used (why: ARCHITECTURE.md, "transformers models
+through their extension points").
 """
 from __future__ import annotations
 

@@ -2,55 +2,25 @@
 per-sequence block table on the device, and the attention over a row's own cells.
 
 Layout. ``k`` / ``v`` are ``[layers, (num_blocks + 1) * block_size, kv_heads, head_dim]``:
-``num_blocks`` blocks of ``block_size`` cells for the sequences, then the scratch block
-(index ``num_blocks``), whose first cell :attr:`KVPool.scratch_cell` padding rows write.
-The cell of position ``j`` of sequence ``s`` is ``block_table[s, j // block_size] *
-block_size + j % block_size``. ``block_table`` is int32 ``[max_seqs, cdiv(max_seq_len,
-block_size)]`` at a fixed address (a captured graph reads it there); an entry a sequence
-does not use points at the scratch block, so a stray read is never out of bounds.
+``num_blocks`` blocks for the sequences, then the scratch block (index ``num_blocks``),
+whose first cell :attr:`KVPool.scratch_cell` padding rows write. The cell of position ``j``
+of sequence ``s`` is ``block_table[s, j // block_size] * block_size + j % block_size``;
+``block_table`` is int32 ``[max_seqs, cdiv(max_seq_len, block_size)]``, and an entry a
+sequence does not use points at the scratch block (a stray read stays in bounds).
 
-Allocation. A sequence holds no reservation: :meth:`KVPool.cell_range` takes a block from
-a free-list stack the first time one of its positions is written, so a sequence may be as
-long as the free blocks and ``max_seq_len`` allow. Blocks carry host-side refcounts:
-:meth:`KVPool.fork` shares the source's whole blocks (refcount + 1), and a block whose
-refcount is above 1 is copied for the writer before a cell in it is handed out
-(copy-on-write), so no sequence's write ever reaches a block another one reads. Every
-operation is O(1) per block touched and never waits for the device.
+Allocation. :meth:`KVPool.cell_range` takes a block from a free list the first time one of
+its positions is written (no reservation). :meth:`KVPool.fork` shares whole blocks by
+refcount; a shared block is copied for the writer before a cell in it is handed out
+(copy-on-write). The host writes a sequence's changed table entries as one small
+stream-ordered copy from a fresh pinned tensor: no host sync, and a step queued before the
+update reads the old entries (why this way: ARCHITECTURE.md, "The KV pool's block table").
 
-How the host updates the device table (outside any graph, on the current stream, no host
-sync): each call that changes a sequence's entries writes them as ONE contiguous slice of
-that sequence's row (the changed entries and the unchanged ones between them, from the
-host mirror), through one small copy from a fresh pinned host tensor with
-``non_blocking=True``. Why this and not the alternatives:
+Counters: on CUDA the pool owns ``counters``, the split counters of its attention launches
+(:mod:`cudagraph_rt.kernels.attention`), and the bound attentions of piecewise replays
+(:meth:`KVPool.bind_attend`) share one split scratch per dtype.
 
-* a copy from pageable memory makes the host wait for the stream (the copy is staged
-  synchronously), which would stall the host behind every step in flight;
-* one reused pinned buffer would race: the host would overwrite it while a copy queued
-  behind the in-flight steps has not run yet;
-* a fresh pinned tensor comes from torch's caching host allocator, which records the
-  copy's stream when the copy is queued and hands that memory out again only after the
-  copy ran, so the host never blocks and never overwrites a queued copy;
-* feeding the table as a step input instead would copy the whole ``[max_seqs, MB]`` table
-  every step, where this copies a few entries only when a block is taken (every
-  ``block_size`` decoded tokens per sequence);
-* one slice of one row needs no index tensor and no scatter: one copy node, not two.
-
-Stream order does the rest: a step queued before the update reads the old entries, a step
-queued after reads the new ones, and a step in flight never reads the row of a sequence
-whose blocks change under it (the host changes a sequence's cells only between its own
-steps). :meth:`KVPool.free` fills the row with the scratch block on the device (no host
-memory); block copies (fork, copy-on-write) are device-to-device slices on the same stream.
-
-Attention counters: on CUDA the pool owns ``counters``, the int32 arrival counters its
-attention launches merge their splits through (zero between launches, see
-:mod:`cudagraph_rt.kernels.attention`), allocated with the pool and never grown, so a
-captured graph's launches keep reading them at their address; a pool of its own per
-model keeps models that step on different streams from sharing counters. The bound
-attentions of piecewise replays (:meth:`KVPool.bind_attend`) share the pool's split scratch
-the same way: one buffer for all layers and widths, not one per recorded call.
-
-Lifetime: the pool lives as long as its model. ``k``, ``v``, ``block_table`` and
-``counters`` never move.
+Lifetime: the pool lives as long as its model; ``k``, ``v``, ``block_table`` and
+``counters`` never move (captured graphs read them at their addresses).
 Failure modes: bad arguments raise :class:`~cudagraph_rt.errors.InputError`, a request for
 more blocks than are free :class:`~cudagraph_rt.errors.CapacityError` (naming the sequence,
 the blocks asked and free), a table update while the current stream captures a graph
@@ -181,7 +151,7 @@ class KVPool:
 
         Takes a block for every block index of the range the sequence does not hold yet,
         and copies (all layers) every block of the range it shares with another sequence,
-        then writes the changed table entries (one copy, see the module docstring). The
+        then writes the changed table entries (one copy). The
         cells stay valid until the sequence is freed, forked over, or reset. All or
         nothing: CapacityError when the free blocks do not cover the range's new blocks,
         InputError for a bad seq, pos0 or n; nothing changed by either."""
@@ -388,7 +358,7 @@ class KVPool:
 
     def _write_row(self, seq: int, lo: int, hi: int) -> None:
         """Device entries ``[lo, hi)`` of ``seq``'s row from the host mirror: one copy from a
-        fresh pinned tensor on CUDA (see the module docstring), a plain copy elsewhere."""
+        fresh pinned tensor on CUDA, a plain copy elsewhere."""
         vals = torch.tensor(self._rows[seq][lo:hi], dtype=torch.int32, pin_memory=self._pin)
         self.block_table[seq, lo:hi].copy_(vals, non_blocking=self._pin)
 

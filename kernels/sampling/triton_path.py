@@ -225,6 +225,17 @@ if triton is not None:
         return (c ^ ((c >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True), vlo, hi_f
 
     @triton.jit
+    def _load_f32(row_ptr, idx, ok):
+        """The logits at ``idx`` as float32, -inf where not ``ok``. A bf16 row is read as its
+        bits (a bf16 is the top half of the float32 of the same value): Triton 3.6, the H200's,
+        fails to lower the search's bf16 loads at tiles over 64."""
+        if row_ptr.dtype.element_ty == tl.bfloat16:
+            bits = tl.load(row_ptr.to(tl.pointer_type(tl.uint16)) + idx, mask=ok, other=0)
+            x = (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+            return tl.where(ok, x, float("-inf"))
+        return tl.load(row_ptr + idx, mask=ok, other=float("-inf")).to(tl.float32)
+
+    @triton.jit
     def _scan(row_ptr, start, end, inv_t, m, cand_f, lo_f, hi_f, by_mass, MC: tl.constexpr, BLOCK: tl.constexpr):
         """One range of the row against the bracket [lo, hi) and its candidates (keys
         compared as the floats they stand for: the same order for non-NaN values): per
@@ -242,7 +253,7 @@ if triton is not None:
         for b in range(start, end, BLOCK):
             idx = b + tl.arange(0, BLOCK)
             ok = idx < end
-            s = tl.load(row_ptr + idx, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
+            s = _load_f32(row_ptr, idx, ok) * inv_t
             w = tl.where(s > float("-inf"), tl.exp(s - m), 0.0)
             above = ok & (s >= hi_f)
             inb = ok & (s >= lo_f) & (~above)

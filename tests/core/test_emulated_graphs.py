@@ -220,7 +220,9 @@ class FailsOnce(SlotModel):
 
     def __call__(self, x):
         w, cuda = x["tokens"].shape[0], x["tokens"].is_cuda
-        capturing = cuda and torch.cuda.is_current_stream_capturing()
+        # torch.cuda.graphs' own function: the hazard finder, which re-runs a failed width on
+        # the caller's stream, answers True through torch.cuda.is_current_stream_capturing
+        capturing = cuda and torch.cuda.graphs.is_current_stream_capturing()
         if capturing:
             self.streams[w] = torch.cuda.current_stream().cuda_stream
         if w in self.fail and (capturing or not cuda):

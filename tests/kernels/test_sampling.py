@@ -23,6 +23,7 @@ from cudagraph_rt.kernels.sampling.reference import reference_probs, reference_s
 from cudagraph_rt.kernels.sampling.torch_path import process
 from cudagraph_rt.models.cells import greedy_tokens
 from tests.support import run_compile_script
+from tests.support.extras import reason
 from tests.support.sampling_cases import assert_same_tokens, chi_square, random_logits, random_settings
 from tests.support.seeds import seeded_rng
 
@@ -32,7 +33,7 @@ pytestmark = [pytest.mark.usefixtures("one_thread"),  # see conftest.py
 KERNEL = launch.triton_backend() != "unavailable"
 DEV = torch.device("cuda") if launch.triton_backend() == "compiled" and torch.cuda.is_available() else torch.device("cpu")
 INTERP = launch.triton_backend() == "interpreter"
-needs_kernel = pytest.mark.skipif(not KERNEL, reason="triton is not installed")
+needs_kernel = pytest.mark.skipif(not KERNEL, reason=reason("triton"))  # names the extra that brings it
 ALPHA = 1e-3  # chi-square significance
 TRIALS = 100_000
 PLANS = {  # small programs, so the interpreter has few to run; every phase of the kernels on each

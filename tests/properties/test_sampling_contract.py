@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from cudagraph_rt.kernels.sampling import SamplingPlan, SamplingSettings, launch, sample, verify
 from cudagraph_rt.kernels.sampling.torch_path import process
+from tests.support.extras import reason
 from tests.support.sampling_cases import assert_same_tokens
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),  # see conftest.py
@@ -93,7 +94,7 @@ def test_the_sampler_keeps_its_contract(case):
             assert pr.kept[i, got[i]], "a rejected draft's replacement comes from the kept set"
 
 
-@pytest.mark.skipif(launch.triton_backend() == "unavailable", reason="triton is not installed")
+@pytest.mark.skipif(launch.triton_backend() == "unavailable", reason=reason("triton"))
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(rows(max_rows=3, max_vocab=40), st.integers(1, 3), st.sampled_from([4, 8, 16]))
 def test_the_kernels_keep_the_torch_paths_tokens(case, passes, candidates):

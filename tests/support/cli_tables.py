@@ -1,5 +1,5 @@
-"""The README's option tables, generated from the real parser (``python3 tests/support/cli_tables.py``
-prints them; tests/tools/test_cli.py checks that the README holds exactly these)."""
+"""The option tables of docs/commands.md, generated from the real parser (``python3 tests/support/cli_tables.py``
+prints them; tests/tools/test_cli.py checks that the page holds exactly these)."""
 from __future__ import annotations
 
 import argparse

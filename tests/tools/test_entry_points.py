@@ -1,7 +1,7 @@
 """The ways in that the docs, CI and the tools themselves name stay true as the tree moves:
 every ``cudagraph_rt.tools...`` module they name (``python -m ...``, ``MODULE:FACTORY``)
 resolves, one run with ``-m`` has a ``__main__`` block, and every repository file a CI
-script or BENCHMARKS.md names exists (README.md and ARCHITECTURE.md: tests/tools/test_readme.py).
+script or BENCHMARKS.md names exists (README.md, ARCHITECTURE.md and docs/: tests/tools/test_readme.py).
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import pytest
 
 from tests.support import ROOT
 
-DOCS = [ROOT / "README.md", ROOT / "BENCHMARKS.md", ROOT / "ARCHITECTURE.md", *sorted((ROOT / ".ci").iterdir())]
+DOCS = [ROOT / "README.md", ROOT / "BENCHMARKS.md", ROOT / "ARCHITECTURE.md", *sorted((ROOT / "docs").glob("*.md")),
+        *sorted((ROOT / ".ci").iterdir())]
 TOOLS = sorted((ROOT / "tools").rglob("*.py"))
 MODULE = re.compile(r"(-m\s+|[\"']-m[\"'],\s*[\"'])?\b(cudagraph_rt\.tools(?:\.\w+)+)(?::(\w+))?")
 
@@ -65,7 +66,7 @@ def test_the_hf_bench_child_is_the_module_its_command_names():
     assert proc.returncode == 2 and "usage: python -m cudagraph_rt.tools.bench.hf_child" in proc.stderr, proc.stderr
 
 
-@pytest.mark.parametrize("doc", [p for p in DOCS if p.name != "README.md" and p.name != "ARCHITECTURE.md"],
+@pytest.mark.parametrize("doc", [p for p in DOCS if p.name not in ("README.md", "ARCHITECTURE.md") and p.parent.name != "docs"],
                          ids=lambda p: p.name)
 def test_files_a_ci_script_or_benchmarks_names_exist(doc):
     refs = set(re.findall(r"\b((?:tests|tools|kernels|cudagraph_rt|\.ci)/[\w/]+\.(?:py|sh))\b", doc.read_text()))

@@ -1,4 +1,4 @@
-"""Every code block of README.md, as a reader would use it.
+"""Every code block of README.md and of the pages under docs/, as a reader would use it.
 
 * Each ```python block runs as written in a fresh interpreter (this machine's device: on a
   CPU the blocks run graphs off), then any ``test_*`` function it defines is called, so
@@ -9,14 +9,17 @@
   the job of the tool tests (test_sweep, test_demo, test_tp, ...) and of CI.
 * The Quick start's commands are the ones ``.ci/run`` runs, so CI tries what a new user
   types; on the ``test`` install alone, what needs an extra skips naming it.
-* ARCHITECTURE.md's layout names every module of the package, and the files README.md
-  and ARCHITECTURE.md point at exist.
+* ARCHITECTURE.md's layout names every module of the package; the files README.md,
+  ARCHITECTURE.md and docs/*.md point at exist, and so do the targets of their links; the
+  README links every page of docs/.
 
-A block's failure names its first line in README.md and shows its output.
+A block's failure names its file and first line (``docs/models.md, line 40``) and shows its
+output.
 """
 from __future__ import annotations
 
 import os
+import pathlib
 import re
 import shlex
 import subprocess
@@ -30,9 +33,11 @@ from tests.support import ROOT
 from tests.support.extras import EXTRA_OF, available, reason
 
 README = ROOT / "README.md"
+PAGES = sorted((ROOT / "docs").glob("*.md"))  # the pages the README's front page points to
+DOCS = [README, *PAGES]  # every file whose blocks run here
 CI = ROOT / ".ci" / "run"
 
-# Runs one block: compiled under its README line so a traceback points there, then every
+# Runs one block: compiled under its doc's line so a traceback points there, then every
 # test_* function it defined, in order.
 RUNNER = """
 import sys
@@ -50,36 +55,42 @@ for name, fn in list(ns.items()):
 class Block:
     lang: str
     line: int  # first line of the code, 1-based
-    section: str  # the "## ..." heading it sits under
+    section: str  # the "## ..." or "### ..." heading it sits under
     code: str
+    doc: str = "README.md"  # the file, relative to the repository root
 
     @property
     def label(self) -> str:
-        return f"README.md, line {self.line}"
+        return f"{self.doc}, line {self.line}"
 
 
-def blocks(text: str) -> list[Block]:
+def blocks(text: str, doc: str = "README.md") -> list[Block]:
     """The fenced blocks of ``text`` in order (an unclosed fence is an error, not a skip)."""
     out, section, fence = [], "", None
     for i, line in enumerate(text.splitlines(), 1):
         if fence is None:
-            if line.startswith("## "):
-                section = line[3:].strip()
+            m = re.match(r"^###? (.*)$", line)
+            if m:
+                section = m.group(1).strip()
             m = re.match(r"^```(\w*)\s*$", line)
             if m:
                 fence, lang, start, body = True, m.group(1), i + 1, []
         elif line.rstrip() == "```":
-            out.append(Block(lang, start, section, "\n".join(body) + "\n"))
+            out.append(Block(lang, start, section, "\n".join(body) + "\n", doc))
             fence = None
         else:
             body.append(line)
-    assert fence is None, f"README.md: the block opened at line {start - 1} is never closed"
+    assert fence is None, f"{doc}: the block opened at line {start - 1} is never closed"
     return out
 
 
-ALL = blocks(README.read_text())
+ALL = [b for path in DOCS for b in blocks(path.read_text(), str(path.relative_to(ROOT)))]
 PYTHON = [b for b in ALL if b.lang == "python"]
 BASH = [b for b in ALL if b.lang == "bash"]
+
+
+def _id(b: Block) -> str:
+    return f"{pathlib.PurePath(b.doc).stem}-line{b.line}"
 
 
 def commands(block: Block) -> list[list[str]]:
@@ -109,14 +120,20 @@ def cgrt_argv(cmd: list[str]) -> list[str] | None:
 
 
 def test_the_readme_has_the_blocks_these_tests_run():
-    """The parser below found what the README holds (a changed fence style would otherwise
-    make every other test here vacuous)."""
-    sections = {b.section for b in PYTHON}
-    assert {"The API in one screen", "Sweeping your own model from pytest", "Embedding in a host runner"} <= sections
-    assert any(cgrt_argv(c) for b in BASH for c in commands(b))
+    """The parser below found what the README and docs/ hold (a changed fence style would
+    otherwise make every other test here vacuous): the front page's two examples, the pages'
+    examples, and commands in both."""
+    front = {b.section for b in PYTHON if b.doc == "README.md"}
+    assert {"The API in one screen", "`cgrt sweep`, and sweeping your own model from pytest"} <= front, front
+    pages = {(b.doc, b.section) for b in PYTHON if b.doc != "README.md"}
+    assert {("docs/speculative.md", "Embedding in a host runner"), ("docs/models.md", "The paged KV pool"),
+            ("docs/models.md", "Your own transformers model"), ("docs/pieces.md", "Marking a call")} <= pages, pages
+    assert len(PAGES) >= 8, PAGES
+    for doc in ("README.md", "docs/tensor-parallel.md"):
+        assert any(cgrt_argv(c) for b in BASH if b.doc == doc for c in commands(b)), doc
 
 
-@pytest.mark.parametrize("block", PYTHON, ids=[f"line{b.line}" for b in PYTHON])
+@pytest.mark.parametrize("block", PYTHON, ids=[_id(b) for b in PYTHON])
 def test_python_block_runs_as_written(block: Block, tmp_path):
     for mod in EXTRA_OF:
         if re.search(rf"^\s*(from|import) {re.escape(mod)}\b", block.code, re.M) and not available(mod):
@@ -135,7 +152,7 @@ def test_python_block_runs_as_written(block: Block, tmp_path):
                                   f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
 
 
-@pytest.mark.parametrize("block", BASH, ids=[f"line{b.line}" for b in BASH])
+@pytest.mark.parametrize("block", BASH, ids=[_id(b) for b in BASH])
 def test_cgrt_commands_parse(block: Block):
     parser = build_parser()
     for cmd in commands(block):
@@ -170,18 +187,34 @@ def test_architecture_layout_names_every_module():
     assert not {n for n in named if n.endswith(".py")} - files, "ARCHITECTURE.md names files that do not exist"
 
 
-@pytest.mark.parametrize("doc", ["README.md", "ARCHITECTURE.md"])
+LINKED = ["README.md", "ARCHITECTURE.md", *(f"docs/{p.name}" for p in PAGES)]
+
+
+@pytest.mark.parametrize("doc", LINKED)
 def test_files_the_docs_point_at_exist(doc):
     """Every repository file the doc names (``tests/test_x.py``, ``cudagraph_rt/spec/runner.py``)
-    exists, and a ``::Name`` after it is a class or function defined there."""
+    exists, a ``::Name`` after it is a class or function defined there, and every relative
+    link (``[api.md](api.md)``, ``[CHANGELOG.md](../CHANGELOG.md)``) reaches a file."""
     text = (ROOT / doc).read_text()
     refs = re.findall(r"\b((?:tests|cudagraph_rt|tools|kernels)/[\w/]+\.py)(?:::(\w+))?", text)
-    assert refs or doc == "ARCHITECTURE.md"
+    assert refs or doc != "README.md"
     for path, name in refs:
         assert (ROOT / path).is_file(), f"{doc} names {path}, which does not exist"
         if name:
             assert re.search(rf"^\s*(class|def) {name}\b", (ROOT / path).read_text(), re.M), \
                 f"{doc} names {path}::{name}, which is not defined there"
+    links = [t for t in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"\w+:", t)]
+    for target in links:
+        path = (ROOT / doc).parent / target.split("#")[0]
+        assert path.exists(), f"{doc} links {target}, which does not exist"
+
+
+def test_the_readme_links_every_page_of_docs():
+    """The front page is the way in: a page no one links is a page no one reads."""
+    text = README.read_text()
+    assert PAGES, "docs/ holds no page"
+    unlinked = [p.name for p in PAGES if f"](docs/{p.name})" not in text]
+    assert not unlinked, f"README.md links no {unlinked}"
 
 
 def _normalised(cmd: list[str]) -> list[str]:
