@@ -100,3 +100,13 @@ if triton is not None:
         """Index 0 of the acceptance stream (Stream.ACCEPT = 1)."""
         u = tl_uniforms(seed, position, tl.full([], 1, tl.int32), 0, 4)
         return tl.sum(tl.where(tl.arange(0, 4) == 0, u, 0.0), 0)
+
+    @triton.jit
+    def _load_f32(row_ptr, idx, ok):
+        """The logits at ``idx`` as float32 (-inf where not ``ok``); bf16 read as its bits, the
+        top half of its float32 (Triton 3.6 fails to lower the search's bf16 loads)."""
+        if row_ptr.dtype.element_ty == tl.bfloat16:
+            bits = tl.load(row_ptr.to(tl.pointer_type(tl.uint16)) + idx, mask=ok, other=0)
+            x = (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+            return tl.where(ok, x, float("-inf"))
+        return tl.load(row_ptr + idx, mask=ok, other=float("-inf")).to(tl.float32)

@@ -22,7 +22,7 @@ if triton is not None:
         _I_PHASE, _I_LO, _I_HI, _I_THR, _I_KEFF, _I_ARGMAX, _I_WORDS, _F_M, _F_TARGET, _F_ZFIN,
         _F_TMIN, _F_WORDS, _DONE, _SEARCH_K, _SEARCH_P, _READY, _RESIDUAL, _FALLBACK_STEPS,
         _KEY_NEG_INF, _KEY_MAX, _FLT_MAX, _f2key, _key2f, _last_to_arrive,
-        _reset_ticket, _row_draft, _inv_temperature, _filtered, _better, _accept_uniform,
+        _reset_ticket, _row_draft, _inv_temperature, _filtered, _better, _accept_uniform, _load_f32,
     )
 
     # ----------------------------------------------------------------------------- stats
@@ -223,17 +223,6 @@ if triton is not None:
         c = tl.where(width >= MC, c, lo64 + j).to(tl.int32)
         hi_f = (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
         return (c ^ ((c >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True), vlo, hi_f
-
-    @triton.jit
-    def _load_f32(row_ptr, idx, ok):
-        """The logits at ``idx`` as float32, -inf where not ``ok``. A bf16 row is read as its
-        bits (a bf16 is the top half of the float32 of the same value): Triton 3.6, the H200's,
-        fails to lower the search's bf16 loads at tiles over 64."""
-        if row_ptr.dtype.element_ty == tl.bfloat16:
-            bits = tl.load(row_ptr.to(tl.pointer_type(tl.uint16)) + idx, mask=ok, other=0)
-            x = (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-            return tl.where(ok, x, float("-inf"))
-        return tl.load(row_ptr + idx, mask=ok, other=float("-inf")).to(tl.float32)
 
     @triton.jit
     def _scan(row_ptr, start, end, inv_t, m, cand_f, lo_f, hi_f, by_mass, MC: tl.constexpr, BLOCK: tl.constexpr):
