@@ -99,7 +99,7 @@ class HeadDrafter:
         rows = torch.stack([self._rows[s.uid][0] for s in seqs])
         toks = torch.tensor([self._rows[s.uid][1] for s in seqs], dtype=torch.int64)
         out = self.rt.step(row=rows, token=toks).outputs["drafts"]
-        return Proposal(out[:, :k].cpu().numpy())
+        return Proposal(out[:, :k].to("cpu", copy=True).numpy())  # outputs die at the next step
 
     def forget(self, seq) -> None:
         self._seen.at.pop(seq.uid, None)
