@@ -5,7 +5,7 @@ runtime (plain greedy decoding, every committed hidden row kept); then ``--kind 
 trains an EAGLE-style draft head (``cudagraph_rt.spec.head``) on those rows, or ``--kind
 model`` a small causal LM of the target's vocabulary (``cudagraph_rt.spec.draft_training``)
 on those tokens. ``--out PATH`` gets the drafter (a head file, or a transformers checkpoint
-folder for ``model``), ``--plot PATH`` the loss curve. Prints the wall time of each phase
+folder for ``model``), ``--plot DIR`` the loss curve (``train_loss.png``). Prints the wall time of each phase
 and the held-out acceptance estimate (greedy, k drafts). No download: the data is the
 target's own. torch is imported when the command runs.
 """
@@ -32,13 +32,14 @@ def _out_path(text: str) -> str:
     return text
 
 
-def _plot_path(text: str) -> str:
-    from cudagraph_rt.extras import available, message
-
-    path = _out_path(text)
-    if not available("plot"):
-        raise argparse.ArgumentTypeError(message("plot", "--plot"))
-    return path
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return v
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,17 +49,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "causal LM of the target's vocabulary (needs the hf extra)")
     p.add_argument("--steps", type=options.int_at_least(1), default=2000, metavar="N",
                    help="optimizer steps (default 2000)")
-    p.add_argument("--out", type=_out_path, required=True, metavar="PATH",
-                   help="where the drafter goes: a head file (and PATH.json), or a checkpoint folder for --kind model")
-    p.add_argument("--plot", type=_plot_path, default=None, metavar="PATH",
-                   help="write the loss curve (PNG) to PATH (needs the plot extra)")
+    p.add_argument("--out", type=_out_path, default=None, metavar="PATH",
+                   help="where the drafter goes (required): a head file (and PATH.json), or a checkpoint folder for "
+                        "--kind model")
+    options.add_plot(p, "train_loss.png (the loss curve)")
     p.add_argument("--sequences", type=options.int_at_least(2), default=None, metavar="N",
                    help="generated sequences to learn from (default: 48 on a CPU, 512 on CUDA)")
     p.add_argument("--max-new", type=options.int_at_least(2), default=None, metavar="N",
                    help="tokens generated per sequence (default: to the model's max_len)")
     p.add_argument("--batch", type=options.int_at_least(1), default=None, metavar="N",
                    help="training rows per step (default: 128 on a CPU, 1024 on CUDA)")
-    p.add_argument("--lr", type=float, default=1e-3, metavar="X", help="peak learning rate (default 1e-3)")
+    p.add_argument("--lr", type=_positive_float, default=1e-3, metavar="X", help="peak learning rate (default 1e-3)")
     p.add_argument("--k", type=options.int_at_least(1), default=4, metavar="N",
                    help="draft length the acceptance estimate uses (default 4)")
     p.add_argument("--hidden", type=options.int_at_least(1), default=None, metavar="N",
@@ -89,6 +90,8 @@ def run(args) -> int:
     from cudagraph_rt.spec import training
     from cudagraph_rt.testing.graph_modes import mode_name
 
+    if args.out is None:
+        raise options.UsageError(expected("--out", "a path for the drafter", "none"))
     choice = options.model_choice(args)
     device = options.device(args)
     if args.kind == "model":
@@ -141,8 +144,8 @@ def run(args) -> int:
                    "acceptance_after": {"mean_accepted": rep.after[0], "by_position": list(rep.after[1])},
                    "draft_vocab_coverage": rep.coverage, "training_windows": rep.rows})
     if args.plot:
-        _plot(rep.losses, args.plot, f"cgrt train-drafter: {choice.label}, {args.kind}")
-        report["plot"] = args.plot
+        report["plot"] = os.path.join(args.plot, "train_loss.png")
+        _plot(rep.losses, report["plot"], f"cgrt train-drafter: {choice.label}, {args.kind}")
     if args.json is not None:
         options.write_json(args.json, report)
     out = sys.stderr if args.json == options.STDOUT else sys.stdout

@@ -116,6 +116,7 @@ def test_train_drafter_command(tmp_path, capsys):
     (["--steps", "0"], "--steps"),
     (["--kind", "medusa"], "--kind"),
     (["--out", "/no/such/folder/h.pt"], "--out"),
+    (["--plot", "/no/such/folder"], "--plot"),
     (["--model", "hf:gpt9"], "--model"),
 ])
 def test_train_drafter_bad_arguments(argv, flag, tmp_path, capsys):

@@ -143,7 +143,7 @@ def test_every_command_with_graphs_takes_the_same_values():
     from cudagraph_rt.testing.graph_modes import GRAPHS
 
     parsers = {n: p for n, p in subparsers().items() if any("--graphs" in a.option_strings for a in p._actions)}
-    assert set(parsers) == {"sweep", "demo"}
+    assert set(parsers) == {"sweep", "demo", "train-drafter"}
     for name, p in parsers.items():
         act = next(a for a in p._actions if "--graphs" in a.option_strings)
         for value in GRAPHS:
