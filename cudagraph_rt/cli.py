@@ -1,4 +1,4 @@
-"""The `cgrt` command: sweep | inspect | bench | demo.
+"""The `cgrt` command: sweep | inspect | bench | demo | train-drafter.
 
 Each subcommand lives in cudagraph_rt.tools.<name> with ``add_arguments(parser)`` and
 ``run(args) -> int`` (the exit code). The arguments every command shares, and the checks
@@ -29,6 +29,7 @@ COMMANDS = {
     "inspect": ("inspect_cmd", "what each width's graph holds, and what breaks capture"),
     "bench": ("bench", "cudagraph_rt against eager, a bare CUDA graph and torch.compile"),
     "demo": ("demo", "a speculative-decoding host runner on the toy decoder"),
+    "train-drafter": ("train_drafter", "self-distil a draft head or draft model from the model's own generations"),
 }
 
 

@@ -22,6 +22,12 @@ One language:
 - ``--json [FILE]``: the whole report as JSON, into FILE, or on stdout without one (then
   everything meant for people goes to stderr, so stdout is the JSON alone). A file is for
   long runs that also print tables (bench); stdout is for pipes (``cgrt sweep --json | jq``).
+- ``--drafter D``: what drafts for the speculative runner: ``ngram`` (prompt lookup),
+  ``head:PATH`` (a head from ``cgrt train-drafter --kind head``), ``model:PATH`` (a draft
+  model: a transformers checkpoint folder, e.g. ``cgrt train-drafter --kind model``'s),
+  ``coin`` (a test double: right with probability ``--accept-prob``; ``host`` is its old
+  name, ``gpu`` the same coin drafting in its own GraphRuntime, toy only). A PATH that is
+  not there is a usage error at parsing; one for another vocabulary, once the model is built.
 - ``--plot DIR``: an existing folder; the command writes its named PNGs into it (sweep one,
   bench two) and prints their paths. A folder because one command writes several plots,
   and the same everywhere.
@@ -163,6 +169,34 @@ def plot_folder(text: str) -> str:
     if not available("plot"):
         raise argparse.ArgumentTypeError(message("plot", "--plot"))
     return folder
+
+
+DRAFTERS = ("ngram", "head:PATH", "model:PATH", "coin")
+COIN_DRAFTERS = ("coin", "host", "gpu")  # the test doubles (host: coin's old name; gpu: on the device)
+
+
+def drafter(text: str) -> str:
+    """``--drafter``: one of :data:`DRAFTERS` (or ``host`` / ``gpu``); a ``head:`` PATH must be
+    a file and a ``model:`` PATH a folder. Returns the text."""
+    kind, _, path = text.partition(":")
+    if text in ("ngram", *COIN_DRAFTERS) and not path:
+        return text
+    if kind == "head" and path:
+        if not os.path.isfile(path):
+            raise _bad("a draft head file after head: (cgrt train-drafter --kind head --out PATH)", path)
+        return text
+    if kind == "model" and path:
+        if not os.path.isdir(path):
+            raise _bad("a checkpoint folder after model: (cgrt train-drafter --kind model --out PATH)", path)
+        return text
+    raise _bad(" | ".join(DRAFTERS), text)
+
+
+def add_drafter(p: argparse.ArgumentParser, default: str = "coin", note: str = "") -> None:
+    p.add_argument("--drafter", type=drafter, default=default, metavar="D",
+                   help="ngram (prompt lookup) | head:PATH (cgrt train-drafter --kind head) | model:PATH (a draft "
+                        "model's checkpoint folder) | coin (a test double, right with probability --accept-prob; "
+                        f"gpu: the coin in its own GraphRuntime, toy only) (default {default}){note}")
 
 
 # --------------------------------------------------------------------------- the arguments

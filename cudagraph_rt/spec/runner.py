@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from .drafting import CommittedRows, ReferenceDrafter, ToyDrafter
+from .proposal import Proposal
 from ..checks import as_bool, as_int, token_ids
 from ..errors import InputError, expected
 from ..host_rows import HostRows, HostRowsHandle
@@ -128,6 +129,11 @@ class _Lane:
     tokens_host: torch.Tensor
     seqs: list[Sequence] = field(default_factory=list)
     inflight: _InFlight | None = None
+
+
+def _draft_tokens(p):
+    """A drafter's answer as its ``(n, k)`` token array (a :class:`Proposal` or a bare array)."""
+    return p.tokens if isinstance(p, Proposal) else p
 
 
 def make_runtime(model: Decoder, *, graphs: bool, rows_per_step: int, depth: int = 3) -> GraphRuntime:
@@ -286,12 +292,16 @@ class SpecRunner:
         seconds = self.phase_clock.mark("loop") - t0
         busy = dev / seconds if dev is not None and seconds > 0 else None
         return RunReport(self.steps, self.tokens, seconds, hist, self.proposed, self.accepted, self.rows,
-                         run_steps, dict(self.phase_clock.totals), dev, busy, run_tokens)
+                         run_steps, dict(self.phase_clock.totals), dev, busy, run_tokens,
+                         tuple(self.proposed_at.tolist()), tuple(self.accepted_at.tolist()),
+                         getattr(self.drafter, "name", type(self.drafter).__name__))
 
     def reset_stats(self) -> None:
         """Zero the counters and forget finished sequences (e.g. after a warm-up)."""
         self.steps = self.tokens = self.proposed = self.accepted = self.rows = 0
         self.hist: Counter[int] = Counter()
+        self.proposed_at = np.zeros(self.k, np.int64)  # per draft position j: verify groups that proposed it
+        self.accepted_at = np.zeros(self.k, np.int64)  # ... and that accepted it
         self.finished = []
 
     # -- one step --------------------------------------------------------------------------
@@ -341,7 +351,7 @@ class SpecRunner:
         kmax = max(ks)
         clk = self.phase_clock
         clk.mark("build")
-        drafts = self.drafter.propose(dec, kmax).tolist() if kmax > 0 else [[]] * len(dec)
+        drafts = _draft_tokens(self.drafter.propose(dec, kmax)).tolist() if kmax > 0 else [[]] * len(dec)
         clk.mark("draft")
         toks, pos, sid, cells, want, nxt = cols
         for s, k, d in zip(dec, ks, drafts):
@@ -456,6 +466,8 @@ class SpecRunner:
                 self.hist[c - 1] += 1
                 self.proposed += g.n - 1
                 self.accepted += c - 1
+                self.proposed_at[:g.n - 1] += 1  # draft j (0-based) was proposed ...
+                self.accepted_at[:c - 1] += 1  # ... and accepted (the drafts before it were too)
             r0 = idx[j0]  # the committed rows are consecutive: r0 .. r0 + c - 1 (checked above)
             group += [len(seqs)] * c
             fed += toks_in[r0:r0 + c]

@@ -69,7 +69,7 @@ def test_bad_values_are_one_line_and_exit_2(capsys, argv, flag, want):
     (["bench", "--tp", "2", "--sections", "1"], "--sections", "none with --tp"),
     (["inspect", "--model", "hf:llama", "--target", "cudagraph_rt.tools.inspect_cmd:toy_target"], "--model",
      "toy (the default) with --target"),
-    (["demo", "--drafter", "gpu", "--model", "hf:llama"], "--drafter", "host for transformers models"),
+    (["demo", "--drafter", "gpu", "--model", "hf:llama"], "--drafter", "coin for transformers models"),
 ])
 def test_flags_that_conflict_are_a_usage_error_before_the_run(capsys, argv, flag, want):
     """Each flag parses, together they make no sense: these were accepted without a word
@@ -143,7 +143,7 @@ def test_every_command_with_graphs_takes_the_same_values():
     from cudagraph_rt.testing.graph_modes import GRAPHS
 
     parsers = {n: p for n, p in subparsers().items() if any("--graphs" in a.option_strings for a in p._actions)}
-    assert set(parsers) == {"sweep", "demo"}
+    assert set(parsers) == {"sweep", "demo", "train-drafter"}
     for name, p in parsers.items():
         act = next(a for a in p._actions if "--graphs" in a.option_strings)
         for value in GRAPHS:

@@ -134,6 +134,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-prompt", type=_count(1), default=None, metavar="N",
                    help="hf models: prompt tokens (default 32)")
     p.add_argument("--hf-new", type=_count(2), default=None, metavar="N", help="hf models: new tokens (default 128)")
+    options.add_drafter(p, "coin", "; hf models' spec section: speculative against plain decoding at 1 sequence")
     options.add_threads(p)
     options.add_verbosity(p)
 
@@ -156,6 +157,9 @@ def _check_together(args: argparse.Namespace, choice: options.ModelChoice) -> No
             if getattr(args, flag) is not None:
                 raise options.UsageError(expected(f"--{flag.replace('_', '-')}", "an hf model (--model hf:... or a "
                                                   "checkpoint folder)", repr(args.model)))
+        if args.drafter != "coin":
+            raise options.UsageError(expected("--drafter", "an hf model (--model hf:... or a checkpoint folder; the "
+                                              "toy's sections draft nothing)", repr(args.model)))
     if getattr(args, "tp", 1) > 1 and args.sections is not None:
         raise options.UsageError(expected("--sections", "none with --tp (the tensor-parallel bench has one table)",
                                           ",".join(map(str, args.sections))))

@@ -47,10 +47,11 @@ def _model(args, choice: options.ModelChoice, device: "torch.device"):
 
 def _check_together(args, choice: options.ModelChoice) -> None:
     """Flags that each parse but conflict: a usage error before anything is built."""
-    if getattr(args, "tp", 1) > 1 and args.drafter != "host":
-        raise options.UsageError(expected("--drafter", "host with --tp (the device drafter runs on one GPU)", "gpu"))
+    if getattr(args, "tp", 1) > 1 and args.drafter not in ("coin", "host"):
+        raise options.UsageError(expected("--drafter", "coin with --tp (the other drafters run on one GPU)",
+                                          args.drafter))
     if args.drafter == "gpu" and choice.kind != "toy":
-        raise options.UsageError(expected("--drafter", "host for transformers models (gpu drafts the toy)", "gpu"))
+        raise options.UsageError(expected("--drafter", "coin for transformers models (gpu drafts the toy)", "gpu"))
 
 
 def run(args) -> int:
@@ -92,6 +93,7 @@ def run(args) -> int:
                       "sequences": args.sequences, "slots": args.slots or cfg.max_seqs, "lanes": args.lanes,
                       "k": args.k, "accept_prob": args.accept_prob, "max_new": args.max_new,
                       "chunk": args.chunk, "rounds": args.rounds, "seed": args.seed,
-                      "drafter": args.drafter},
+                      "drafter": args.drafter,
+                      "drafter_label": serve.drafter_label(args.drafter, args.accept_prob)},
               "notes": notes, "runs": runs, "ok": all(r["check"]["ok"] for r in runs)}
     return report.publish(doc, args.json)

@@ -20,9 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     options.add_graphs(p)
     options.add_device(p)
     options.add_model(p)
-    p.add_argument("--drafter", type=options.one_of("host", "gpu"), default="host", metavar="D",
-                   help="host: numpy drafter on the host (default); gpu: a small draft model in its own GraphRuntime "
-                        "on its own stream, fed the committed hidden rows (toy only; graphs as --graphs)")
+    options.add_drafter(p, "coin")
     p.add_argument("--slots", type=options.int_at_least(1), default=None, metavar="N",
                    help="sequences served at once (default: the model's max_seqs)")
     p.add_argument("--lanes", type=options.int_at_least(1), default=2, metavar="N",

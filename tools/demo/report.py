@@ -27,7 +27,7 @@ def _print(report: dict) -> None:
     out, c = make_console(), report["config"]
     out.print(f"cgrt demo: {c.get('model', 'toy')} {c['size']} ({c['dtype']}, {c['hidden']} hidden, {c['layers']} layers) on "
               f"{c['device']}; {c['sequences']} sequences ({c['slots']} at once, {c['lanes']} lanes), k={c['k']}, "
-              f"p={c['accept_prob']}, max-new {c['max_new']}, chunk {c['chunk']}, drafter {c.get('drafter', 'host')}",
+              f"max-new {c['max_new']}, chunk {c['chunk']}, drafter {c.get('drafter_label', c.get('drafter', 'coin'))}",
               markup=False)
     for note in report["notes"]:
         out.print(f"note: {note}", markup=False)
@@ -47,6 +47,10 @@ def _print(report: dict) -> None:
         lines = [f"{mode_name(r['graphs'])}: {r['tokens']} tokens in {r['seconds']:.3f} s (capture "
                  f"{r['capture_s']:.2f} s); accepted drafts per verify group (of up to k={c['k']}):"]
         lines += [f"  {a:>2} | {'#' * round(40 * n / top):<40} {n}" for a, n in enumerate(hist)]
+        by = r.get("acceptance_by_position") or []
+        if by:
+            lines.append(f"  mean accepted {r.get('mean_accepted', 0.0):.2f} of k={c['k']}; draft j accepted in "
+                         + ", ".join(f"j={j + 1}: {100 * a:.0f}%" for j, a in enumerate(by)) + " of the rounds that proposed it")
         w, ch = r["widths"], r["check"]
         lines.append(f"  widths: graph replays {w['graph_replays'] or '-'}; eager {w['eager_calls'] or '-'}; "
                      f"dynamic {w['dynamic_calls'] or '-'}; {w['slices']} slices in {r['steps']} steps; "

@@ -81,14 +81,34 @@ def check(model: Decoder, runner: SpecRunner) -> dict:
             "rows_rule": f"normwise, fraction of {tol}" if hf else "max |err|"}
 
 
-def make_drafter(model: Decoder, accept_prob: float, seed: int, requests: list[Request], kind: str = "host", k: int = 4,
+def make_drafter(model: Decoder, accept_prob: float, seed: int, requests: list[Request], kind: str = "coin", k: int = 4,
                  graphs: bool = False, lanes: int = 2):
-    """The toy's rule-based drafter (on the host, or ``kind="gpu"``: the device drafter,
-    its graphs captured here), or for other models one that follows the model's own greedy
-    decoding (planned here, before timing)."""
+    """The drafter ``--drafter kind`` names (``tools/options.py``): prompt lookup, a trained
+    head or draft model (built here, graphs as the target's; UsageError naming --drafter
+    when it does not fit the model), or a coin (a test double): the toy's rule-based one on
+    the host or (``gpu``) in its own GraphRuntime, or for other models one that follows
+    the model's own greedy decoding (planned here, before timing)."""
+    from cudagraph_rt.spec.ngram import NgramDrafter
+    from ..options import UsageError
+
+    what, _, path = kind.partition(":")
+    if what == "ngram":
+        return NgramDrafter()
+    if what in ("head", "model"):
+        try:
+            if what == "head":
+                from cudagraph_rt.spec.head_drafter import HeadDrafter
+                d = HeadDrafter(model, path, k=max(k, 1), graphs=graphs)
+            else:
+                from cudagraph_rt.spec.draft_model import DraftModelDrafter
+                d = DraftModelDrafter.from_path(model, path, k=max(k, 1), graphs=graphs)
+        except InputError as e:
+            raise UsageError(expected("--drafter", f"a {what} for this model", f"{kind} ({e})")) from None
+        d.capture()
+        return d
     if kind == "gpu":
         if not isinstance(model, ToyDecoder):
-            raise InputError(expected("--drafter", "host for transformers models (gpu drafts the toy)", kind))
+            raise InputError(expected("--drafter", "coin for transformers models (gpu drafts the toy)", kind))
         d = DeviceDrafter(model, accept_prob, seed, k=max(k, 1), graphs=graphs, depth=max(3, lanes + 1))
         d.capture()
         return d
@@ -97,6 +117,16 @@ def make_drafter(model: Decoder, accept_prob: float, seed: int, requests: list[R
     drafter = ReferenceDrafter(model, accept_prob, seed)
     drafter.prepare(requests)
     return drafter
+
+
+def is_coin(kind: str) -> bool:
+    """Whether ``--drafter kind`` is a test double whose acceptance is set, not measured."""
+    return kind in ("coin", "host", "gpu")
+
+
+def drafter_label(kind: str, accept_prob: float) -> str:
+    """How reports name the drafter (a coin says it is a test double)."""
+    return f"{kind} (a test double: each draft right with probability {accept_prob})" if is_coin(kind) else kind
 
 
 def timing(rep: RunReport) -> dict:
@@ -114,7 +144,7 @@ def serve(model: Decoder, requests: list[Request], graphs: bool, args, plans=Non
     # Warm-up: the first wave's own prompts (as many as run at once), a few tokens each, so
     # the timed run meets no first-time cost (the dynamic path's kernels, cuBLAS plans).
     warm = [Request(r.prompt, min(4, r.max_new)) for r in requests[:args.slots or model.config.max_seqs]]
-    kind = getattr(args, "drafter", "host")
+    kind = getattr(args, "drafter", "coin")
     drafter = make_drafter(model, args.accept_prob, args.seed, (requests + warm if args.k else []) if plans is None
                            else [], kind, args.k, graphs, args.lanes)
     if plans is not None and isinstance(drafter, ReferenceDrafter):
@@ -141,6 +171,8 @@ def serve(model: Decoder, requests: list[Request], graphs: bool, args, plans=Non
         "tokens_per_s": rep.tokens_per_s, "steps_per_s": rep.steps_per_s, "capture_s": cap.seconds,
         "finished": len(runner.finished), "accept_hist": list(rep.accept_hist), "proposed": rep.proposed,
         "accepted": rep.accepted, "rows_consumed": rep.rows, **timing(rep),
+        "drafter_label": drafter_label(kind, args.accept_prob), "mean_accepted": rep.mean_accepted,
+        "acceptance_by_position": list(rep.acceptance_by_position), "proposed_at": list(rep.proposed_at),
         "widths": {"graph_replays": dict(sorted(st.graph_replays.items())),
                    "eager_calls": dict(sorted(st.eager_calls.items())),
                    "dynamic_calls": dict(sorted(st.dynamic_calls.items())),
