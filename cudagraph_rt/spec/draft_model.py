@@ -24,7 +24,7 @@ from ..checks import as_bool, as_int
 from ..errors import InputError, expected
 from ..models.protocol import Decoder
 from ..runtime import GraphRuntime
-from ..specs import InputSpec
+from ..inputs.spec import InputSpec
 from .proposal import Proposal
 
 __all__ = ["DraftModelDrafter"]

@@ -16,7 +16,7 @@ from torch import Tensor
 from ..checks import as_int
 from ..errors import InputError, expected
 from ..runtime import GraphRuntime
-from ..specs import InputSpec
+from ..inputs.spec import InputSpec
 from .drafting import CommittedRows, _Seen
 from .head import DraftHead, load_head
 from .proposal import Proposal
