@@ -28,6 +28,7 @@ __all__ = [
     "eager",
     "step_values",
     "StepResult",
+    "SamplingParams",
     "RuntimeStats",
     "StateDigest",
     "CaptureReport",

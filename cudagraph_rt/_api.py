@@ -19,5 +19,6 @@ from .errors import (
 from .host_rows import HostRows, HostRowsHandle
 from .pieces import eager, step_values
 from .runtime import GraphRuntime, RuntimeStats, StepResult
+from .sampling_params import SamplingParams
 from .specs import InputSpec
 from .widths import Slice, default_widths, plan_step
