@@ -22,13 +22,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .checks import as_int
 from .errors import InputError, expected
 
 __all__ = ["MAX_SEED", "SamplingParams", "derived_seed"]
 
 MAX_SEED = 2**63 - 1  # seeds are int64 rows of the step (the Philox key is their 64 bits)
 _MASK64 = 2**64 - 1
+
+
+def as_int(name: str, v, lo: int, hi: int | None, what: str | None = None) -> int:
+    """``checks.as_int`` without its torch import (the CLI parses these before torch loads)."""
+    what = what or (f"an int in [{lo}, {hi}]" if hi is not None else f"an int >= {lo}")
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or not lo <= int(v) <= (hi or int(v)):
+        raise InputError(expected(name, what, repr(v)))
+    return int(v)
 
 
 def _real(name: str, v, lo: float, hi: float, lo_open: bool, hi_open: bool, what: str) -> float:
@@ -105,5 +112,5 @@ def derived_seed(runner_seed: int, uid: int) -> int:
     ``runner_seed``, for a request that gave none: SplitMix64 of the pair, in
     [0, 2**63 - 1]. A pure function: the same pair always gives the same seed."""
     runner_seed = as_int("seed", runner_seed, 0, MAX_SEED)
-    uid = as_int("uid", uid, 0)
+    uid = as_int("uid", uid, 0, None)
     return _splitmix64(_splitmix64(runner_seed) ^ uid) & MAX_SEED

@@ -53,6 +53,13 @@ def _check_together(args, choice: options.ModelChoice) -> None:
         raise options.UsageError(expected("--drafter", "host for transformers models (gpu drafts the toy)", "gpu"))
 
 
+def _sampling_text(args) -> str:
+    sp = options.sampling_params(args)
+    if sp.greedy:
+        return "greedy"
+    return f"temperature {sp.temperature}, top-k {sp.top_k}, top-p {sp.top_p}, min-p {sp.min_p}, seed {args.seed}"
+
+
 def run(args) -> int:
     from . import report, serve
 
@@ -92,6 +99,6 @@ def run(args) -> int:
                       "sequences": args.sequences, "slots": args.slots or cfg.max_seqs, "lanes": args.lanes,
                       "k": args.k, "accept_prob": args.accept_prob, "max_new": args.max_new,
                       "chunk": args.chunk, "rounds": args.rounds, "seed": args.seed,
-                      "drafter": args.drafter},
+                      "drafter": args.drafter, "sampling": _sampling_text(args)},
               "notes": notes, "runs": runs, "ok": all(r["check"]["ok"] for r in runs)}
     return report.publish(doc, args.json)
