@@ -198,13 +198,14 @@ def test_same_seed_same_tokens_whatever_the_batch_mates():
 
 # ----------------------------------------------------------------------------- lossless
 class QDrafter:
-    """A sampling drafter (test double): each draft is drawn from a fixed toy q over the
-    vocabulary (its own RNG, independent of the target's randomness) and proposed with q."""
+    """A sampling drafter (test double): draft j is drawn from a fixed toy q_j over the
+    vocabulary (row j of ``q``; its own RNG, independent of the target's randomness) and
+    proposed with it."""
 
     draft_q = True
 
     def __init__(self, q: np.ndarray, seed: int = 0):
-        self.q = q / q.sum()
+        self.q = q / q.sum(-1, keepdims=True)  # [k, V]: q_j for draft j
         self.rng = np.random.default_rng(seed)
         self._q = torch.tensor(self.q, dtype=torch.float32)
 
@@ -215,8 +216,8 @@ class QDrafter:
         pass
 
     def propose(self, seqs, k: int) -> Proposal:
-        toks = self.rng.choice(len(self.q), size=(len(seqs), k), p=self.q)
-        return Proposal(toks.astype(np.int64), self._q.expand(len(seqs), k, -1).contiguous())
+        toks = np.stack([self.rng.choice(self.q.shape[1], size=len(seqs), p=self.q[j]) for j in range(k)], 1)
+        return Proposal(toks.astype(np.int64), self._q[None, :k].expand(len(seqs), k, -1).contiguous())
 
 
 def _probs(prefix, sp: SamplingParams, model=MODEL) -> torch.Tensor:
@@ -249,14 +250,16 @@ def _chi_square(samples: list[tuple], joint: dict[tuple, float]) -> tuple[float,
     return chi_square(counts, torch.tensor([joint[c] for c in cells], dtype=torch.float64))
 
 
-def _q_far_from_p(prompt, sp, model) -> np.ndarray:
-    """A toy q unlike p at the first draft: mass on the target's less likely kept tokens and
-    on tokens p never keeps, little on its favourite."""
-    p = _probs(prompt, sp, model).numpy()
-    q = np.full(V, 0.2 / V)
-    kept = np.flatnonzero(p > 0)
-    q[kept] += 0.2 / len(kept)
-    q[kept[np.argmin(p[kept])]] += 0.6
+def _toy_qs(support: list[tuple], k: int, seed: int) -> np.ndarray:
+    """[k, V] toy q's unlike p and unlike each other: q_j puts 0.8 of its mass on the tokens
+    the target keeps anywhere in ``support`` with random peaked weights of its own (so a q
+    judged against another position's draft is far off), 0.2 spread over the vocabulary."""
+    rng = np.random.default_rng(seed)
+    kept = sorted({t for cell in support for t in cell})
+    q = np.full((k, V), 0.2 / V)
+    for j in range(k):
+        w = np.exp(2.5 * rng.standard_normal(len(kept)))
+        q[j, kept] += 0.8 * w / w.sum()
     return q
 
 
@@ -270,19 +273,20 @@ CASES = [("plain", SamplingParams(temperature=6.0, top_k=3)),
 
 @pytest.mark.parametrize("drafter, sp", CASES, ids=[f"{d}-{i}" for i, (d, _) in enumerate(CASES)])
 def test_speculative_sampling_is_lossless(drafter, sp):
-    """The first three generated tokens of many seeded requests (seed=None: one per uid),
+    """The first four generated tokens of many seeded requests (seed=None: one per uid),
     served with k = 3 drafts by a deterministic coin drafter or a sampling drafter with a
     toy q far from p, follow the exact joint distribution of plain sampling (chi-square at
     ALPHA over its support; a wrong acceptance rule moves mass toward the drafts)."""
-    prompt, n_tok, samples = (9, 17, 3), 3, 6000
+    prompt, n_tok, samples = (9, 17, 3), 4, 6000
     model = LOSSLESS
     model.reset_cache()
+    joint = _joint(prompt, sp, n_tok, model)
     if drafter == "plain":
         d, k = ToyDrafter(model, 0.5), 0
     elif drafter == "coin":
         d, k = ToyDrafter(model, 0.7, seed=11), 3
     else:
-        d, k = QDrafter(_q_far_from_p(prompt, sp, model), seed=12), 3
+        d, k = QDrafter(_toy_qs(list(joint), 3, seed=13), seed=12), 3
     r = SpecRunner(model, d, k=k, lanes=1, slots=min(64, 96 // (k + 1)), seed=len(drafter) + int(sp.temperature))
     r.submit([Request(prompt, n_tok, sp)] * samples)
     rep = r.run()
@@ -290,7 +294,7 @@ def test_speculative_sampling_is_lossless(drafter, sp):
     assert len(got) == samples
     if k:
         assert 0 < rep.accepted < rep.proposed, "the drafts must be sometimes accepted, sometimes not"
-    stat, df, pvalue = _chi_square(got, _joint(prompt, sp, n_tok, model))
+    stat, df, pvalue = _chi_square(got, joint)
     assert pvalue > ALPHA, f"{drafter}: chi-square {stat:.1f} on {df} df, p = {pvalue:.2e}"
 
 
@@ -314,3 +318,105 @@ def test_property_any_settings_serve_tokens_in_the_kept_set(data):
         assert _probs(prompt + tuple(got[:i]), sp)[t] > 0, f"token {i} ({t}) outside the kept set"
     if sp.greedy:
         assert got == MODEL.greedy_generate(list(prompt), 5)
+
+
+# ----------------------------------------------------------------------------- contracts at the edges
+@pytest.mark.parametrize("family", ["toy", "llama"])
+def test_a_sampled_row_draws_the_token_after_its_position(family):
+    """A step row at position p samples the token of position p + 1: its token is
+    kernels.sampling.sample of the one-sequence reference's logits at p with position p + 1
+    (the key a draft model must use for the same token), for the toy and a transformers model."""
+    from cudagraph_rt.kernels.sampling import sample
+
+    if family == "toy":
+        model = MODEL
+    else:
+        pytest.importorskip("transformers")
+        from cudagraph_rt.models import hf
+        model = hf.build(family, "tiny", dtype=torch.float32, device="cpu", max_len=32)
+    rng = random.Random(7)
+    n, v = 6, model.config.vocab
+    model.reset_cache()
+    toks = torch.tensor([rng.randrange(v) for _ in range(n)])
+    rows = dict(tokens=toks, positions=torch.arange(n), seq_ids=torch.zeros(n, dtype=torch.int64),
+                cells=torch.tensor(model.cell_range(0, 0, n)), want=torch.ones(n, dtype=torch.int64))
+    s = dict(temperature=torch.full((n,), 3.0), top_k=torch.zeros(n, dtype=torch.int64), top_p=torch.ones(n),
+             min_p=torch.zeros(n), seed=torch.tensor([rng.randrange(2**62) for _ in range(n)]))
+    got = model.step({**rows, **s})["tokens"]
+    logits = model.reference_logits(toks.tolist())[0].float()
+    want = sample(logits, SamplingSettings(position=torch.arange(n) + 1, **s))
+    assert torch.equal(got, want)
+    greedy = model.step({**rows, **s, "temperature": torch.zeros(n)})["tokens"]
+    assert not torch.equal(got, greedy), "temperature 3 never left the greedy token: the sampler is not used"
+
+
+def test_draft_q_rows_of_zeros_are_a_deterministic_drafter():
+    """A runner whose verify step takes draft_q, fed by a drafter that returns bare arrays
+    (all-zero q rows), serves exactly what the runner without draft_q serves."""
+    reqs = _requests(random.Random(8), 5)
+    MODEL.reset_cache()
+    r = SpecRunner(MODEL, ToyDrafter(MODEL, 0.6, seed=3), k=3, draft_q=True)
+    uids = r.submit(reqs)
+    r.run()
+    got = {s.uid: s.generated for s in r.finished}
+    assert [got[u] for u in uids] == _serve(reqs, k=3)
+
+
+def test_a_q_the_runner_cannot_take_is_refused_before_the_step():
+    """A Proposal with q to a runner without draft_q, or a q of the wrong shape: InputError
+    naming drafter.propose, and the sequences keep their tokens."""
+    class Bad(QDrafter):
+        draft_q = False
+
+    MODEL.reset_cache()
+    r = SpecRunner(MODEL, Bad(np.ones((2, V))), k=2)
+    r.submit([Request((1, 2, 3), 6, SamplingParams(temperature=2.0, seed=1))])
+    r.run(max_steps=1)  # the prefill
+    seq = r.lanes[0].seqs[0] if r.lanes[0].seqs else r.lanes[1].seqs[0]
+    before = list(seq.tokens)
+    with pytest.raises(InputError, match=r"drafter.propose\(...\).q"):
+        r.run()
+    assert seq.tokens == before
+
+
+def test_sampling_flags_are_checked_while_parsing(capsys):
+    from cudagraph_rt.cli import main
+
+    for flag, value in [("--temperature", "-1"), ("--temperature", "nan"), ("--top-k", "-2"), ("--top-p", "0"),
+                        ("--top-p", "1.5"), ("--min-p", "1")]:
+        assert main(["demo", flag, value]) == 2
+        assert f"{flag}: expected" in capsys.readouterr().err
+
+
+def test_each_draft_is_verified_against_its_own_q():
+    """The verify step's draft_q row of draft j of a sequence is the q_j the drafter drew it
+    from (rows of a verify group: the last committed token, then the drafts; the row that
+    names draft j in next_tokens is the group's row j), and rows without a draft are zero.
+    A q one row off is still lossless for the first draft (one-hot) but not for the rest,
+    and too rare for the chi-square to see: checked here row by row."""
+    MODEL.reset_cache()
+    qs = _toy_qs([tuple(range(V))], 3, seed=5)
+    r = SpecRunner(MODEL, QDrafter(qs, seed=6), k=3)
+    seen = []
+    step = r.rt.step
+
+    def spy(**inputs):
+        seen.append({k: torch.as_tensor(v).clone() for k, v in inputs.items()})
+        return step(**inputs)
+
+    r.rt.step = spy
+    r.submit([Request((1, 2, 3), 9, SamplingParams(temperature=2.0)), Request((4, 5), 7, SamplingParams(temperature=1.0))])
+    r.run()
+    q = torch.tensor(qs / qs.sum(-1, keepdims=True), dtype=torch.float32)
+    checked = 0
+    for x in seen:
+        T = x["tokens"].shape[0]
+        for i in range(T):
+            if x["want"][i] != 1 or x["next_tokens"][i] < 0:
+                assert not x["draft_q"][i].any(), f"row {i} has no draft but a q"
+                continue
+            same = (x["seq_ids"] == x["seq_ids"][i]) & (x["want"] == 1)
+            j = int(x["positions"][i] - x["positions"][same].min())
+            assert torch.equal(x["draft_q"][i], q[j]), f"row {i}: draft {j} verified against another q"
+            checked += 1
+    assert checked > 10

@@ -100,5 +100,9 @@ def run(args) -> int:
                       "k": args.k, "accept_prob": args.accept_prob, "max_new": args.max_new,
                       "chunk": args.chunk, "rounds": args.rounds, "seed": args.seed,
                       "drafter": args.drafter, "sampling": _sampling_text(args)},
-              "notes": notes, "runs": runs, "ok": all(r["check"]["ok"] for r in runs)}
+              "notes": notes, "runs": runs, "ok": all(r["check"]["ok"] for r in runs),
+              # every request's generated tokens, in submission order (the first run's; the
+              # same seed serves the same tokens in every graph mode: tokens_agree says so)
+              "tokens": runs[0]["generated"] if runs else [],
+              "tokens_agree": all(r["generated"] == runs[0]["generated"] for r in runs)}
     return report.publish(doc, args.json)

@@ -155,7 +155,7 @@ def serve(model: Decoder, requests: list[Request], graphs: bool, args, plans=Non
                    "dynamic_calls": dict(sorted(st.dynamic_calls.items())),
                    "padding_rows": st.padding_rows, "slices": st.slices},
         "check": check(model, runner, sampled=not sampling.greedy),
-        "tokens": [served.get(u, []) for u in uids],  # one list per request, in submission order
+        "generated": [served.get(u, []) for u in uids],  # one list per request, in submission order
         "replans": getattr(drafter, "replans", 0), "replan_seconds": getattr(drafter, "replan_seconds", 0.0),
         "finished_seqs": runner.finished,
     }
