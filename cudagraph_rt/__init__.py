@@ -21,6 +21,7 @@ __all__ = [
     "eager",
     "step_values",
     "StepResult",
+    "SamplingParams",
     "RuntimeStats",
     "StateDigest",
     "CaptureReport",

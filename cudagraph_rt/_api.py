@@ -21,4 +21,5 @@ from .host_rows import HostRows, HostRowsHandle
 from .pieces import eager, step_values
 from .runtime import GraphRuntime, RuntimeStats, StepResult
 from .inputs.spec import InputSpec
+from .sampling_params import SamplingParams
 from .widths import Slice, default_widths, plan_step

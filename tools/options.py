@@ -13,7 +13,10 @@ One language:
 - ``--graphs``: ``auto`` | ``on`` | ``off`` | ``both`` | ``emulate``, one meaning in every
   command that runs graphs (``cudagraph_rt.testing.graph_modes``); what needs CUDA graphs
   (``on``, ``both``) is a usage error on a device without CUDA, naming what runs there.
-- ``--seed N``: the seed of every random draw the command makes (an int >= 0).
+- ``--seed N``: the seed of every random draw the command makes (an int >= 0), the
+  sampled tokens' included (each request's seed derives from it and its uid).
+- ``--temperature T --top-k K --top-p P --min-p M``: every request's sampling settings
+  (:class:`cudagraph_rt.SamplingParams`; default greedy), checked while parsing.
 - ``--tp N``: tensor-parallel ranks, under ``torchrun --nproc-per-node N``.
 - ``--threads N``: torch's intra-op CPU threads while the command runs (default: see
   :func:`thread_count`). The CLI sets it; the library never does.
@@ -48,6 +51,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 import tempfile
@@ -102,6 +106,24 @@ def probability(text: str) -> float:
     if v is None or not 0.0 <= v <= 1.0:
         raise _bad("a number in [0, 1]", text)
     return v
+
+
+def real_in(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False,
+            what: str | None = None) -> Callable[[str], float]:
+    """``type=`` for a finite number between ``lo`` and ``hi`` (each end open or closed)."""
+    want = what or f"a number in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            v = None
+        ok = v is not None and math.isfinite(v) and (lo < v if lo_open else lo <= v) and (v < hi if hi_open else v <= hi)
+        if not ok:
+            raise _bad(want, text)
+        return v
+    parse.__name__ = want
+    return parse
 
 
 def one_of(*choices: str) -> Callable[[str], str]:
@@ -238,6 +260,29 @@ def add_graphs(p: argparse.ArgumentParser) -> None:
 def add_seed(p: argparse.ArgumentParser, default: int | None, what: str) -> None:
     p.add_argument("--seed", type=int_at_least(0), default=default, metavar="N",
                    help=f"seed of {what} (default: {'a fresh one, printed' if default is None else default})")
+
+
+def add_sampling(p: argparse.ArgumentParser, applies: str = "every request") -> None:
+    """``--temperature --top-k --top-p --min-p``: the sampling settings of {applies}
+    (``sampling_params(args)``); ``--seed`` seeds the draws."""
+    g = p.add_argument_group("sampling", f"how {applies} draws its tokens (default greedy); --seed seeds the draws")
+    g.add_argument("--temperature", type=real_in(0.0, math.inf, hi_open=True, what="a finite number >= 0"),
+                   default=0.0, metavar="T", help="softmax temperature; 0 is greedy (default 0)")
+    g.add_argument("--top-k", type=int_at_least(0), default=0, metavar="K",
+                   help="keep the K most likely tokens; 0 is off (default 0)")
+    g.add_argument("--top-p", type=real_in(0.0, 1.0, lo_open=True), default=1.0, metavar="P",
+                   help="keep the most likely tokens up to mass P of the top-k set; 1 is off (default 1)")
+    g.add_argument("--min-p", type=real_in(0.0, 1.0, hi_open=True), default=0.0, metavar="M",
+                   help="keep the tokens with p >= M * p_max; 0 is off (default 0)")
+
+
+def sampling_params(args: argparse.Namespace):
+    """The :class:`cudagraph_rt.SamplingParams` of ``add_sampling``'s flags (seed None: each
+    request's seed derives from the runner's, ``--seed``, and its uid)."""
+    from cudagraph_rt.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=getattr(args, "temperature", 0.0), top_k=getattr(args, "top_k", 0),
+                          top_p=getattr(args, "top_p", 1.0), min_p=getattr(args, "min_p", 0.0))
 
 
 def add_tp(p: argparse.ArgumentParser, note: str = "") -> None:

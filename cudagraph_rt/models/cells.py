@@ -13,12 +13,13 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from ..checks import as_int, token_ids
+from ..checks import as_bool, as_int, token_ids
 from ..errors import InputError, expected
 from ..pieces import eager
 from ..inputs.spec import InputSpec
 from . import attention_op
 from .accept import greedy_accept
+from .choose import DRAFT_Q, draft_q_spec, sampling_specs
 from .pool import KVPool
 
 ROW_INPUTS = ("tokens", "positions", "seq_ids", "cells", "want")
@@ -153,29 +154,46 @@ class CellPoolModel:
         (:meth:`KVPool.fork`): a prefix cache's snapshot."""
         self.pool.fork(src, dst, upto)
 
-    def inputs(self, verify: bool = False) -> dict[str, InputSpec]:
-        """Per-row int64 inputs and their pad values (``next_tokens`` only for the verify step).
+    def inputs(self, verify: bool = False, *, sampling: bool = False, draft_q: bool = False) -> dict[str, InputSpec]:
+        """Per-row inputs and their pad values: the int64 rows (``next_tokens`` only for
+        the verify step); with ``sampling`` the five per-row sampling settings
+        (:func:`~.choose.sampling_specs`: ``temperature``, ``top_k``, ``top_p``, ``min_p``,
+        ``seed``); with ``draft_q`` (a verify step with sampling only) the drafts' q rows
+        ([vocab] float32 each, :mod:`.choose`). InputError for ``draft_q`` without both.
 
-        A padding row (token 0, position 0, seq -1, scratch cell, want 0) writes only the
-        scratch cell and reads nothing (seq -1), so it cannot change any live row.
+        A padding row (token 0, position 0, seq -1, scratch cell, want 0; greedy, every
+        filter off, q all zero) writes only the scratch cell and reads nothing (seq -1),
+        so it cannot change any live row.
         """
+        verify, sampling, draft_q = (as_bool(n, v) for n, v in (("verify", verify), ("sampling", sampling),
+                                                                 ("draft_q", draft_q)))
+        if draft_q and not (verify and sampling):
+            raise InputError(expected("draft_q", "True only with verify=True and sampling=True",
+                                      f"draft_q=True, verify={verify}, sampling={sampling}"))
         specs = dict(tokens=InputSpec(pad=0), positions=InputSpec(pad=0), seq_ids=InputSpec(pad=-1),
                      cells=InputSpec(pad=self.scratch_cell), want=InputSpec(pad=0))
         if verify:
             specs["next_tokens"] = InputSpec(pad=-1)
+        if sampling:
+            specs.update(sampling_specs())
+        if draft_q:
+            specs[DRAFT_Q] = draft_q_spec(self.config.vocab)
         return specs
 
     def verify_step(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
-        """``step`` plus greedy speculative acceptance on the device (no host sync), by
+        """``step`` plus speculative acceptance on the device (no host sync), by
         :func:`~cudagraph_rt.models.accept.greedy_accept`.
 
         ``next_tokens[i]`` is the token fed at ``positions[i] + 1`` of the same sequence in
-        this step (the draft the next row checks), -1 if none. Row i MISMATCHES when
-        ``want[i] == 1`` and its argmax != ``next_tokens[i]`` (so -1 always mismatches). Row i
-        is COMMITTED when ``want[i] == 1`` and no row of the same sequence at a smaller
-        position mismatches: per sequence the longest matching prefix plus the first
-        mismatching row (the bonus / correction). Rows with ``want == 0`` (prefill rows,
-        padding) are never committed and never block. Extra outputs:
+        this step (the draft the next row checks), -1 if none. Row i's token is its argmax
+        (no sampling inputs, or a greedy row) or, with the sampling inputs, the outcome of
+        rejection sampling of that draft (``kernels.sampling.verify``, q from ``draft_q``:
+        see :mod:`.choose`), which equals the draft exactly when it was accepted. Row i
+        MISMATCHES when ``want[i] == 1`` and its token != ``next_tokens[i]`` (so -1 always
+        mismatches). Row i is COMMITTED when ``want[i] == 1`` and no row of the same
+        sequence at a smaller position mismatches: per sequence the longest matching prefix
+        plus the first mismatching row (the bonus / correction). Rows with ``want == 0``
+        (prefill rows, padding) are never committed and never block. Extra outputs:
         ``committed`` [N] bool; ``accept_rows`` [N] int32: committed row indices, increasing,
         packed at the front, zeros after; ``accept_count`` [1] int32.
 
@@ -186,8 +204,13 @@ class CellPoolModel:
         positions never block each other.
         """
         (nxt,) = self._take(inputs, ("next_tokens",))
-        out = self.step(inputs)  # checks the other inputs
+        out = self._step(inputs, verify=True)  # checks the other inputs
         return {**out, **greedy_accept(out["tokens"], nxt, inputs["positions"], inputs["seq_ids"], inputs["want"])}
+
+    def _step(self, inputs: dict[str, Tensor], verify: bool) -> dict[str, Tensor]:
+        """The step of ``inputs``; ``verify``: its tokens are verify's (drafts in
+        ``next_tokens``). A model's own ``step`` is ``_step(inputs, verify=False)``."""
+        return self.step(inputs)
 
     def reference(self, tokens: list[int]) -> tuple[Tensor, Tensor]:
         """``(greedy [L] int64, hidden [L, hidden_width])`` of ``reference_logits``: greedy[p]

@@ -24,6 +24,7 @@ from ..checks import resolve_device
 from ..errors import InputError, expected
 from . import attention_op, hf_rotary
 from .cells import ROW_INPUTS as _INPUTS, CellPoolModel, check_attention, eager_pool_attend, greedy_tokens
+from .choose import TokenChoice
 from .compiled import CompiledRows
 from .pool import DEFAULT_BLOCK_SIZE, KVPool, default_cells
 
@@ -287,15 +288,29 @@ class HFDecoder(CellPoolModel):
 
     def step(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
         """One packed step of N rows from any sequences (capturable: no host sync, static
-        shapes). Returns ``tokens`` [N] int64 (greedy argmax of the model's logits where
-        ``want == 1``, else -1) and ``hidden`` [N, hidden] (the model's last hidden state,
-        after its final norm: what the LM head reads). Logits of all N rows, masked."""
-        t, pos, seq, cells, want = self._take(inputs, _INPUTS)
-        with self._cell_attention():
-            return self._rows(t, pos, seq, cells, want)
+        shapes). Returns ``tokens`` [N] int64 (where ``want == 1`` the greedy argmax of the
+        model's logits, or with the sampling inputs (``inputs(sampling=True)``) the token
+        drawn by ``kernels.sampling``; else -1) and ``hidden`` [N, hidden] (the model's last
+        hidden state, after its final norm: what the LM head reads). Logits of all N rows,
+        masked."""
+        return self._step(inputs, verify=False)
 
-    def _step_rows(self, tokens, positions, seq_ids, cells, want):
+    def _step(self, inputs: dict[str, Tensor], verify: bool) -> dict[str, Tensor]:
+        t, pos, seq, cells, want = self._take(inputs, _INPUTS)
+        choose = TokenChoice.of(inputs, pos, want, self.config.vocab, verify=verify)
+        with self._cell_attention():
+            if choose.greedy:  # the greedy step as it always was (argmax inside the compiled rows)
+                return self._rows(t, pos, seq, cells, want)
+            out = self._rows(t, pos, seq, cells, want, True)
+        # the sampler outside the compiled rows: its Triton kernels are launched as they are
+        return {"tokens": choose(out["logits"]), "hidden": out["hidden"]}
+
+    def _step_rows(self, tokens, positions, seq_ids, cells, want, logits: bool = False):
+        """The rows' greedy tokens and hidden rows; ``logits``: the logits instead of the
+        tokens (a sampling step samples them outside; a compile traces each case once)."""
         h = self.forward_cells(tokens, positions, seq_ids, cells)
+        if logits:
+            return {"logits": self.head(h), "hidden": h}
         greedy = greedy_tokens(self.head(h)).masked_fill(want != 1, -1)
         return {"tokens": greedy, "hidden": h}
 

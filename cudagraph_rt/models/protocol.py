@@ -35,7 +35,8 @@ class Decoder(Protocol):
     """A decoder stepped on a paged KV pool. Per-row inputs (all int64 [N]): ``tokens``,
     ``positions``, ``seq_ids`` (-1 = padding), ``cells`` (what :meth:`cell_for` /
     :meth:`cell_range` handed out; the scratch cell for padding), ``want``; plus
-    ``next_tokens`` for :meth:`verify_step`. ``step`` / ``verify_step`` are capturable and
+    ``next_tokens`` for :meth:`verify_step`; with ``inputs(sampling=True)`` the per-row
+    sampling settings and with ``draft_q=True`` the drafts' q (``models/choose.py``). ``step`` / ``verify_step`` are capturable and
     mutate the pool; everything that hands out cells is host-side, outside a capture."""
 
     @property
@@ -49,7 +50,8 @@ class Decoder(Protocol):
     @property
     def scratch_cell(self) -> int: ...
 
-    def inputs(self, verify: bool = False) -> dict[str, InputSpec]: ...
+    def inputs(self, verify: bool = False, *, sampling: bool = False,
+               draft_q: bool = False) -> dict[str, InputSpec]: ...
     def step(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]: ...
     def verify_step(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]: ...
     def reference(self, tokens: Sequence[int]) -> tuple[Tensor, Tensor]: ...

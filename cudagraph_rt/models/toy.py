@@ -33,6 +33,7 @@ from ..checks import as_int, resolve_device
 from ..errors import InputError, expected
 from . import attention_op
 from .cells import ROW_INPUTS as _INPUTS, CellPoolModel, check_attention
+from .choose import TokenChoice
 from .pool import DEFAULT_BLOCK_SIZE, KVPool, default_cells
 
 _EMB = 4.0  # scale of the one-hot token codes
@@ -156,6 +157,10 @@ def _design_weights(cfg: ToyConfig) -> tuple[dict[str, Tensor], Tensor, list[int
     return w, q, pi_a.tolist(), pi_b.tolist()
 
 
+def _argmax(logits: Tensor) -> Tensor:
+    return logits.argmax(-1)
+
+
 class ToyDecoder(CellPoolModel):
     """A small decoder that every command can run with no weights to fetch.
 
@@ -231,11 +236,16 @@ class ToyDecoder(CellPoolModel):
     def step(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
         """One batched step of N rows (N = any width; capturable: no host sync, static shapes).
 
-        Returns ``tokens`` [N] int64 (greedy argmax where ``want == 1``, else -1) and
-        ``hidden`` [N, len(taps) * hidden] (the tapped layers' outputs, model dtype).
-        Logits are computed for all N rows (static shapes) and masked.
+        Returns ``tokens`` [N] int64 (where ``want == 1``: the greedy argmax, or with the
+        sampling inputs (``inputs(sampling=True)``) the token drawn by ``kernels.sampling``;
+        else -1) and ``hidden`` [N, len(taps) * hidden] (the tapped layers' outputs, model
+        dtype). Logits are computed for all N rows (static shapes) and masked.
         """
+        return self._step(inputs, verify=False)
+
+    def _step(self, inputs: dict[str, Tensor], verify: bool) -> dict[str, Tensor]:
         t, pos, seq, cells, want = self._take(inputs, _INPUTS)
+        choose = TokenChoice.of(inputs, pos, want, self.config.vocab, verify=verify)
         x, taps = self._embed(t, pos), []
         for layer in range(self.config.layers):
             q, k, v = self._qkv(x, layer)
@@ -243,8 +253,8 @@ class ToyDecoder(CellPoolModel):
                                bias_shift=1)
             x = self._block_out(x, attn.reshape(x.shape[0], self.local_heads * self.head_dim), layer)
             taps.append(x)
-        greedy = (x @ self.wout).argmax(-1).masked_fill(want != 1, -1)
-        return {"tokens": greedy, "hidden": torch.cat([taps[i] for i in self.config.taps], -1)}
+        tokens = choose(x @ self.wout, greedy=_argmax)
+        return {"tokens": tokens, "hidden": torch.cat([taps[i] for i in self.config.taps], -1)}
 
     # ----------------------------------------------------------------- eager reference
     @torch.no_grad()

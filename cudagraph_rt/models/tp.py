@@ -12,8 +12,8 @@ seed): every rank builds the full weights the way ``ToyDecoder`` does and keeps 
 * MLP: rank ``r`` owns columns ``[r * 4H/tp, (r + 1) * 4H/tp)`` of ``w1`` and those rows of
   ``w2``; ``silu(x @ w1_local) @ w2_local`` is again a partial sum.
 * Each partial sum is summed over the ranks by one ``torch.distributed.all_reduce`` (two per
-  layer, as in Megatron); embedding, positions, the output head and the greedy argmax are
-  replicated, so every rank returns the same tokens and hidden rows.
+  layer, as in Megatron); embedding, positions, the output head and the greedy argmax (or the
+  sampler) are replicated, so every rank returns the same tokens and hidden rows.
 
 So the TP decoder computes what ``ToyDecoder`` computes, in another summation order:
 hidden rows agree to float tolerance and the tokens exactly (the toy's greedy margin of
@@ -92,14 +92,15 @@ class TPToyDecoder(ToyDecoder):
         self.w2 = self.w2[:, fcols, :].contiguous()
         self.slopes = self.slopes[self.rank * hl:(self.rank + 1) * hl].contiguous()
 
-    def step(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
-        """:meth:`ToyDecoder.step` on this rank's heads (collective); with ``table_from``, the
-        block table of that rank first."""
+    def _step(self, inputs: dict[str, Tensor], verify: bool) -> dict[str, Tensor]:
+        """:meth:`ToyDecoder.step` (``verify``: its verify tokens) on this rank's heads
+        (collective); with ``table_from``, the block table of that rank first. Sampling is
+        replicated: every rank has the same logits, settings and seeds, so draws the same."""
         if self.table_from is not None:
             self._take(inputs, ROW_INPUTS)  # a bad input is refused before any collective
             src = self.table_from if self.group is None else dist.get_global_rank(self.group, self.table_from)
             dist.broadcast(self.pool.block_table, src=src, group=self.group)
-        return super().step(inputs)
+        return super()._step(inputs, verify)
 
     def _reduce(self, partial: Tensor) -> Tensor:
         """Sum a partial residual update over the ranks, in place (capturable with NCCL)."""

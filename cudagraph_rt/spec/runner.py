@@ -53,19 +53,25 @@ from ..models.pool import cdiv
 from ..models.protocol import Decoder
 from .run_timing import PHASES, DeviceTimer, PhaseClock, RunReport
 from ..runtime import GraphRuntime
+from ..sampling_params import MAX_SEED, SamplingParams
 
 __all__ = ["CommittedRows", "DeviceTimer", "PHASES", "PhaseClock", "ReferenceDrafter", "Request", "RunReport",
            "Sequence", "SpecRunner", "ToyDrafter", "make_runtime"]
 
 COLUMNS = ("tokens", "positions", "seq_ids", "cells", "want", "next_tokens")
+# The per-row sampling columns (models/choose.py), each a SamplingParams field of the row's sequence.
+SAMPLING_COLUMNS = ("temperature", "top_k", "top_p", "min_p", "seed")
 
 
 @dataclass(frozen=True)
 class Request:
-    """A prompt and how many tokens to generate for it."""
+    """A prompt, how many tokens to generate for it, and how to draw them (``sampling``:
+    a :class:`~cudagraph_rt.SamplingParams`, greedy by default; ``seed=None`` there means
+    the runner derives one from its own seed and the request's uid)."""
 
     prompt: tuple[int, ...]
     max_new: int
+    sampling: SamplingParams = SamplingParams()
 
 
 @dataclass
@@ -81,6 +87,8 @@ class Sequence:
     tokens: list[int]
     prefilled: int = 0  # prompt tokens already placed in a step
     rows: list[torch.Tensor] = field(default_factory=list)  # committed hidden rows, if recorded
+    # the request's settings, seed resolved (an int: a draft model draws with it, Stream.DRAFT)
+    sampling: SamplingParams = SamplingParams(seed=0)
 
     @property
     def generated(self) -> list[int]:
@@ -107,6 +115,7 @@ class _Group:
     pos0: int
     verify: bool
     ends: bool = False
+    q: torch.Tensor | None = None  # [n - 1, vocab]: the drafts' q (a sampling drafter's), else None
 
 
 @dataclass
@@ -131,18 +140,46 @@ class _Lane:
     inflight: _InFlight | None = None
 
 
-def _draft_tokens(p):
-    """A drafter's answer as its ``(n, k)`` token array (a :class:`Proposal` or a bare array)."""
-    return p.tokens if isinstance(p, Proposal) else p
-
-
-def make_runtime(model: Decoder, *, graphs: bool, rows_per_step: int, depth: int = 3) -> GraphRuntime:
+def make_runtime(model: Decoder, *, graphs: bool, rows_per_step: int, depth: int = 3, sampling: bool = False,
+                 draft_q: bool = False) -> GraphRuntime:
     """The runtime a runner steps: ``model.verify_step`` with device-chosen host rows (the
-    committed rows, ``accept_rows[:accept_count]``, gathered inside the replay)."""
+    committed rows, ``accept_rows[:accept_count]``, gathered inside the replay); with
+    ``sampling`` its per-row sampling inputs, with ``draft_q`` the drafts' q rows too."""
     hr = HostRows(source="hidden", mode="device", rows_output="accept_rows", count_output="accept_count",
                   capacity=rows_per_step, depth=depth)
-    return GraphRuntime(model.verify_step, model.inputs(verify=True), graphs=graphs, device=model.device,
-                        host_rows=hr)
+    specs = model.inputs(verify=True, sampling=True, draft_q=draft_q) if sampling else model.inputs(verify=True)
+    return GraphRuntime(model.verify_step, specs, graphs=graphs, device=model.device, host_rows=hr)
+
+
+def _proposal(p, n: int, k: int, vocab: int, device: torch.device, takes_q: bool) -> tuple[list, torch.Tensor | None]:
+    """A drafter's answer (a :class:`Proposal` or a bare ``(n, k)`` array: q None) as its
+    draft lists and its q (None, or ``(n, k, vocab)`` float32 on ``device``), checked:
+    InputError naming ``drafter.propose`` for a q this runner cannot take or of the wrong
+    shape (before anything of the step is built)."""
+    q = None
+    if isinstance(p, Proposal):
+        p, q = p.tokens, p.q
+    if q is not None:
+        if not takes_q:
+            raise InputError(expected("drafter.propose(...).q", "None: this runner's verify step takes no q "
+                                      "(SpecRunner(draft_q=True), or a drafter with draft_q = True)", "a q"))
+        if not isinstance(q, torch.Tensor) or tuple(q.shape[:1]) != (n,) or q.dim() != 3 or q.shape[1] < k \
+                or q.shape[2] != vocab or q.dtype != torch.float32 or q.device != device:
+            got = f"{q.dtype} {tuple(q.shape)} on {q.device}" if isinstance(q, torch.Tensor) else type(q).__name__
+            raise InputError(expected("drafter.propose(...).q", f"a ({n}, >= {k}, {vocab}) float32 tensor on {device}",
+                                      got))
+    return p.tolist(), q
+
+
+def _check_sampling_args(drafter, seed, sampling, draft_q) -> tuple[int, bool, bool]:
+    """SpecRunner's ``seed``, ``sampling`` and ``draft_q`` checked (InputError naming the first
+    bad one); ``draft_q=None`` asks the drafter (its ``draft_q``, default False)."""
+    seed = as_int("seed", seed, 0, MAX_SEED)
+    sampling = as_bool("sampling", sampling)
+    draft_q = as_bool("draft_q", bool(getattr(drafter, "draft_q", False)) if draft_q is None else draft_q)
+    if draft_q and not sampling:
+        raise InputError(expected("draft_q", "False when sampling=False (a greedy step takes no q)", True))
+    return seed, sampling, draft_q
 
 
 def _check_runner(model, drafter, k, slots, lanes, chunk, record_rows) -> tuple[int, int, int, int, bool]:
@@ -168,6 +205,17 @@ def _check_runner(model, drafter, k, slots, lanes, chunk, record_rows) -> tuple[
     return k, slots, lanes, chunk, record_rows
 
 
+def _sampling_columns(groups: list[_Group]) -> list[list]:
+    """The step's sampling columns (``SAMPLING_COLUMNS`` order): each row its sequence's
+    settings. Work per group (list repetition), none per row in Python."""
+    cols: list[list] = [[] for _ in SAMPLING_COLUMNS]
+    for g in groups:
+        sp = g.seq.sampling
+        for col, v in zip(cols, (sp.temperature, sp.top_k, sp.top_p, sp.min_p, sp.seed)):
+            col += [v] * g.n
+    return cols
+
+
 class SpecRunner:
     """Serves requests with speculative decoding through one GraphRuntime.
 
@@ -175,8 +223,20 @@ class SpecRunner:
     model's ``max_seqs``), split over ``lanes``; ``chunk`` prompt rows per lane step (more
     than the runtime's dynamic limit, 96 by default, makes a sliced step).
     ``record_rows`` keeps a copy of every committed hidden row per sequence (for checks).
-    The drafter has ``observe(CommittedRows)``, ``propose(seqs, k) -> [len(seqs), k]`` and
-    ``forget(seq)``; see :mod:`cudagraph_rt.spec.drafting`. The runner owns ``self.rt`` (its
+    The drafter has ``observe(CommittedRows)``, ``propose(seqs, k) -> [len(seqs), k]`` (or a
+    :class:`~cudagraph_rt.spec.proposal.Proposal`) and ``forget(seq)``; see
+    :mod:`cudagraph_rt.spec.drafting`.
+
+    Sampling (``sampling=True``, the default): every step samples each row with its
+    request's :class:`~cudagraph_rt.SamplingParams` (written into the step's static
+    sampling inputs, no recapture), and a verify step accepts drafts by rejection sampling,
+    so the tokens follow the target's own sampled distribution whatever the drafter
+    proposes (greedy requests get exactly the greedy tokens). ``seed`` (an int in [0,
+    2**63 - 1]) seeds the requests that give none (see ``sampling_params.py``).
+    ``draft_q``: the verify step takes the drafts' q ([T, vocab] float32 rows written on
+    the device each step; ``None``: the drafter's ``draft_q`` attribute, default False); a
+    drafter whose ``Proposal.q`` is not None needs it. ``sampling=False``: the greedy step
+    without the sampler (requests must be greedy). The runner owns ``self.rt`` (its
     graphs and pinned buffers live as long as the runner); one host thread drives it.
 
     KV cells come from the model's pool (``model.cell_range`` per sequence and step). A
@@ -196,13 +256,16 @@ class SpecRunner:
     """
 
     def __init__(self, model: Decoder, drafter, *, k: int = 4, slots: int | None = None, lanes: int = 2,
-                 chunk: int = 128, graphs: bool = False, record_rows: bool = False):
+                 chunk: int = 128, graphs: bool = False, record_rows: bool = False, seed: int = 0,
+                 sampling: bool = True, draft_q: bool | None = None):
         k, slots, lanes, chunk, record_rows = _check_runner(model, drafter, k, slots, lanes, chunk, record_rows)
+        self.seed, self.sampling, self.draft_q = _check_sampling_args(drafter, seed, sampling, draft_q)
         self.model, self.drafter, self.k, self.chunk, self.record_rows = model, drafter, k, chunk, record_rows
         caps = [slots // lanes + (i < slots % lanes) for i in range(lanes)]
         # A step commits at most k + 1 rows per sequence; while one lane steps, every other
         # lane holds its in-flight step's ring slot, so the ring needs >= lanes slots.
-        self.rt = make_runtime(model, graphs=graphs, rows_per_step=max(caps) * (k + 1), depth=max(3, lanes))
+        self.rt = make_runtime(model, graphs=graphs, rows_per_step=max(caps) * (k + 1), depth=max(3, lanes),
+                               sampling=self.sampling, draft_q=self.draft_q)
         if max(caps) * (k + 1) > self.rt.dynamic_limit:  # verify rows go first: they must fit slice 0
             raise InputError(expected("k", f"(k + 1) * {max(caps)} sequences per lane <= {self.rt.dynamic_limit}", k))
         pin = model.device.type == "cuda"
@@ -225,9 +288,12 @@ class SpecRunner:
         if one does not fit the model, its ``max_new`` is not an int >= 1 or its prompt is
         not a list of token ids, and then none of them is queued (a retry serves each once).
         A prompt may be a list or tuple of ints or a 1-D integer numpy array or torch tensor;
-        it is queued (and served, as ``Sequence.prompt``) as a tuple of ints."""
+        it is queued (and served, as ``Sequence.prompt``) as a tuple of ints. ``sampling``
+        must be a SamplingParams (a greedy one when the runner has ``sampling=False``); its
+        seed is resolved here (``Sequence.sampling``)."""
         requests = [self._check_request(i, r) for i, r in enumerate(list(requests))]
         uids = list(range(self._next_uid, self._next_uid + len(requests)))
+        requests = [Request(r.prompt, r.max_new, r.sampling.seeded(self.seed, uid)) for uid, r in zip(uids, requests)]
         self.waiting.extend(zip(uids, requests))
         self._next_uid += len(requests)
         return uids
@@ -246,7 +312,13 @@ class SpecRunner:
         if self._blocks_for(len(prompt), n) > pool.num_blocks:
             raise InputError(expected(f"requests[{i}]", f"at most {pool.num_blocks * pool.block_size} positions "
                                       "(the model's whole KV pool)", (len(prompt), n)))
-        return Request(prompt, n)
+        sampling = getattr(r, "sampling", SamplingParams())
+        if not isinstance(sampling, SamplingParams):
+            raise InputError(expected(f"requests[{i}].sampling", "a SamplingParams", type(sampling).__name__))
+        if not self.sampling and not sampling.greedy:
+            raise InputError(expected(f"requests[{i}].sampling", "greedy settings (this runner has sampling=False)",
+                                      sampling))
+        return Request(prompt, n, sampling)
 
     def run(self, max_steps: int | None = None) -> RunReport:
         """Serve until every request is done (or ``max_steps`` more steps were launched;
@@ -324,7 +396,8 @@ class SpecRunner:
             if owed + self._blocks_for(len(r.prompt), r.max_new) > pool.free_blocks:
                 return
             self.waiting.popleft()
-            lane.seqs.append(Sequence(uid, self._free_slots.pop(0), r.prompt, r.max_new, list(r.prompt)))
+            lane.seqs.append(Sequence(uid, self._free_slots.pop(0), r.prompt, r.max_new, list(r.prompt),
+                                      sampling=r.sampling))
 
     def _build(self, lane: _Lane) -> tuple[list[_Group], list[list[int]]]:
         """The lane's next step as columns (``COLUMNS`` order): verify rows first (so every
@@ -351,10 +424,13 @@ class SpecRunner:
         kmax = max(ks)
         clk = self.phase_clock
         clk.mark("build")
-        drafts = _draft_tokens(self.drafter.propose(dec, kmax)).tolist() if kmax > 0 else [[]] * len(dec)
+        drafts, q = [[]] * len(dec), None
+        if kmax > 0:
+            drafts, q = _proposal(self.drafter.propose(dec, kmax), len(dec), kmax, self.model.config.vocab,
+                                  self.model.device, self.draft_q)
         clk.mark("draft")
         toks, pos, sid, cells, want, nxt = cols
-        for s, k, d in zip(dec, ks, drafts):
+        for i, (s, k, d) in enumerate(zip(dec, ks, drafts)):
             p0, row0 = len(s.tokens) - 1, len(toks)
             t = [s.tokens[-1], *d[:k]]
             toks += t
@@ -364,7 +440,7 @@ class SpecRunner:
             sid += [s.slot] * (k + 1)
             cells += self.model.cell_range(s.slot, p0, k + 1)
             want += [1] * (k + 1)
-            groups.append(_Group(s, row0, k + 1, p0, True))
+            groups.append(_Group(s, row0, k + 1, p0, True, q=None if q is None else q[i, :k]))
 
     def _prompt_rows(self, cols: list[list[int]], groups: list[_Group], seq: Sequence, n: int) -> None:
         """A prompt chunk of ``n`` rows; the chunk that ends the prompt asks for a token on
@@ -389,12 +465,17 @@ class SpecRunner:
         events bracket ``rt.step``."""
         clk, dev = self.phase_clock, self._device_timer
         T = len(cols[0])
-        if len(self.rt.plan(T)) == 1:
+        columns = list(zip(COLUMNS, cols))
+        if self.sampling:
+            columns += zip(SAMPLING_COLUMNS, _sampling_columns(groups))
+        if self.draft_q:
+            inputs = self._device_step_inputs(T, columns, groups)
+        elif len(self.rt.plan(T)) == 1:
             inputs = self.rt.host_inputs(T, numpy=True)  # pinned staging of this step: fill in place
-            for name, col in zip(COLUMNS, cols):
+            for name, col in columns:
                 inputs[name][:] = col
         else:  # a sliced step cannot use one staging view; the runtime packs each slice
-            inputs = {name: torch.tensor(col, dtype=torch.int64) for name, col in zip(COLUMNS, cols)}
+            inputs = {name: torch.tensor(col, dtype=self.rt.input_specs[name].dtype) for name, col in columns}
         if dev is not None:
             dev.begin()
         clk.mark("stage")
@@ -411,6 +492,25 @@ class SpecRunner:
         self.steps += 1
         clk.mark("queue")
         return _InFlight(groups, cols, res.host_rows, tokens, done)
+
+    def _device_step_inputs(self, T: int, columns, groups: list[_Group]) -> dict[str, torch.Tensor]:
+        """A step's inputs with the drafts' q: the q rows stay on the device (copied into
+        the arena's ``draft_q`` rows, zeros where no q: a one-hot q), the columns follow
+        them in (one copy each). A sliced step gets tensors the runtime packs instead."""
+        single = len(self.rt.plan(T)) == 1
+        if single:
+            inputs = self.rt.device_inputs(T)
+            for name, col in columns:
+                inputs[name].copy_(torch.tensor(col, dtype=inputs[name].dtype))
+            dq = inputs["draft_q"]
+            dq.zero_()
+        else:
+            inputs = {name: torch.tensor(col, dtype=self.rt.input_specs[name].dtype) for name, col in columns}
+            dq = inputs["draft_q"] = torch.zeros(T, self.model.config.vocab, dtype=torch.float32)
+        for g in groups:
+            if g.q is not None and g.n > 1:
+                dq[g.row0:g.row0 + g.n - 1].copy_(g.q)
+        return inputs
 
     def _finish(self, lane: _Lane, fl: _InFlight) -> None:
         """The one wait of a step, then: committed tokens and rows per sequence, drafter

@@ -38,6 +38,7 @@ INPUTS = ("tests/core/test_inputs.py", "tests/core/test_runtime.py", "tests/core
 FEED = ("tests/core/test_staging.py", "tests/core/test_emulated_graphs.py", "tests/core/test_direct_step.py")
 SHORT = ("tests/core/test_direct_step.py", "tests/core/test_emulated_graphs.py")
 ROWS = ("tests/core/test_host_rows.py", "tests/core/test_emulated_graphs.py")
+SPEC_SAMPLING = ("tests/runner/test_sampling_runner.py",)
 GATHER = ("tests/kernels/test_row_gather.py",)
 CAPTURE = ("tests/core/test_emulated_graphs.py", "tests/core/test_lifecycle.py", "tests/core/test_runtime.py")
 TP = ("tests/models/test_tp.py",)
@@ -589,4 +590,38 @@ CATALOGUE: tuple[Mutation, ...] = (
       '_first_bad("top_p", p, ~((p >= 0) & (p <= 1)), "a value in (0, 1] (1: off)")',
       "top_p = 0 let through: an empty nucleus that the kernels resolve to the most probable token, "
       "silently greedy", SAMPLING),
+    M(115, "sampling step", "cudagraph_rt/models/choose.py",
+      "settings = SamplingSettings(position=positions + 1, **values)",
+      "settings = SamplingSettings(position=positions, **values)",
+      "the row's own position as the randomness key instead of the drawn token's: a draft model "
+      "keyed by the token's position draws correlated noise", SPEC_SAMPLING),
+    M(116, "sampling step", "cudagraph_rt/models/choose.py",
+      "empty = ~(q != 0).any(-1)",
+      "empty = (q != 0).any(-1)",
+      "the all-zero test inverted: a deterministic drafter's rows keep q = 0 (every draft accepted) "
+      "and a sampling drafter's q gains a spike at its draft", SPEC_SAMPLING),
+    M(117, "sampling runner", "cudagraph_rt/spec/runner.py",
+      "dq[g.row0:g.row0 + g.n - 1].copy_(g.q)",
+      "dq[g.row0 + 1:g.row0 + g.n].copy_(g.q)",
+      "q rows one row late: draft j is judged against draft j - 1's q (the first against one-hot)",
+      SPEC_SAMPLING),
+    M(118, "sampling runner", "cudagraph_rt/spec/runner.py",
+      "requests = [Request(r.prompt, r.max_new, r.sampling.seeded(self.seed, uid)) for uid, r in zip(uids, requests)]",
+      "requests = [Request(r.prompt, r.max_new, r.sampling.seeded(self.seed, 0)) for uid, r in zip(uids, requests)]",
+      "every request without a seed gets the same derived one: identical prompts sample identical tokens",
+      SPEC_SAMPLING),
+    M(119, "sampling params", "cudagraph_rt/sampling_params.py",
+      'top_p=_real(f + "top_p", self.top_p, 0.0, 1.0, True, False, "a number in (0, 1] (1: off)"),',
+      'top_p=_real(f + "top_p", self.top_p, 0.0, 1.0, False, False, "a number in (0, 1] (1: off)"),',
+      "top_p = 0 let through: an empty nucleus that the sampler resolves to the greedy token", SPEC_SAMPLING),
+    M(120, "sampling step", "cudagraph_rt/models/hf.py",
+      "if choose.greedy:  # the greedy step as it always was (argmax inside the compiled rows)",
+      "if True:  # the greedy step as it always was (argmax inside the compiled rows)",
+      "the transformers step keeps its greedy fast path for every step: sampling settings are ignored",
+      SPEC_SAMPLING),
+    M(121, "sampling cli", "tools/options.py",
+      'g.add_argument("--top-p", type=real_in(0.0, 1.0, lo_open=True), default=1.0, metavar="P",',
+      'g.add_argument("--top-p", type=real_in(0.0, 1.0), default=1.0, metavar="P",',
+      "--top-p 0 passes the parser: the run starts (the model builds) before SamplingParams refuses it, "
+      "and the message names the field, not the flag", SPEC_SAMPLING),
 )

@@ -56,7 +56,7 @@ def section_function(n: int) -> Callable[["Context"], dict]:
             5: memory.padding, 6: host_rows.host_rows}[n]
 
 
-HF_SECTIONS = ("compiled", "pool", "spec", "capture", "pieces", "greedy")  # tools/bench/hf.py's, by name
+HF_SECTIONS = ("compiled", "pool", "spec", "capture", "pieces", "sampling", "greedy")  # tools/bench/hf.py's, by name
 
 
 def _sections(text: str) -> tuple:
@@ -115,6 +115,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-steps", type=_count(1), metavar="N",
                    help="steps in the mixed trace (default 2000; on a CPU or with --quick 200)")
     options.add_seed(p, 0, "every random input and of the trace")
+    options.add_sampling(p, "every request of the hf spec section")
     options.add_device(p)
     p.add_argument("--no-compile", action="store_true", help="leave torch.compile out (it takes minutes)")
     p.add_argument("--compile-setups", type=_setups, default=None, metavar="static,...",

@@ -19,6 +19,9 @@ Sections (each reported on its own; a failing one is recorded and the rest still
   pieces    piecewise graphs (tools/bench/pieces.py): the runtime's attention marked eager, in
             pieces against whole graphs and eager; varlen attention (per-step host ints) in
             pieces against eager; T 1-8.
+  sampling  the sampler (kernels.sampling) against torch's sort-based top-p sampling at 1 and 64
+            rows and the model's vocabulary, side by side, and its share of the width-1 step
+            (tools/bench/sampling.py).
 
 ``--quick``: a CPU smoke run (tiny config, graphs off, a few tokens, no child processes).
 """
@@ -191,7 +194,7 @@ def sec_spec(ctx) -> dict:
     runs = [("greedy", 0)] + ([("plan", 4)] * SPEC_PLAN_PASSES if coin else []) + [("spec", 4)]
     for name, k in runs:
         args = SimpleNamespace(k=k, accept_prob=0.7, seed=ctx.seed, slots=1, lanes=1, chunk=128, rounds=0,
-                               drafter=kind if k else "coin")
+                               drafter=kind if k else "coin", **getattr(ctx, "sampling", {}))
         r = serving.serve(ctx.model, reqs, ctx.graphs, args, plans=plans if coin else None)
         plans = r.pop("finished_seqs")
         if name == "plan":
@@ -246,6 +249,11 @@ def sec_pool(ctx) -> dict:
     return run_pool(ctx)
 
 
+def sec_sampling(ctx) -> dict:
+    from .sampling import sec_sampling as run_sampling
+    return run_sampling(ctx)
+
+
 def sec_pieces(ctx) -> dict:
     from .pieces import sec_pieces as run_pieces
     return run_pieces(ctx)
@@ -253,7 +261,7 @@ def sec_pieces(ctx) -> dict:
 
 # The cheap sections first: the static+compile child may run into a caller's time limit.
 SECTIONS = {"compiled": sec_compiled, "pool": sec_pool, "spec": sec_spec, "capture": sec_capture,
-            "pieces": sec_pieces, "greedy": sec_greedy}
+            "pieces": sec_pieces, "sampling": sec_sampling, "greedy": sec_greedy}
 
 
 # ------------------------------------------------------------------------------ context, children
@@ -268,6 +276,9 @@ class _Ctx:
         self.size = "tiny" if self.quick or self.path else (args.size or ("tiny" if light else "1b"))
         self.seed = args.seed
         self.drafter = getattr(args, "drafter", None) or "coin"
+        # the spec section's requests sample with these (cgrt demo's flags; default greedy)
+        self.sampling = {k: getattr(args, k, d) for k, d in (("temperature", 0.0), ("top_k", 0), ("top_p", 1.0),
+                                                             ("min_p", 0.0))}
         self.seqs = (1, 2) if light else SEQS
         self.prompt, self.new = (8, 6) if light else (args.hf_prompt, args.hf_new)
         self.repeats = 5 if light else 50
@@ -362,6 +373,9 @@ def goals(r: dict) -> list[dict]:
     from .pieces import goals as piece_goals
     for name, value, target, ok in piece_goals(r.get("pieces", {})):
         add(name, value, target, ok)
+    from .sampling import goals as sampling_goals
+    for name, value, target, ok in sampling_goals(r.get("sampling", {})):
+        add(name, value, target, ok)
     return out
 
 
@@ -429,6 +443,9 @@ def _print(r: dict) -> None:
         elif key == "pieces":
             from .pieces import print_section
             print_section(con, sec)
+        elif key == "sampling":
+            from .sampling import print_section as print_sampling
+            print_sampling(con, sec)
         elif key == "capture":
             con.print(f"capture of widths {sec['widths']}: {sec['capture_s']:.2f} s; pool {sec['pool_bytes'] / 2**20:.1f}"
                       f" MiB, widest alone {sec['widest_alone_bytes'] / 2**20:.1f} MiB "

@@ -54,6 +54,13 @@ def _check_together(args, choice: options.ModelChoice) -> None:
         raise options.UsageError(expected("--drafter", "coin for transformers models (gpu drafts the toy)", "gpu"))
 
 
+def _sampling_text(args) -> str:
+    sp = options.sampling_params(args)
+    if sp.greedy:
+        return "greedy"
+    return f"temperature {sp.temperature}, top-k {sp.top_k}, top-p {sp.top_p}, min-p {sp.min_p}, seed {args.seed}"
+
+
 def run(args) -> int:
     from . import report, serve
 
@@ -94,6 +101,11 @@ def run(args) -> int:
                       "k": args.k, "accept_prob": args.accept_prob, "max_new": args.max_new,
                       "chunk": args.chunk, "rounds": args.rounds, "seed": args.seed,
                       "drafter": args.drafter,
-                      "drafter_label": serve.drafter_label(args.drafter, args.accept_prob)},
-              "notes": notes, "runs": runs, "ok": all(r["check"]["ok"] for r in runs)}
+                      "drafter_label": serve.drafter_label(args.drafter, args.accept_prob),
+                      "sampling": _sampling_text(args)},
+              "notes": notes, "runs": runs, "ok": all(r["check"]["ok"] for r in runs),
+              # every request's generated tokens, in submission order (the first run's; the
+              # same seed serves the same tokens in every graph mode: tokens_agree says so)
+              "tokens": runs[0]["generated"] if runs else [],
+              "tokens_agree": all(r["generated"] == runs[0]["generated"] for r in runs)}
     return report.publish(doc, args.json)

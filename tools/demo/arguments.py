@@ -27,7 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="groups of sequences that take turns on the GPU (default 2)")
     p.add_argument("--chunk", type=options.int_at_least(1), default=128, metavar="N",
                    help="prompt rows per step and lane; wider than the dynamic limit (96) gets sliced (default 128)")
-    options.add_seed(p, 0, "the toy's weights, the prompts, the limits and the drafter")
+    options.add_seed(p, 0, "the toy's weights, the prompts, the limits, the drafter and the sampled tokens")
+    options.add_sampling(p)
     options.add_tp(p)
     p.add_argument("--profile", type=options.output_file, metavar="FILE", default=None,
                    help="cProfile the timed run(s) only; the top functions by own time go to FILE "

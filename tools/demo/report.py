@@ -27,7 +27,8 @@ def _print(report: dict) -> None:
     out, c = make_console(), report["config"]
     out.print(f"cgrt demo: {c.get('model', 'toy')} {c['size']} ({c['dtype']}, {c['hidden']} hidden, {c['layers']} layers) on "
               f"{c['device']}; {c['sequences']} sequences ({c['slots']} at once, {c['lanes']} lanes), k={c['k']}, "
-              f"max-new {c['max_new']}, chunk {c['chunk']}, drafter {c.get('drafter_label', c.get('drafter', 'coin'))}",
+              f"max-new {c['max_new']}, chunk {c['chunk']}, drafter {c.get('drafter_label', c.get('drafter', 'coin'))}, "
+              f"sampling {c.get('sampling', 'greedy')}",
               markup=False)
     for note in report["notes"]:
         out.print(f"note: {note}", markup=False)

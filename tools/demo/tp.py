@@ -24,9 +24,9 @@ from .serve import check, make_requests, timing
 
 def _runtime(model: TPToyDecoder, runner: SpecRunner, graphs: bool) -> DistributedRuntime:
     """The runner's runtime rebuilt over the ranks: same step, inputs and host rows."""
-    hr = runner.rt.host_rows_config
+    hr, specs = runner.rt.host_rows_config, dict(runner.rt.input_specs)  # the sampling inputs included
     runner.rt.close()  # never captured: only its arena and staging to free
-    return DistributedRuntime(model.verify_step, model.inputs(verify=True), graphs=graphs, device=model.device,
+    return DistributedRuntime(model.verify_step, specs, graphs=graphs, device=model.device,
                               host_rows=hr, inputs_from=0, rows_rank=0)
 
 
@@ -36,8 +36,10 @@ def serve_tp(model: TPToyDecoder, ref: ToyDecoder, requests: list[Request], grap
     (None on the other ranks)."""
     model.reset_cache()
     runner = SpecRunner(model, ToyDrafter(ref, args.accept_prob, args.seed), k=args.k, slots=args.slots,
-                        lanes=args.lanes, chunk=args.chunk, graphs=graphs, record_rows=True)
+                        lanes=args.lanes, chunk=args.chunk, graphs=graphs, record_rows=True, seed=args.seed)
     rt = runner.rt = _runtime(model, runner, graphs)
+    sampling = options.sampling_params(args)  # every request's (replicated: every rank draws the same)
+    requests = [Request(r.prompt, r.max_new, sampling) for r in requests]
     try:
         cap = rt.capture()
         captures = tp_launch.gather(cap.seconds)
@@ -45,7 +47,7 @@ def serve_tp(model: TPToyDecoder, ref: ToyDecoder, requests: list[Request], grap
             rt.follow()
             return None
         try:
-            runner.submit([Request(r.prompt, min(4, r.max_new)) for r in requests[:2]])
+            runner.submit([Request(r.prompt, min(4, r.max_new), sampling) for r in requests[:2]])
             runner.run()
             runner.reset_stats()
             rt.reset_stats()
