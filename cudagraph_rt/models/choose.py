@@ -38,7 +38,7 @@ from torch import Tensor
 
 from ..errors import InputError, expected
 from ..kernels.sampling import SamplingSettings, check_setting_values, sample, verify
-from ..specs import InputSpec
+from ..inputs.spec import InputSpec
 from . import cells
 
 __all__ = ["DRAFT_Q", "SAMPLING_INPUTS", "TokenChoice", "draft_q_spec", "sampling_specs"]
