@@ -11,6 +11,7 @@ setup(
     packages=[
         "cudagraph_rt",
         "cudagraph_rt.debug",
+        "cudagraph_rt.dispatch",
         "cudagraph_rt.host_rows",
         "cudagraph_rt.inputs",
         "cudagraph_rt.models",
