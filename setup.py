@@ -12,6 +12,7 @@ setup(
         "cudagraph_rt",
         "cudagraph_rt.debug",
         "cudagraph_rt.graphs",
+        "cudagraph_rt.dispatch",
         "cudagraph_rt.host_rows",
         "cudagraph_rt.inputs",
         "cudagraph_rt.models",

@@ -57,6 +57,7 @@ OUTPUTS = ("tests/core/test_host_rows.py",)
 ARGS = ("tests/properties/test_bad_arguments.py",)  # the bad-argument fuzz (issue 35)
 CLI = ("tests/tools/test_cli.py",)
 SAMPLING = ("tests/kernels/test_sampling.py", "tests/properties/test_sampling_contract.py")
+DISPATCH = ("tests/dispatch/test_planner.py", "tests/dispatch/test_loop.py", "tests/dispatch/test_conditional.py")
 
 M = Mutation
 CATALOGUE: tuple[Mutation, ...] = (
@@ -624,4 +625,46 @@ CATALOGUE: tuple[Mutation, ...] = (
       'g.add_argument("--top-p", type=real_in(0.0, 1.0), default=1.0, metavar="P",',
       "--top-p 0 passes the parser: the run starts (the model builds) before SamplingParams refuses it, "
       "and the message names the field, not the flag", SPEC_SAMPLING),
+    M(122, "device dispatch plan", "cudagraph_rt/dispatch/planner.py",
+      "slot = torch.searchsorted(end, r, right=True)  # rows past T land on S",
+      "slot = torch.searchsorted(end, r)  # rows past T land on S",
+      "searchsorted's default side: the last row of each slot's group is given to the next slot", DISPATCH),
+    M(123, "device dispatch plan", "cudagraph_rt/dispatch/planner.py",
+      "ks = torch.clamp(torch.minimum(st.remaining - 1, torch.full_like(st.remaining, shape.k)), min=0)",
+      "ks = torch.clamp(torch.minimum(st.remaining, torch.full_like(st.remaining, shape.k)), min=0)",
+      "drafts counted against the tokens left, not the tokens left after the bonus row: a round past max tokens",
+      DISPATCH),
+    M(124, "device dispatch plan", "cudagraph_rt/dispatch/planner.py",
+      "index = torch.searchsorted(widths, T)  # the narrowest width >= T (T <= widths[-1] by construction)",
+      "index = torch.searchsorted(widths, T, right=True)  # the narrowest width >= T (T <= widths[-1] by construction)",
+      "the width after the one that holds T exactly: twice the padding, not the host planner's width", DISPATCH),
+    M(125, "device dispatch plan", "cudagraph_rt/dispatch/planner.py",
+      "bad = real & ((tok < 0) | (tok >= shape.vocab))",
+      "bad = real & (tok >= shape.vocab)",
+      "only ids past the vocabulary checked: a negative draft id reaches the embedding", DISPATCH),
+    M(126, "device dispatch commit", "cudagraph_rt/dispatch/commit.py",
+      "c = torch.minimum(count, stop_j + 1)  # [S + 1]: rows each slot keeps (the dump slot S keeps none)",
+      "c = count  # [S + 1]: rows each slot keeps (the dump slot S keeps none)",
+      "the stop token ends the sequence but the accepted tokens after it are kept", DISPATCH),
+    M(127, "device dispatch commit", "cudagraph_rt/dispatch/commit.py",
+      "prev = torch.where(c >= 2, before[:S], torch.where(c == 1, st.cur, st.prev))",
+      "prev = torch.where(c >= 2, before[:S], st.prev)",
+      "a round that commits one token leaves the second-last token stale: the next drafts continue the wrong pair",
+      DISPATCH),
+    M(128, "device dispatch loop", "cudagraph_rt/dispatch/loop.py",
+      "(st.stop_on_retire, int(bool(self.waiting))), (self.ring.head, 0), (st.error, -1)):",
+      "(st.stop_on_retire, 0), (self.ring.head, 0), (st.error, -1)):",
+      "waiting requests never stop a launch: a freed slot idles until the launch's N rounds end", DISPATCH),
+    M(129, "device dispatch plan", "cudagraph_rt/dispatch/planner.py",
+      "(Stop.RING_FULL, ring.head >= ring.depth), (Stop.ROUNDS, st.round >= st.max_rounds),",
+      "(Stop.RING_FULL, ring.head > ring.depth), (Stop.ROUNDS, st.round >= st.max_rounds),",
+      "a round runs with every ring entry written: its rows land on the dump row's neighbours", DISPATCH),
+    M(130, "device dispatch graph", "cudagraph_rt/dispatch/conditional.py",
+      'check(driver.cuGraphAddChildGraphNode(b, [s], 1, commit), "cuGraphAddChildGraphNode")',
+      'check(driver.cuGraphAddChildGraphNode(b, [], 0, commit), "cuGraphAddChildGraphNode")',
+      "a branch's commit not ordered after its step: it may read the last round's outputs", DISPATCH),
+    M(131, "device dispatch graph", "cudagraph_rt/dispatch/conditional.py",
+      "pairs = [(a, b) for a in before for b in after]",
+      "pairs = []",
+      "an event node taken out with its edges: the feed's copy no longer precedes the arena's update", DISPATCH),
 )

@@ -1,0 +1,291 @@
+"""DeviceLoop: serve requests with the speculative rounds dispatched on the device.
+
+The host admits requests into the model's sequence slots, prefills their prompts with
+one ordinary step of the runtime, reserves KV blocks ahead, then launches the loop: up to
+``rounds`` rounds of draft -> verify -> accept -> commit with no host work in between
+(one outer-graph launch on CUDA with conditional nodes; the same rounds driven by the host
+otherwise). After a launch it reads the ring (every round's committed tokens and hidden
+rows), appends them to the sequences, retires the finished ones and launches again.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from ..checks import as_int, token_ids
+from ..errors import CapacityError, InputError, expected
+from ..models.pool import cdiv
+from ..runtime import GraphRuntime
+from ..widths import check_widths, default_widths
+from .rounds import HostRounds, RoundBody
+from .state import Finish, LoopRing, LoopShape, LoopState, RoundRows, Stop
+
+log = logging.getLogger(__name__)
+
+
+class LoopError(CapacityError):
+    """The loop stopped on something the host cannot continue past (a bad token id from
+    the drafter, a KV pool with no block for the next round). Raised after the rounds
+    before it were read: every sequence's committed tokens and rows are intact
+    (``DeviceLoop.sequences``), the failing round's step never ran."""
+
+
+@dataclass
+class LoopSequence:
+    """One request while it is served: ``tokens`` = prompt + generated (the last one
+    committed, not fed yet); ``rows``: its committed hidden rows when recorded; ``accepts``:
+    rows committed per round (1 + accepted drafts)."""
+
+    uid: int
+    slot: int
+    prompt: tuple[int, ...]
+    max_new: int
+    tokens: list[int]
+    rows: list[torch.Tensor] = field(default_factory=list)
+    accepts: list[int] = field(default_factory=list)
+    finish: Finish = Finish.NOT
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[len(self.prompt):]
+
+
+@dataclass(frozen=True)
+class LaunchReport:
+    """One launch: the rounds it ran, the tokens it committed and why it stopped."""
+
+    rounds: int
+    tokens: int
+    stop: Stop
+
+
+def _loop_widths(widths, rows: int) -> tuple[int, ...]:
+    ws = default_widths(1 << max(0, rows - 1).bit_length()) if widths is None else check_widths(widths)
+    if ws[-1] < rows:
+        raise InputError(expected("widths", f"a widest width >= slots * (k + 1) = {rows} (a round's rows)", ws))
+    return ws
+
+
+class DeviceLoop:
+    """Serves requests with ``k`` drafts per sequence and round on ``model`` (a Decoder on a
+    KV pool; its ``max_seqs`` are the slots), the drafts drawn on the device by ``drafter``
+    (``drafter(state, k) -> [slots, k]``, e.g. ``spec.loop_drafter.CoinRounds``).
+
+    ``graphs``: "emulate" (the loop's semantics on any device, a CPU included) or True (CUDA
+    graphs; the outer graph of conditional nodes where :func:`.support.conditional_support`
+    allows, else the host-driven rounds, with a log message naming what is missing).
+    ``rounds``: rounds per launch; ``depth``: ring entries (default ``rounds``);
+    ``stop_tokens``: ids that end a sequence (the stop token is kept); ``record_rows``: keep
+    each committed hidden row. The loop owns ``self.rt`` (its graphs, its pinned buffers).
+    Raises InputError for bad arguments, before the model's pool is touched."""
+
+    def __init__(self, model, drafter, *, k: int = 4, graphs="emulate", rounds: int = 64, depth: int | None = None,
+                 stop_tokens=(), widths=None, record_rows: bool = False, conditional: bool = True):
+        k, rounds = as_int("k", k, 0), as_int("rounds", rounds, 1)
+        depth = rounds if depth is None else as_int("depth", depth, 1)
+        stops = token_ids("stop_tokens", list(stop_tokens), model.config.vocab)
+        if graphs is False:
+            raise InputError(expected("graphs", "True or 'emulate' (the loop replays captured widths)", graphs))
+        S, pool = model.config.max_seqs, model.pool
+        ws = _loop_widths(widths, S * (k + 1))
+        self.model, self.k, self.rounds, self.record_rows = model, k, rounds, bool(record_rows)
+        self.rt = GraphRuntime(_RowOutputs(model.verify_step), model.inputs(verify=True), widths=ws, graphs=graphs,
+                               device=model.device, keep_graphs=graphs is True)
+        self.shape = LoopShape(S, k, ws, model.config.vocab, pool.block_size, model.scratch_cell, depth)
+        self.state = LoopState(S, stops, model.device)
+        self.rows = RoundRows(self.shape, model.device)
+        self.ring = LoopRing(self.shape, model.hidden_width, model.config.dtype, model.device)
+        self.rt.capture()
+        self.body = RoundBody(self.rt, self.state, self.rows, self.ring, self.shape, pool.block_table, drafter)
+        self.runner = self._runner(graphs, conditional)
+        self.waiting: deque = deque()
+        self.sequences: dict[int, LoopSequence] = {}  # slot -> the sequence it serves
+        self.finished: list[LoopSequence] = []
+        self.launches: list[LaunchReport] = []
+        self._next_uid = 0
+
+    def _runner(self, graphs, conditional: bool):
+        if graphs is True and conditional:
+            from .support import conditional_support
+            support = conditional_support()
+            if support.ok:
+                from .conditional import ConditionalRounds
+                return ConditionalRounds(self.body)
+            log.warning("device dispatch: %s; the rounds run host-driven", support.message)
+        return HostRounds(self.body)
+
+    # -- public ------------------------------------------------------------------------
+    def submit(self, requests) -> list[int]:
+        """Queue requests (``prompt``, ``max_new``); their uids. All or none (InputError)."""
+        cfg, reqs = self.model.config, []
+        for i, r in enumerate(list(requests)):
+            n = as_int(f"requests[{i}].max_new", getattr(r, "max_new", None), 1)
+            prompt = token_ids(f"requests[{i}].prompt", getattr(r, "prompt", None), cfg.vocab)
+            if not prompt or len(prompt) + n - 1 > cfg.max_len:
+                raise InputError(expected(f"requests[{i}]", f"a prompt and max_new within {cfg.max_len} positions",
+                                          (len(prompt), n)))
+            reqs.append((prompt, n))
+        uids = list(range(self._next_uid, self._next_uid + len(reqs)))
+        self.waiting.extend(zip(uids, reqs))
+        self._next_uid += len(reqs)
+        return uids
+
+    def run(self) -> list[LaunchReport]:
+        """Serve until every request is done; the launches' reports. LoopError when a launch
+        stops on a bad token or a full pool (see :class:`LoopError`)."""
+        start = len(self.launches)
+        while self.waiting or self.sequences:
+            self._admit()
+            if not self.sequences:
+                break
+            self.launch()
+        return self.launches[start:]
+
+    def launch(self) -> LaunchReport:
+        """One launch of up to ``rounds`` rounds for the sequences in the slots, read back."""
+        self._reserve()
+        st = self.state
+        for t, v in ((st.status, 0), (st.round, 0), (st.max_rounds, self.rounds),
+                     (st.stop_on_retire, int(bool(self.waiting))), (self.ring.head, 0), (st.error, -1)):
+            t.fill_(v)
+        self.body.unfeed()
+        self.runner.run()
+        report = self._drain()
+        self.launches.append(report)
+        if report.stop == Stop.BAD_TOKEN:
+            slot, tok, pos = st.error.tolist()
+            raise LoopError(f"device loop: sequence {self.sequences[slot].uid} (slot {slot}) would feed token id "
+                            f"{tok} at position {pos}, outside [0, {self.shape.vocab}) (a drafter's bad draft); "
+                            "the round did not run, its committed tokens are kept")
+        self._retire()
+        return report
+
+    # -- between launches (host) ----------------------------------------------------------
+    def _blocks_for(self, prompt: int, max_new: int) -> int:
+        return cdiv(prompt + max_new - 1, self.model.pool.block_size)
+
+    def _admit(self) -> None:
+        """Waiting requests join free slots while the pool's free blocks cover every served
+        sequence's remaining worst case and theirs (as SpecRunner admits); then one prefill
+        step of their prompts, whose last rows give each its first token."""
+        pool, joined = self.model.pool, []
+        free = [s for s in range(self.shape.slots) if s not in self.sequences]
+        while self.waiting and free:
+            uid, (prompt, n) = self.waiting[0]
+            slot = free[0]
+            self.model.free_seq(slot)
+            owed = sum(self._blocks_for(len(q.prompt), q.max_new) - sum(b is not None for b in pool.blocks(q.slot))
+                       for q in self.sequences.values())
+            if owed + self._blocks_for(len(prompt), n) > pool.free_blocks:
+                break
+            self.waiting.popleft()
+            free.pop(0)
+            self.sequences[slot] = seq = LoopSequence(uid, slot, prompt, n, list(prompt))
+            joined.append(seq)
+        if joined:
+            self._prefill(joined)
+
+    def _prefill(self, seqs: list[LoopSequence]) -> None:
+        cols = {name: [] for name in ("tokens", "positions", "seq_ids", "cells", "want", "next_tokens")}
+        for q in seqs:
+            n = len(q.prompt)
+            cols["tokens"] += q.prompt
+            cols["positions"] += range(n)
+            cols["seq_ids"] += [q.slot] * n
+            cols["cells"] += self.model.cell_range(q.slot, 0, n)
+            cols["want"] += [0] * (n - 1) + [1]
+            cols["next_tokens"] += [-1] * n
+        out = self.rt.step(**{name: torch.tensor(c, dtype=torch.int64) for name, c in cols.items()}).outputs
+        last = torch.tensor(list(_ends(len(q.prompt) for q in seqs)), device=self.model.device)
+        first, rows = out["tokens"][last].tolist(), out["hidden"][last]
+        st = self.state
+        for i, (q, t) in enumerate(zip(seqs, first)):
+            q.tokens.append(t)
+            if self.record_rows:
+                q.rows.append(rows[i:i + 1].clone())
+            live = q.max_new > 1
+            s = q.slot
+            st.live[s], st.uid[s], st.n_tok[s], st.remaining[s] = live, q.uid, len(q.tokens), q.max_new - 1
+            st.prev[s], st.cur[s], st.reserved[s], st.finish[s] = q.tokens[-2], t, len(q.prompt), 0
+            if t in st.stop_tokens.tolist() or not live:
+                st.live[s] = False
+                st.finish[s] = Finish.STOP_TOKEN if t in st.stop_tokens.tolist() else Finish.MAX_TOKENS
+        self._retire()
+
+    def _reserve(self) -> None:
+        """KV blocks for every live sequence's next ``rounds`` rounds (at least its next
+        one), capped at its last position; LoopError when not even the next round fits."""
+        pool, k, st = self.model.pool, self.k, self.state
+        for s, q in self.sequences.items():
+            fed = len(q.tokens) - 1  # positions [0, fed) hold K/V
+            last = len(q.prompt) + q.max_new - 1  # positions a sequence ever feeds
+            have = int(st.reserved[s])
+            for want in (min(last, fed + self.rounds * (k + 1)), min(last, fed + k + 1)):
+                try:
+                    if want > have:
+                        self.model.cell_range(s, have, want - have)
+                    st.reserved[s] = max(want, have)
+                    break
+                except CapacityError as e:
+                    err = e
+            else:
+                raise LoopError(f"device loop: sequence {q.uid} (slot {s}) needs KV blocks for positions "
+                                f"{have}..{min(last, fed + k + 1) - 1}, {pool.free_blocks} free of "
+                                f"{pool.num_blocks}; its committed tokens are kept") from err
+
+    def _drain(self) -> LaunchReport:
+        """The ring's entries of this launch, appended to their sequences (round order)."""
+        ring, W = self.ring, self.shape.rows
+        head = int(ring.head)
+        counts = ring.counts[:head].tolist()
+        tokens, slots = ring.tokens.tolist(), ring.slots.tolist()
+        total = 0
+        for e, c in enumerate(counts):
+            per: dict[int, int] = {}
+            for r in range(e * W, e * W + c):
+                q = self.sequences[slots[r]]
+                q.tokens.append(tokens[r])
+                per[q.slot] = per.get(q.slot, 0) + 1
+                if self.record_rows:
+                    q.rows.append(ring.hidden[r:r + 1].clone())
+            for s, n in per.items():
+                self.sequences[s].accepts.append(n)
+            total += c
+        n_tok = self.state.n_tok.tolist()
+        for s, q in self.sequences.items():
+            if len(q.tokens) != n_tok[s]:
+                raise RuntimeError(f"device loop: sequence {q.uid} has {len(q.tokens)} tokens on the host, "
+                                   f"{n_tok[s]} on the device")
+        return LaunchReport(int(self.state.round), total, Stop(int(self.state.status)))
+
+    def _retire(self) -> None:
+        finish = self.state.finish.tolist()
+        for s in [s for s, q in self.sequences.items() if finish[s] != Finish.NOT]:
+            q = self.sequences.pop(s)
+            q.finish = Finish(finish[s])
+            self.state.live[s] = False
+            self.model.free_seq(s)
+            self.finished.append(q)
+
+
+class _RowOutputs:
+    """A verify step's per-row outputs (``tokens``, ``hidden``, ``committed``): the loop
+    commits on the device, so the packed count the host-row gather reads is dropped."""
+
+    def __init__(self, verify_step):
+        self.verify_step = verify_step
+
+    def __call__(self, inputs):
+        out = self.verify_step(inputs)
+        return {name: out[name] for name in ("tokens", "hidden", "committed")}
+
+
+def _ends(lengths):
+    """The index of each group's last row, for consecutive groups of these lengths."""
+    end = 0
+    for n in lengths:
+        end += n
+        yield end - 1

@@ -1,0 +1,77 @@
+"""One round's pieces, and the loop over rounds run by the host (emulated conditional nodes).
+
+:class:`RoundBody` is what the WHILE node's body holds: ``plan()`` (the round's drafts and
+:func:`~.planner.plan_round`), the SWITCH's value (``rows.width_index``) and the WHILE's
+(``rows.go``), and ``branch(i)``: width ``i``'s graph, then :func:`~.commit.commit_round`
+over that width's static outputs. :class:`HostRounds` runs those semantics with the host
+reading the two values between the pieces: under ``graphs="emulate"`` the graph path on a
+CPU, and on a GPU without conditional nodes the host-driven fallback (one read per round).
+:mod:`.conditional` puts the very same pieces into one CUDA graph.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .commit import commit_round
+from .planner import plan_round
+from .state import LoopRing, LoopShape, LoopState, RoundRows
+
+
+class RoundBody:
+    """The pieces of one round over a captured runtime ``rt`` (its widths replayed by hand,
+    its arena written by the plan). ``drafter(state, k)`` draws the round's drafts on the
+    device. Lifetime: the runtime's graphs (a ``recapture()`` needs a new body)."""
+
+    def __init__(self, rt, state: LoopState, rows: RoundRows, ring: LoopRing, shape: LoopShape, block_table,
+                 drafter: Callable):
+        self.rt, self.state, self.rows, self.ring, self.shape = rt, state, rows, ring, shape
+        self.block_table, self.drafter = block_table, drafter
+        self.widths = torch.tensor(shape.widths, dtype=torch.int64, device=state.uid.device)
+        self.arena = rt.static_inputs(shape.rows)  # every width reads a prefix of these rows
+        self.graphs = [rt.graphs_captured[w] for w in shape.widths]
+        self.outputs = [rt.static_outputs(w) for w in shape.widths]
+
+    def unfeed(self) -> None:
+        """Graphs keep the arena's rows as the plan writes them (until the runtime's next
+        ``step``, e.g. a prefill: call this again before the next launch)."""
+        self.arena = self.rt.static_inputs(self.shape.rows)
+
+    def plan(self) -> None:
+        self.rows.drafts.copy_(self.drafter(self.state, self.shape.k))
+        plan_round(self.state, self.rows, self.arena, self.block_table, self.ring, self.shape, self.widths)
+
+    def step(self, i: int) -> None:
+        """Width ``i``'s graph (the SWITCH's branch ``i``, first half)."""
+        self.graphs[i].replay()
+
+    def commit(self, i: int) -> None:
+        """The commit of width ``i``'s outputs (branch ``i``, second half)."""
+        commit_round(self.state, self.rows, self.outputs[i], self.ring, self.shape)
+
+
+class HostRounds:
+    """WHILE(go) { plan; SWITCH(width_index) { i: step(i); commit(i) } } with the host
+    reading ``go`` and ``width_index`` (a value past the last branch runs none, as CUDA's
+    SWITCH). ``launches`` counts the host's launches of graphs and plans (what one outer
+    graph launch replaces)."""
+
+    name = "host"
+
+    def __init__(self, body: RoundBody):
+        self.body = body
+        self.launches = 0
+
+    def run(self) -> None:
+        body, n = self.body, len(self.body.shape.widths)
+        while True:
+            with torch.inference_mode():
+                body.plan()
+                go, i = int(body.rows.go), int(body.rows.width_index)
+                if i < n:
+                    body.step(i)
+                    body.commit(i)
+            self.launches += 1 + 2 * (i < n)
+            if not go:
+                return

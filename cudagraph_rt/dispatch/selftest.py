@@ -1,0 +1,76 @@
+"""``python -m cudagraph_rt.dispatch.selftest``: the device loop's outer graph, built and run
+once on this machine's GPU, checked against the host-driven rounds and the host runner.
+
+It prints each stage as it goes (what it found, what it built, what it compared) and ends
+with ``SELFTEST PASS`` (exit 0), ``SELFTEST FALLBACK: <what is missing>`` (exit 2: the loop
+would run its rounds host-driven here) or ``SELFTEST FAIL: <stage>: <error>`` (exit 1).
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+
+def _serve(loop, reqs):
+    import torch
+    loop.submit(reqs)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    loop.run()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(q.generated) for q in loop.finished)
+    return {q.uid: q.tokens for q in loop.finished}, tokens, seconds
+
+
+def run(k: int = 4, rounds: int = 32) -> int:
+    from .support import conditional_support
+    support = conditional_support()
+    print(f"[1/4] versions: {support}")
+    if not support.ok:
+        print(f"SELFTEST FALLBACK: {support.message}")
+        return 2
+    import torch
+    from ..models import ToyConfig, ToyDecoder
+    from ..spec.device_drafter import DeviceDrafter
+    from ..spec.loop_drafter import CoinRounds
+    from ..spec.runner import Request, SpecRunner
+    from .conditional import ConditionalRounds, compile_set_handles
+    from .loop import DeviceLoop
+    from cuda.bindings import nvrtc
+    stage = "nvrtc"
+    try:
+        ptx = compile_set_handles(nvrtc, "compute_%d%d" % torch.cuda.get_device_capability())
+        print(f"[2/4] NVRTC compiled the set-handles kernel: {len(ptx)} bytes of PTX")
+        stage = "build"
+        model = ToyDecoder(ToyConfig.tiny(max_len=128, max_seqs=4), "cuda")
+        reqs = [Request((1 + i, 2 + i, 3), 60 + 7 * i) for i in range(3)]
+        loop = DeviceLoop(model, CoinRounds(model, 0.7, 1), k=k, graphs=True, rounds=rounds)
+        if not isinstance(loop.runner, ConditionalRounds):
+            raise RuntimeError(f"the loop chose {type(loop.runner).__name__}, not the outer graph")
+        print("[3/4] outer graph built and instantiated:\n      " + "\n      ".join(loop.runner.description))
+        stage = "run"
+        got, tokens, seconds = _serve(loop, reqs)
+        model.reset_cache()
+        host_loop = DeviceLoop(model, CoinRounds(model, 0.7, 1), k=k, graphs=True, rounds=rounds, conditional=False)
+        ref, _, host_seconds = _serve(host_loop, reqs)
+        model.reset_cache()
+        runner = SpecRunner(model, DeviceDrafter(model, 0.7, 1, k=k), k=k, lanes=1, graphs=True)
+        runner.submit(reqs)
+        runner.run()
+        spec = {s.uid: s.tokens for s in runner.finished}
+    except Exception as e:  # noqa: BLE001 - the self-test reports every failure as one line
+        print(f"SELFTEST FAIL: {stage}: {type(e).__name__}: {e}")
+        return 1
+    launches = loop.runner.launches
+    print(f"[4/4] device loop: {tokens} tokens in {launches} launches ({64 * launches / tokens:.2f} per 64 tokens), "
+          f"{tokens / seconds:.0f} tokens/s; host-driven rounds: {host_loop.runner.launches} launches, "
+          f"{tokens / host_seconds:.0f} tokens/s")
+    same = got == ref == spec
+    print(f"      tokens equal: device loop == host-driven rounds: {got == ref}; == SpecRunner: {got == spec}")
+    print("SELFTEST PASS" if same else "SELFTEST FAIL: compare: the device loop's tokens differ")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(run())

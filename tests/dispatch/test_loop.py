@@ -1,0 +1,168 @@
+"""The device loop's semantics, emulated on the CPU (issue 38, item 2): tokens, accept
+counts and hidden rows bit-equal to the host-driven loop (SpecRunner with the device coin
+drafter, greedy), each stop condition, and failures inside the loop (a bad token id from
+the drafter, a pool with no block for the next round) that stop it with a clear error and
+leave every sequence's committed tokens and rows intact."""
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+import torch
+
+from cudagraph_rt.dispatch.loop import DeviceLoop, LoopError
+from cudagraph_rt.dispatch.state import Finish, Stop
+from cudagraph_rt.models import ToyConfig, ToyDecoder
+from cudagraph_rt.spec.device_drafter import DeviceDrafter
+from cudagraph_rt.spec.loop_drafter import CoinRounds
+from cudagraph_rt.spec.runner import Request, SpecRunner, ToyDrafter
+from tests.support.seeds import seeded_rng
+
+MODEL = ToyDecoder(ToyConfig.tiny(max_len=64, max_seqs=3), "cpu")
+
+
+@pytest.fixture(autouse=True)
+def _single_thread(one_thread):  # see conftest.py
+    yield
+
+
+def _requests(rng, n=3):
+    V = MODEL.config.vocab
+    return [Request(tuple(rng.randrange(V) for _ in range(rng.randint(1, 6))), rng.randint(1, 30)) for _ in range(n)]
+
+
+def _host(reqs, k, p, seed):
+    """The host-driven loop's finished sequences by uid, and its accept histogram."""
+    MODEL.reset_cache()
+    drafter = DeviceDrafter(MODEL, p, seed, k=k) if k else ToyDrafter(MODEL, p, seed)
+    runner = SpecRunner(MODEL, drafter, k=k, lanes=1, record_rows=True)
+    runner.submit(reqs)
+    runner.run()
+    return {s.uid: s for s in runner.finished}, runner.hist
+
+
+def _loop(k, p, seed, **kw):
+    MODEL.reset_cache()
+    return DeviceLoop(MODEL, kw.pop("drafter", None) or CoinRounds(MODEL, p, seed), k=k, record_rows=True, **kw)
+
+
+@pytest.mark.parametrize("k, rounds", [(0, 5), (1, 64), (3, 4), (4, 2)])
+def test_tokens_and_rows_equal_the_host_loop(k, rounds):
+    rng = seeded_rng("CGRT_LOOP_SEED")
+    p, seed = rng.choice([0.3, 0.6, 0.9, 1.0]), rng.randrange(2**31)  # p > 0: a stale draft state shows
+    reqs = _requests(rng, rng.randint(1, 5))
+    want, hist = _host(reqs, k, p, seed)
+    loop = _loop(k, p, seed, rounds=rounds)
+    loop.submit(reqs)
+    loop.run()
+    got = {q.uid: q for q in loop.finished}
+    assert sorted(got) == sorted(want)
+    # Every step the same rows in both loops while all requests fit the slots at once; a
+    # request that waits joins the host loop's verify step but the loop's own prefill step.
+    same = torch.equal if len(reqs) <= MODEL.config.max_seqs else lambda a, b: torch.allclose(a, b, 1e-4, 1e-4)
+    for uid, q in got.items():
+        assert q.tokens == want[uid].tokens
+        assert same(torch.cat(q.rows), torch.cat(want[uid].rows))
+        assert q.finish == Finish.MAX_TOKENS
+    assert Counter(a - 1 for q in got.values() for a in q.accepts) == hist
+
+
+def test_a_stop_token_ends_its_sequence_and_keeps_the_token():
+    rng = seeded_rng("CGRT_LOOP_SEED")
+    reqs = [Request((5, 6, 7), 30), Request((9,), 25)]
+    want, _ = _host(reqs, 3, 0.7, 1)
+    stop = want[0].generated[rng.randint(1, 20)]
+    loop = _loop(3, 0.7, 1, rounds=6, stop_tokens=(stop,))
+    loop.submit(reqs)
+    loop.run()
+    for q in loop.finished:
+        ref = want[q.uid].generated
+        cut = ref.index(stop) + 1 if stop in ref else len(ref)
+        assert q.generated == ref[:cut]
+        assert q.finish == (Finish.STOP_TOKEN if stop in ref else Finish.MAX_TOKENS)
+        # a sequence that stops leaves the others' later rounds narrower than the host loop's:
+        # the same rows up to the reduction order of another width
+        torch.testing.assert_close(torch.cat(q.rows), torch.cat(want[q.uid].rows)[:len(q.tokens) - len(q.prompt)])
+
+
+def test_rounds_ring_and_finished_stop_a_launch():
+    reqs = [Request((1, 2), 30), Request((3,), 30)]
+    loop = _loop(2, 0.5, 4, rounds=3)
+    loop.submit(reqs)
+    reports = loop.run()
+    assert all(r.stop == Stop.ROUNDS and r.rounds == 3 for r in reports[:-1])
+    assert reports[-1].stop == Stop.FINISHED
+    ring = _loop(2, 0.5, 4, rounds=8, depth=2)
+    ring.submit(reqs)
+    reports = ring.run()
+    assert all(r.stop == Stop.RING_FULL and r.rounds == 2 for r in reports[:-1])
+    assert [q.tokens for q in sorted(ring.finished, key=lambda q: q.uid)] == \
+           [q.tokens for q in sorted(loop.finished, key=lambda q: q.uid)]
+
+
+def test_a_retired_sequence_stops_the_launch_while_requests_wait():
+    reqs = [Request((1, 2), 4), Request((3,), 30), Request((4,), 30), Request((8, 9), 6)]
+    want, _ = _host(reqs, 2, 0.5, 2)
+    loop = _loop(2, 0.5, 2, rounds=64)
+    loop.submit(reqs)
+    reports = loop.run()
+    assert reports[0].stop == Stop.RETIRED
+    assert reports[-1].stop == Stop.FINISHED
+    assert {q.uid: q.tokens for q in loop.finished} == {u: s.tokens for u, s in want.items()}
+
+
+class _BadAt:
+    """The coin drafter, but slot 1 drafts ``bad`` once its sequence holds ``at`` tokens."""
+
+    def __init__(self, inner, at, bad):
+        self.inner, self.at, self.bad = inner, at, bad
+
+    def __call__(self, state, k):
+        d = self.inner(state, k)
+        hit = (state.n_tok >= self.at) & (torch.arange(d.shape[0]) == 1)
+        return torch.where(hit[:, None], torch.full_like(d, self.bad), d)
+
+
+def _intact(loop, want):
+    """Every sequence (served or finished) holds a prefix of its reference tokens and rows."""
+    for q in [*loop.sequences.values(), *loop.finished]:
+        ref = want[q.uid]
+        assert q.tokens == ref.tokens[:len(q.tokens)]
+        assert torch.equal(torch.cat(q.rows), torch.cat(ref.rows)[:len(q.tokens) - len(q.prompt)])
+    n_tok = loop.state.n_tok.tolist()
+    assert all(len(q.tokens) == n_tok[s] for s, q in loop.sequences.items())
+
+
+@pytest.mark.parametrize("bad", [MODEL.config.vocab, MODEL.config.vocab + 7, -1])
+def test_a_bad_token_id_stops_the_loop_with_the_committed_rows_intact(bad):
+    reqs = [Request((1, 2), 30), Request((3, 4, 5), 30)]
+    want, _ = _host(reqs, 3, 0.8, 5)
+    loop = _loop(3, 0.8, 5, rounds=4, drafter=_BadAt(CoinRounds(MODEL, 0.8, 5), 14, bad))
+    loop.submit(reqs)
+    with pytest.raises(LoopError, match=re.escape(f"token id {bad} at position")) as e:
+        loop.run()
+    assert "sequence 1 (slot 1)" in str(e.value)
+    assert loop.launches[-1].stop == Stop.BAD_TOKEN
+    assert 14 <= len(loop.sequences[1].tokens) < len(want[1].tokens)
+    _intact(loop, want)
+
+
+def test_a_full_pool_stops_the_loop_with_the_committed_rows_intact():
+    """Another user of the pool takes its free blocks between launches: the loop runs what
+    its reserved blocks hold (stopping at POOL), then refuses with LoopError."""
+    reqs = [Request((1, 2), 40), Request((3,), 40)]
+    want, _ = _host(reqs, 2, 0.6, 3)
+    small = ToyDecoder(ToyConfig.tiny(max_len=64, max_seqs=3, cells=96), "cpu")  # 6 blocks: the two requests' worst case
+    loop = DeviceLoop(small, CoinRounds(small, 0.6, 3), k=2, rounds=2, record_rows=True)
+    loop.submit(reqs)
+    loop._admit()
+    loop.launch()
+    pool = small.pool
+    assert pool.free_blocks == 4
+    small.cell_range(2, 0, 4 * pool.block_size)  # slot 2 (unused) takes every free block
+    with pytest.raises(LoopError, match=r"needs KV blocks for positions \d+\.\.\d+, 0 free of"):
+        while True:
+            loop.launch()
+    assert Stop.POOL in [r.stop for r in loop.launches]
+    _intact(loop, want)
