@@ -20,6 +20,7 @@ from ..inputs.spec import InputSpec
 from . import attention_op
 from .accept import greedy_accept
 from .choose import DRAFT_Q, draft_q_spec, sampling_specs
+from .greedy import chunk_count, greedy_tokens  # noqa: F401 - re-exported: the models' greedy token
 from .pool import KVPool
 
 ROW_INPUTS = ("tokens", "positions", "seq_ids", "cells", "want")
@@ -50,31 +51,6 @@ def eager_pool_attend(pool, layer: int, q: Tensor, k: Tensor, v: Tensor, seq_ids
     through :meth:`KVPool.bind_attend` (two kernel launches, nothing else on the host)."""
     return pool.attend(layer, q, k, v, seq_ids, positions, cells, scale=scale, window=window, slopes=slopes,
                        bias_shift=bias_shift, out=out)
-
-
-def chunk_count(vocab: int) -> int:
-    """Chunks of :func:`greedy_tokens`'s first stage: the largest divisor of ``vocab`` up to
-    256 that leaves chunks of at least 256 logits (1: no split)."""
-    best = 1
-    for c in range(2, 257):  # a plain loop: torch.compile traces it (not max() of a generator)
-        if vocab % c == 0 and vocab // c >= 256:
-            best = c
-    return best
-
-
-def greedy_tokens(logits: Tensor) -> Tensor:
-    """``logits.argmax(-1)`` for ``[N, vocab]`` logits, in two stages: the maximum of each of
-    ``chunk_count(vocab)`` chunks, then of the chunks. The same token (the first maximal
-    logit: both stages take the first on ties), but a reduction with N x chunks rows in
-    parallel instead of N: a decode step (N = 1) over a 128k vocabulary otherwise runs one
-    long reduction on one multiprocessor (30 us of a 1.2 ms step on the H200)."""
-    n, vocab = logits.shape
-    c = chunk_count(vocab)
-    if c == 1:
-        return logits.argmax(-1)
-    best, where = logits.view(n, c, vocab // c).max(-1)
-    chunk = best.argmax(-1, keepdim=True)
-    return (chunk * (vocab // c) + where.gather(-1, chunk)).squeeze(-1)
 
 
 def take_rows(inputs: dict[str, Tensor], names: tuple[str, ...], device: torch.device) -> list[Tensor]:

@@ -39,7 +39,7 @@ from torch import Tensor
 from ..errors import InputError, expected
 from ..kernels.sampling import SamplingSettings, check_setting_values, sample, verify
 from ..inputs.spec import InputSpec
-from . import cells
+from .greedy import greedy_tokens
 
 __all__ = ["DRAFT_Q", "SAMPLING_INPUTS", "TokenChoice", "draft_q_spec", "sampling_specs"]
 
@@ -114,7 +114,7 @@ class TokenChoice:
         ``greedy``: the model's greedy rule for a step without sampling inputs (any that
         picks the first maximal logit; default ``greedy_tokens``)."""
         if self.settings is None:
-            tokens = (greedy or cells.greedy_tokens)(logits)
+            tokens = (greedy or greedy_tokens)(logits)
         elif self.draft is None:
             tokens = sample(logits, self.settings, validate=False)
         else:
