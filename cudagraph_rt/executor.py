@@ -103,14 +103,14 @@ class StepBody:
     each width captures, and the eager path. It holds no reference to the runtime, so
     dropping the runtime frees its buffers at once (no cycle for the garbage collector)."""
 
-    def __init__(self, step_fn: Callable, layout: OutputLayout, rows_mode, control: Callable, values: StepValues):
-        self.step_fn, self.layout, self.rows_mode, self.control = step_fn, layout, rows_mode, control
+    def __init__(self, step_fn: Callable, layout: OutputLayout, row_choice, control: Callable, values: StepValues):
+        self.step_fn, self.layout, self.row_choice, self.control = step_fn, layout, row_choice, control
         self.values = values  # the runtime's step_values function, per slice
 
     def __call__(self, n: int, views: dict, fn: Callable | None = None) -> Any:
         out = (fn or self.step_fn)(views)
         self.layout.check(n, out)
-        self.rows_mode.gather_in_graph(out, n, self.control)
+        self.row_choice.gather_in_graph(out, n, self.control)
         return out
 
     def at_width(self, w: int, inputs, calls: list[int]) -> tuple[Callable[[], Any], Callable[[], Any]]:

@@ -67,7 +67,7 @@ class PlannedStep(NamedTuple):
 
     prep: Prepared
     slices: tuple[Slice, ...]
-    ticket: StepTicket  # the host-row mode's part of the step (rows validated, a ring slot free)
+    ticket: StepTicket  # the host-row choice's part of the step (rows validated, a ring slot free)
 
     @property
     def T(self) -> int:

@@ -137,21 +137,21 @@ CATALOGUE: tuple[Mutation, ...] = (
       "pass",
       "static_inputs() without unfeed: a replay by hand copies the feed over the rows the caller wrote",
       CAPTURE, graph_path=True),
-    M(17, "static outputs", "cudagraph_rt/host_rows/modes.py",
+    M(17, "static outputs", "cudagraph_rt/host_rows/device_chosen.py",
       "return (start, width, length, r.reshape(-1)[:width].to(torch.int64, copy=True),",
       "return (start, width, length, r.reshape(-1)[:width].to(torch.int64),",
       "the slice record keeps an int64 chooser's static output, which the next slice's replay rewrites",
       ROWS, graph_path=True),
-    # ---------------------------------------------------------------- host-row modes and snapshots
-    M(18, "host rows", "cudagraph_rt/host_rows/modes.py",
+    # ---------------------------------------------------------------- host-row choices and snapshots
+    M(18, "host rows", "cudagraph_rt/host_rows/device_chosen.py",
       "pad = used & (rows >= c.T) & (rows < n)",
       "pad = used & (rows > c.T) & (rows < n)",
       "`>` for `>=`: a chosen row T (the first padding row) is shipped", ROWS),
-    M(19, "host rows", "cudagraph_rt/host_rows/modes.py",
+    M(19, "host rows", "cudagraph_rt/host_rows/device_chosen.py",
       "ok = used & (r >= 0) & (r < length)  # rows [length, width) are padding: dropped",
       "ok = used & (r >= 0) & (r < width)  # rows [length, width) are padding: dropped",
       "width for length: a sliced step ships a slice's chosen padding rows (as the next slice's rows)", ROWS),
-    M(20, "snapshots", "cudagraph_rt/host_rows/modes.py",
+    M(20, "snapshots", "cudagraph_rt/host_rows/commit_chosen.py",
       "if self._gen[snap_slot] != gen:",
       "if self._gen[snap_slot] < gen:",
       "`<` for `!=`: a commit of a snapshot reused by a later step is not refused (generations only grow)", ROWS),
@@ -390,9 +390,9 @@ CATALOGUE: tuple[Mutation, ...] = (
       "host_inputs(T) does not mark the rows it hands out: filled and then stepped with fewer rows, those past "
       "the step's T stay in the feed (and the pinned staging copies them into the device arena)", FEED),
     M(70, "lifecycle", "cudagraph_rt/runtime.py",
-      "self._rows_mode.close()",
+      "self._row_choice.close()",
       "pass",
-      "close() forgets the host-row mode: the ring, its commit snapshots and a chooser's outputs stay with "
+      "close() forgets the host-row choice: the ring, its commit snapshots and a chooser's outputs stay with "
       "the runtime object until it goes", ("tests/core/test_lifecycle.py",)),
     M(71, "capture", "cudagraph_rt/graphs/policy.py",
       "capturer.renew()",
@@ -430,12 +430,12 @@ CATALOGUE: tuple[Mutation, ...] = (
       "if False:",
       "only the arguments' structure and tensor layouts compared: an entry of a list argument replaced "
       "by the call is lost at every replay without a word", MARKED, graph_path=True),
-    M(78, "output containers", "cudagraph_rt/host_rows/modes.py",
+    M(78, "output containers", "cudagraph_rt/host_rows/device_chosen.py",
       "return tree_unflatten(entries, spec)",
       "return type(outputs)(entries)",
-      "device mode rebuilds the outputs with the container's constructor: a NamedTuple's refuses a "
+      "device-chosen rows rebuild the outputs with the container's constructor: a NamedTuple's refuses a "
       "list (a raw TypeError after the step ran)", OUTPUTS),
-    M(79, "output containers", "cudagraph_rt/host_rows/modes.py",
+    M(79, "output containers", "cudagraph_rt/host_rows/device_chosen.py",
       "if type(outputs) is dict:",
       "if isinstance(outputs, dict):",
       "the plain dict's fast path taken by every mapping: an OrderedDict or a defaultdict of outputs "
