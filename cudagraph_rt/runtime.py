@@ -32,6 +32,11 @@ from .widths import Planner, Slice
 log = logging.getLogger(__name__)
 
 
+def _from_config(field: str, doc: str | None = None) -> property:
+    """A read-only attribute of the runtime that reads ``RuntimeConfig.<field>``."""
+    return property(lambda self: getattr(self.config, field), doc=doc or f"``RuntimeConfig.{field}``")
+
+
 class GraphRuntime:
     """Captures ``step_fn`` once per width of a width set and replays it for any step.
 
@@ -74,25 +79,35 @@ class GraphRuntime:
             step_fn, inputs, widths=widths, max_width=max_width, dynamic_limit=dynamic_limit, slicing=slicing,
             graphs=graphs, device=device, dynamic_fn=dynamic_fn, host_rows=host_rows, on_capture_error=on_capture_error,
             warmup=warmup, keep_graphs=keep_graphs, watch=watch, pieces=pieces, step_values=step_values)
-        self.step_fn, self.dynamic_fn, self.input_specs, self.device = cfg.step_fn, cfg.dynamic_fn, cfg.inputs, cfg.device
-        self.widths, self.dynamic_limit, self.slicing, self.graphs = cfg.widths, cfg.dynamic_limit, cfg.slicing, cfg.graphs
-        self.host_rows_config, self.on_capture_error = cfg.host_rows, cfg.on_capture_error
-        self.warmup, self.keep_graphs = cfg.warmup, cfg.keep_graphs
-        hr = self._row_choice = row_choice_for(cfg.host_rows, cfg.rows, self.device)  # NoHostRows without HostRows
+        hr = self._row_choice = row_choice_for(cfg.host_rows, cfg.rows, cfg.device)  # NoHostRows without HostRows
         backend = self._backend = cfg.backend
-        self._inputs = StaticInputs(cfg.inputs, cfg.rows, self.device, hr.control_blocks(),
-                                    feed_event=backend.feed_event(self.device))
+        self._inputs = StaticInputs(cfg.inputs, cfg.rows, cfg.device, hr.control_blocks(),
+                                    feed_event=backend.feed_event(cfg.device))
         self._layout = OutputLayout(hr.count_leaf)
         self._body = StepBody(cfg.step_fn, self._layout, hr, self._inputs.control, StepValues(cfg.step_values, cfg.inputs))
         self._replaying = hr.replaying
         self._watch = WatchedTensors(cfg.watch)
         self._lock, self._token = threading.Lock(), object()  # the token marks this runtime's StepResults
-        self._planner = Planner(self.widths, self.dynamic_limit, self.slicing)
-        self._capturer = backend.capturer(CaptureSettings(self.device, cfg.warmup, cfg.keep_graphs))
+        self._planner = Planner(cfg.widths, cfg.dynamic_limit, cfg.slicing)
+        self._capturer = backend.capturer(CaptureSettings(cfg.device, cfg.warmup, cfg.keep_graphs))
         self._ready, self.capture_report = False, None
         self._counters = Counters()
         self._direct: DirectStep | None = None  # the common step's short path, once captured
         self._eager_executors()
+
+    # -- the arguments, as built (read-only: RuntimeConfig holds them) ------------------
+    step_fn = _from_config("step_fn")
+    dynamic_fn = _from_config("dynamic_fn")
+    input_specs = _from_config("inputs", "the declared inputs (name -> InputSpec)")
+    device = _from_config("device", "the resolved device")
+    widths = _from_config("widths", "the captured widths, ascending")
+    dynamic_limit = _from_config("dynamic_limit")
+    slicing = _from_config("slicing")
+    graphs = _from_config("graphs", 'True, False or "emulate", whatever Graphs spelling was given')
+    host_rows_config = _from_config("host_rows", "the HostRows given, or None")
+    on_capture_error = _from_config("on_capture_error")
+    warmup = _from_config("warmup")
+    keep_graphs = _from_config("keep_graphs")
 
     # -- public ----------------------------------------------------------------------
     def plan(self, T: int) -> tuple[Slice, ...]:
@@ -337,38 +352,38 @@ class GraphRuntime:
         if not self._ready:
             self.capture()
         self._watch.check()
-        return PlannedStep(prep, slices, hr.ticket(idx))
+        return PlannedStep(prep, slices, hr.ticket(idx, T, sliced))
 
     def _execute(self, step: PlannedStep) -> StepResult:
-        ticket = step.ticket
-        ticket.open(step.sliced)
+        ticket, counters = step.ticket, self._counters
+        ticket.open()
         try:
-            control = ticket.control(step.T, step.sliced)
+            control = ticket.control()
             if step.sliced:
                 outputs = self._run_sliced(step, control)
             else:
                 s = step.slices[0]
-                outputs = ticket.outputs(self._executor(s).outputs(step.prep, s, control, self._layout), step.T)
-                self._counters.slices += 1
-                self._counters.padding += s.padding
+                outputs = ticket.finish(self._executor(s).outputs(step.prep, s, control, self._layout))
         except BaseException:
             ticket.abort()
             raise
-        self._counters.steps += 1
-        handle, snap = ticket.publish(step.T)
+        if step.sliced:
+            counters.step_ran()
+        else:
+            counters.step_ran(step.slices[0].padding, 1)
+        handle, snap = ticket.publish()
         return StepResult(outputs, step.T, step.slices, handle, snap, self._token)
 
     def _run_sliced(self, step: PlannedStep, control) -> Any:
         """Each slice's rows are copied out of graph memory before the next slice runs."""
-        ticket, bufs, records = step.ticket, None, []
+        ticket, bufs = step.ticket, None
         with torch.inference_mode():
             for s in step.slices:
                 out = self._executor(s).run(step.prep, s, control)
-                self._counters.slices += 1
-                self._counters.padding += s.padding
+                self._counters.slice_ran(s.padding)
                 bufs = self._layout.join_into(bufs, out, s, step.T)
-                records.append(ticket.record(out, s.start, s.width if s.path == "graph" else s.length, s.length))
-            return ticket.gather_sliced(self._layout.joined(bufs), step.T, records)
+                ticket.record(out, s)
+            return ticket.finish(self._layout.joined(bufs))
 
     # -- building blocks ---------------------------------------------------------------
     def _executor(self, s: Slice):

@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from .base import Control, NoHostRows, RowChoice, StepTicket
+from .base import Control, NoHostRows, NoTicket, RowChoice, StepTicket
 from .commit_chosen import CommitChosenRows
 from .config import HostRows, Mode, check_host_rows
 from .device_chosen import DeviceChosenRows
@@ -15,7 +15,8 @@ from .host_chosen import HostChosenRows
 from .ring import HostRowRing, HostRowsHandle
 
 __all__ = ["CommitChosenRows", "Control", "DeviceChosenRows", "HostChosenRows", "HostRowRing", "HostRows",
-           "HostRowsHandle", "Mode", "NoHostRows", "RowChoice", "StepTicket", "check_host_rows", "row_choice_for"]
+           "HostRowsHandle", "Mode", "NoHostRows", "NoTicket", "RowChoice", "StepTicket", "check_host_rows",
+           "row_choice_for"]
 
 _CHOICES = {"host": HostChosenRows, "device": DeviceChosenRows, "commit": CommitChosenRows}
 

@@ -89,47 +89,96 @@ class SnapshotTurn:
 
 
 class StepTicket:
-    """One step's dealings with its row choice, from plan to publish (built by
-    :meth:`RowChoice.ticket` once the rows are validated and the ring has a free slot:
-    nothing written). ``open`` takes the ring slot (when the step ships) and the snapshot
-    turn; then ``control``, the slices' ``record``, ``outputs`` or ``gather_sliced``; at
-    the end ``publish`` (the handle and the snapshot) or, if the step failed, ``abort``
-    (neither turn used up). Lifetime: one step."""
+    """One step's part in its row choice, from plan to publish: it holds the step's rows
+    (``idx``), its ring slot and snapshot turn and its slices' records, and does the
+    step's host-row work that every row choice shares (the control words, the ring turn,
+    the handle); the row choice does only what is its own (``begin``/``abort`` of a
+    snapshot, ``step_outputs``, ``slice_record``, ``gather_sliced``).
 
-    __slots__ = ("choice", "idx", "ships", "slot", "turn")
+    Built by :meth:`RowChoice.ticket` once the rows are validated and the ring has a free
+    slot: nothing written. ``open`` takes the ring slot (when the step ships) and the
+    snapshot turn; then ``control``, each slice's ``record`` (a sliced step), ``finish``;
+    at the end ``publish`` or, if the step failed, ``abort`` (neither turn used up).
+    Lifetime: one step."""
 
-    def __init__(self, choice: "RowChoice", idx: torch.Tensor | None, ships: bool):
-        self.choice, self.idx, self.ships, self.slot, self.turn = choice, idx, ships, None, None
+    __slots__ = ("choice", "idx", "T", "sliced", "ships", "slot", "turn", "records")
 
-    def open(self, sliced: bool) -> None:
+    def __init__(self, choice: "RowChoice", idx: torch.Tensor | None, T: int, sliced: bool, ships: bool):
+        self.choice, self.idx, self.T, self.sliced, self.ships = choice, idx, T, sliced, ships
+        self.slot, self.turn, self.records = None, None, []
+
+    def open(self) -> None:
         choice = self.choice
         self.slot = choice.ring.acquire() if self.ships else None
-        self.turn = choice.begin(sliced)
+        self.turn = choice.begin(self.sliced)
 
-    def control(self, T: int, sliced: bool) -> dict[str, Any] | None:
-        return self.choice.step_control(T, sliced, self.idx, self.slot, self.turn)
+    def control(self) -> dict[str, Any]:
+        """The step's control words: a one-slice step that ships gathers its rows in the
+        replay (``__rows__`` when the host chose them); any other aims at the spare slot."""
+        choice, idx, turn = self.choice, self.idx, self.turn
+        one = not self.sliced and self.slot is not None
+        count = len(idx) if (one and idx is not None) else 0
+        ctrl = {CTRL: Control(count, self.slot if one else choice.ring.spare,
+                              turn.slot if turn is not None else choice.config.depth,
+                              0 if self.sliced else self.T).words()}
+        if one and idx is not None:
+            ctrl[ROWS] = idx.numpy()
+        return ctrl
 
-    def outputs(self, outputs: Any, T: int) -> Any:
-        return self.choice.step_outputs(outputs, T)
+    def record(self, out: Any, s) -> None:
+        """Keep what the row choice needs of slice ``s`` (its static outputs ``out``) for
+        the merge after the last slice."""
+        width = s.width if s.path == "graph" else s.length
+        self.records.append(self.choice.slice_record(out, s.start, width, s.length))
 
-    def record(self, out: Any, start: int, width: int, length: int) -> Any:
-        return self.choice.slice_record(out, start, width, length)
-
-    def gather_sliced(self, outputs: Any, T: int, records: list) -> Any:
-        return self.choice.gather_sliced(outputs, self.idx, self.slot, T, records) if self.ships else outputs
+    def finish(self, outputs: Any) -> Any:
+        """The step's outputs as the step hands them out: a one-slice step's as its row
+        choice gives them; a sliced step's after shipping its rows from the joined outputs."""
+        if not self.sliced:
+            return self.choice.step_outputs(outputs, self.T)
+        if not self.ships:
+            return outputs
+        return self.choice.gather_sliced(outputs, self.idx, self.slot, self.T, self.records)
 
     def abort(self) -> None:
         self.choice.abort(self.turn)  # a failed step uses up no snapshot turn where none was written
         if self.slot is not None:
             self.choice.ring.unacquire(self.slot)  # ... and no ring turn
 
-    def publish(self, T: int) -> tuple[HostRowsHandle | None, tuple[int, int] | None]:
+    def publish(self) -> tuple[HostRowsHandle | None, tuple[int, int] | None]:
         """(the host-row handle or None, the commit snapshot (slot, generation) or None)."""
-        handle = self.choice.publish(self.slot, T, self.idx) if self.ships else None
-        turn = self.turn
+        idx, turn = self.idx, self.turn
+        handle = self.choice.ring.publish(self.slot, self.T, len(idx) if idx is not None else None) \
+            if self.ships else None
         return handle, ((turn.slot, turn.generation) if turn is not None else None)
 
 
+class NoTicket:
+    """The ticket of a runtime without HostRows: one object for every step (no state),
+    every method does nothing (``finish`` hands the outputs back as they are)."""
+
+    __slots__ = ()
+
+    def open(self) -> None:
+        pass
+
+    def control(self) -> None:
+        return None
+
+    def record(self, out: Any, s) -> None:
+        pass
+
+    def finish(self, outputs: Any) -> Any:
+        return outputs
+
+    def abort(self) -> None:
+        pass
+
+    def publish(self) -> tuple[None, None]:
+        return None, None
+
+
+NO_TICKET = NoTicket()
 
 
 class RowChoice:
@@ -216,13 +265,14 @@ class RowChoice:
         """Whether the step ships rows (takes a ring slot)."""
         return False
 
-    def ticket(self, idx: torch.Tensor | None) -> StepTicket:
-        """The step's :class:`StepTicket` for the validated rows ``idx`` (``step_rows``);
-        HostRingFullError if it ships and every ring slot is held. Writes nothing."""
+    def ticket(self, idx: torch.Tensor | None, T: int, sliced: bool) -> StepTicket:
+        """The :class:`StepTicket` of a step of T rows for the validated rows ``idx``
+        (``step_rows``); HostRingFullError if it ships and every ring slot is held. Writes
+        nothing."""
         ships = self.ships(idx)
         if ships:
             self.ring.check_free()
-        return StepTicket(self, idx, ships)
+        return StepTicket(self, idx, T, sliced, ships)
 
     def begin(self, sliced: bool) -> SnapshotTurn | None:
         """Bookkeeping before the step writes anything of this row choice (commit: a snapshot)."""
@@ -233,15 +283,6 @@ class RowChoice:
 
     def replaying(self) -> None:
         """A graph of the runtime is about to replay (it runs this row choice's gather)."""
-
-    def step_control(self, T: int, sliced: bool, idx, slot, turn) -> dict[str, Any]:
-        one = not sliced and slot is not None
-        count = len(idx) if (one and idx is not None) else 0
-        ctrl = {CTRL: Control(count, slot if one else self.ring.spare,
-                              turn.slot if turn is not None else self.config.depth, 0 if sliced else T).words()}
-        if one and idx is not None:
-            ctrl[ROWS] = idx.numpy()
-        return ctrl
 
     def gather_in_graph(self, out: Any, n: int, control: Callable[[str], torch.Tensor]) -> None:
         """The gather of this row choice inside the step's graph (or its eager run), width n."""
@@ -267,9 +308,6 @@ class RowChoice:
         slot_t = torch.tensor([slot], dtype=torch.int32).to(self.device, non_blocking=True)
         self.gather(src, rows, count, self.ring.dst, self.ring.meta, dst_slot=slot_t)
 
-    def publish(self, slot: int, T: int, idx) -> HostRowsHandle:
-        return self.ring.publish(slot, T, len(idx) if idx is not None else None)
-
     # -- after the step -----------------------------------------------------------------
     def check_commit(self) -> None:
         """InputError unless this row choice ships rows by ``commit()``."""
@@ -292,8 +330,8 @@ class RowChoice:
 class NoHostRows(RowChoice):
     """No HostRows: a runtime that ships no rows. Every hook of a step does nothing and
     writes nothing; ``rows=`` and ``commit()`` are refused (InputError). It has no ring,
-    no control blocks and no gather, and leaves the runtime's short path open
-    (``ships_rows`` False)."""
+    no control blocks and no gather, one ticket for every step (``NO_TICKET``), and
+    leaves the runtime's short path open (``ships_rows`` False)."""
 
     ships_rows = False
 
@@ -309,8 +347,8 @@ class NoHostRows(RowChoice):
     def probe(self, step_fn: Callable, inputs, layout, w: int) -> bool:
         return False
 
-    def step_control(self, T: int, sliced: bool, idx, slot, turn) -> None:
-        return None
+    def ticket(self, idx: None, T: int, sliced: bool) -> NoTicket:
+        return NO_TICKET
 
     def gather_in_graph(self, out: Any, n: int, control: Callable[[str], torch.Tensor]) -> None:
         """Nothing to gather."""
