@@ -57,10 +57,10 @@ class StateDigest:
         return out
 
 
-def runtime_digest(inputs, rows_mode, stats) -> StateDigest:
-    """The StateDigest of a runtime's static inputs, host-row mode (or None) and stats."""
+def runtime_digest(inputs, row_choice, stats) -> StateDigest:
+    """The StateDigest of a runtime's static inputs, row choice and stats."""
     arena, staging = inputs.digest_parts()
-    ring, snaps = rows_mode.digest()
+    ring, snaps = row_choice.digest()
     counters = (stats.steps, stats.slices, stats.padding_rows, *(tuple(sorted(m.items())) for m in
                 (stats.graph_replays, stats.eager_calls, stats.dynamic_calls)), stats.commits)
     return StateDigest(fingerprint(arena), fingerprint(staging), ring, snaps, counters)

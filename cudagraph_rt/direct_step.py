@@ -20,10 +20,10 @@ from .results import StepResult
 class _PerT:
     """What a step of T rows runs (slots: built once per T, read every step)."""
 
-    __slots__ = ("slices", "width", "launch", "cut", "is_dict", "padding")
+    __slots__ = ("slices", "replay", "cut", "is_dict", "padding")
 
     def __init__(self, slices, executor: GraphSlice, layout: OutputLayout, T: int):
-        self.slices, self.width, self.launch = slices, executor.width, executor.launch
+        self.slices, self.replay = slices, executor.replay
         self.cut = executor.cut(T, layout)
         self.is_dict = type(self.cut) is dict
         self.padding = slices[0].padding
@@ -69,13 +69,9 @@ class DirectStep:
             self._watch.check()  # raises StaleCaptureError before anything is written
         self._inputs.consume()
         feed.write_rows(ptrs, T)
-        c = self._counters
-        c.replays[e.width] += 1
-        e.launch()
-        c.steps += 1
-        c.slices += 1
-        c.padding += e.padding
-        return StepResult.fast(e.cut.copy() if e.is_dict else e.cut, T, e.slices, None, None, self._token)
+        e.replay()
+        self._counters.step_ran(e.padding, 1)  # as the general path counts a one-slice step
+        return StepResult(e.cut.copy() if e.is_dict else e.cut, T, e.slices, None, None, self._token)
 
     def runs(self, T: Any) -> bool:
         """Whether a step of ``T`` rows replays one captured graph (a fed one)."""

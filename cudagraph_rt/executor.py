@@ -19,7 +19,6 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import StepFunctionError, expected
-from .graphs.pieces import StepValues
 from .widths import Slice
 
 
@@ -35,6 +34,18 @@ class Counters:
     replays: Counter = field(default_factory=Counter)
     eager: Counter = field(default_factory=Counter)
     dynamic: Counter = field(default_factory=Counter)
+
+    def slice_ran(self, padding: int) -> None:
+        """One slice of a sliced step ran, with ``padding`` padding rows."""
+        self.slices += 1
+        self.padding += padding
+
+    def step_ran(self, padding: int = 0, slices: int = 0) -> None:
+        """A step ran to its end: a one-slice step's slice and padding counted with it (the
+        general path and the short path alike), a sliced step's already (``slice_ran``)."""
+        self.steps += 1
+        self.slices += slices
+        self.padding += padding
 
     def reset(self) -> None:
         self.steps = self.slices = self.padding = self.commits = 0
@@ -103,14 +114,14 @@ class StepBody:
     each width captures, and the eager path. It holds no reference to the runtime, so
     dropping the runtime frees its buffers at once (no cycle for the garbage collector)."""
 
-    def __init__(self, step_fn: Callable, layout: OutputLayout, rows_mode, control: Callable, values: StepValues):
-        self.step_fn, self.layout, self.rows_mode, self.control = step_fn, layout, rows_mode, control
+    def __init__(self, step_fn: Callable, layout: OutputLayout, row_choice, control: Callable, values):
+        self.step_fn, self.layout, self.row_choice, self.control = step_fn, layout, row_choice, control
         self.values = values  # the runtime's step_values function, per slice
 
     def __call__(self, n: int, views: dict, fn: Callable | None = None) -> Any:
         out = (fn or self.step_fn)(views)
         self.layout.check(n, out)
-        self.rows_mode.gather_in_graph(out, n, self.control)
+        self.row_choice.gather_in_graph(out, n, self.control)
         return out
 
     def at_width(self, w: int, inputs, calls: list[int]) -> tuple[Callable[[], Any], Callable[[], Any]]:
@@ -142,7 +153,7 @@ class EagerSlice:
     mode_name = "eager"
     graph = None
 
-    def __init__(self, width: int, body: Callable, inputs, counters: Counters, values: StepValues):
+    def __init__(self, width: int, body: Callable, inputs, counters: Counters, values):
         self.width, self._body, self._inputs, self._counters = width, body, inputs, counters
         self._values = values
 
@@ -165,7 +176,7 @@ class EagerSlice:
 class DynamicSlice(EagerSlice):
     """A step wider than the widest graph, run eagerly on exactly its rows (no padding)."""
 
-    def __init__(self, body: Callable, inputs, counters: Counters, values: StepValues):
+    def __init__(self, body: Callable, inputs, counters: Counters, values):
         super().__init__(0, body, inputs, counters, values)
 
     def run(self, prep, s: Slice, control) -> Any:
@@ -198,10 +209,14 @@ class GraphSlice:
 
     def run(self, prep, s: Slice, control) -> Any:
         self._inputs.write_via(self.stager, prep, s.start, s.length, self.width, control)
+        self.replay()
+        return self.static_out
+
+    def replay(self) -> None:
+        """Count and launch a replay over the rows already written (the short path's too)."""
         self._counters.replays[self.width] += 1
         self._replaying()
         self.launch()
-        return self.static_out
 
     def cut(self, T: int, layout: OutputLayout) -> Any:
         """The static outputs cut to ``T`` rows: made once per T, the same objects after
@@ -227,7 +242,7 @@ class PiecewiseSlice(GraphSlice):
     mode_name = "pieces"
 
     def __init__(self, width: int, graph, static_out: Any, inputs, counters: Counters, launch: Callable[[], None],
-                 values: StepValues):
+                 values):
         super().__init__(width, graph, static_out, inputs, counters, _nothing, launch)
         self._values = values
         self.direct = values.none

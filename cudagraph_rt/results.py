@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, NamedTuple
 
 from .inputs import Prepared
-from .host_rows import HostRowsHandle, StepTicket
+from .host_rows import HostRowsHandle, NoTicket, StepTicket
 from .widths import Slice
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class StepResult:
     """What one ``step`` returns.
 
@@ -28,16 +28,12 @@ class StepResult:
     snapshot: tuple[int, int] | None = field(default=None, repr=False)  # (slot, generation)
     owner: object = field(default=None, repr=False, compare=False)  # the runtime's token
 
-    @classmethod
-    def fast(cls, outputs: Any, T: int, slices: tuple[Slice, ...], host_rows: HostRowsHandle | None,
-             snapshot: tuple[int, int] | None, owner: object) -> "StepResult":
-        """The same object as ``StepResult(...)`` with every field given, built in one dict
-        update instead of the frozen ``__init__``'s six ``object.__setattr__`` calls (about
-        0.8 µs on the H200's host): for the short path. A new field must be added here too
-        (tests/core/test_direct_step.py compares the parameters with the fields)."""
-        r = object.__new__(cls)
-        r.__dict__.update(outputs=outputs, T=T, slices=slices, host_rows=host_rows, snapshot=snapshot, owner=owner)
-        return r
+    def __init__(self, outputs: Any, T: int, slices: tuple[Slice, ...], host_rows: HostRowsHandle | None = None,
+                 snapshot: tuple[int, int] | None = None, owner: object = None):
+        # Frozen, yet built in one dict update: the generated __init__ sets each field
+        # through object.__setattr__, on every step's path. A new field goes here too
+        # (tests/core/test_direct_step.py compares the parameters with the fields).
+        self.__dict__.update(outputs=outputs, T=T, slices=slices, host_rows=host_rows, snapshot=snapshot, owner=owner)
 
 
 @dataclass(frozen=True)
@@ -67,7 +63,7 @@ class PlannedStep(NamedTuple):
 
     prep: Prepared
     slices: tuple[Slice, ...]
-    ticket: StepTicket  # the host-row mode's part of the step (rows validated, a ring slot free)
+    ticket: StepTicket | NoTicket  # the host-row choice's part of the step (rows validated, a ring slot free)
 
     @property
     def T(self) -> int:

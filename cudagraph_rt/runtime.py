@@ -25,11 +25,16 @@ from .errors import BusyError, CapacityError, CgrtError, InputError, expected
 from .direct_step import DirectStep
 from .executor import Counters, GraphSlice, OutputLayout, StepBody, eager_executors
 from .graphs.policy import WidthParts, capture_widths, modes_of
-from .host_rows import HostRows, HostRowsHandle, make_rows_mode
+from .host_rows import HostRows, HostRowsHandle, row_choice_for
 from .results import PlannedStep, RuntimeStats, StepResult
 from .widths import Planner, Slice
 
 log = logging.getLogger(__name__)
+
+
+def _from_config(field: str, doc: str | None = None) -> property:
+    """A read-only attribute of the runtime that reads ``RuntimeConfig.<field>``."""
+    return property(lambda self: getattr(self.config, field), doc=doc or f"``RuntimeConfig.{field}``")
 
 
 class GraphRuntime:
@@ -74,25 +79,35 @@ class GraphRuntime:
             step_fn, inputs, widths=widths, max_width=max_width, dynamic_limit=dynamic_limit, slicing=slicing,
             graphs=graphs, device=device, dynamic_fn=dynamic_fn, host_rows=host_rows, on_capture_error=on_capture_error,
             warmup=warmup, keep_graphs=keep_graphs, watch=watch, pieces=pieces, step_values=step_values)
-        self.step_fn, self.dynamic_fn, self.input_specs, self.device = cfg.step_fn, cfg.dynamic_fn, cfg.inputs, cfg.device
-        self.widths, self.dynamic_limit, self.slicing, self.graphs = cfg.widths, cfg.dynamic_limit, cfg.slicing, cfg.graphs
-        self.host_rows_config, self.on_capture_error = cfg.host_rows, cfg.on_capture_error
-        self.warmup, self.keep_graphs = cfg.warmup, cfg.keep_graphs
-        hr = self._rows_mode = make_rows_mode(cfg.host_rows, cfg.rows, self.device)  # NoHostRows without HostRows
+        hr = self._row_choice = row_choice_for(cfg.host_rows, cfg.rows, cfg.device)  # NoHostRows without HostRows
         backend = self._backend = cfg.backend
-        self._inputs = StaticInputs(cfg.inputs, cfg.rows, self.device, hr.control_blocks(),
-                                    feed_event=backend.feed_event(self.device))
+        self._inputs = StaticInputs(cfg.inputs, cfg.rows, cfg.device, hr.control_blocks(),
+                                    feed_event=backend.feed_event(cfg.device))
         self._layout = OutputLayout(hr.count_leaf)
         self._body = StepBody(cfg.step_fn, self._layout, hr, self._inputs.control, StepValues(cfg.step_values, cfg.inputs))
         self._replaying = hr.replaying
         self._watch = WatchedTensors(cfg.watch)
         self._lock, self._token = threading.Lock(), object()  # the token marks this runtime's StepResults
-        self._planner = Planner(self.widths, self.dynamic_limit, self.slicing)
-        self._capturer = backend.capturer(CaptureSettings(self.device, cfg.warmup, cfg.keep_graphs))
+        self._planner = Planner(cfg.widths, cfg.dynamic_limit, cfg.slicing)
+        self._capturer = backend.capturer(CaptureSettings(cfg.device, cfg.warmup, cfg.keep_graphs))
         self._ready, self.capture_report = False, None
         self._counters = Counters()
         self._direct: DirectStep | None = None  # the common step's short path, once captured
         self._eager_executors()
+
+    # -- the arguments, as built (read-only: RuntimeConfig holds them) ------------------
+    step_fn = _from_config("step_fn")
+    dynamic_fn = _from_config("dynamic_fn")
+    input_specs = _from_config("inputs", "the declared inputs (name -> InputSpec)")
+    device = _from_config("device", "the resolved device")
+    widths = _from_config("widths", "the captured widths, ascending")
+    dynamic_limit = _from_config("dynamic_limit")
+    slicing = _from_config("slicing")
+    graphs = _from_config("graphs", 'True, False or "emulate", whatever Graphs spelling was given')
+    host_rows_config = _from_config("host_rows", "the HostRows given, or None")
+    on_capture_error = _from_config("on_capture_error")
+    warmup = _from_config("warmup")
+    keep_graphs = _from_config("keep_graphs")
 
     # -- public ----------------------------------------------------------------------
     def plan(self, T: int) -> tuple[Slice, ...]:
@@ -131,7 +146,7 @@ class GraphRuntime:
         if self._ready:
             return self.capture_report
         with self._inputs.rows_kept():
-            probed = self._rows_mode.probe(self._body.values.on_pads(self.step_fn), self._inputs, self._layout,
+            probed = self._row_choice.probe(self._body.values.on_pads(self.step_fn), self._inputs, self._layout,
                                            self.widths[-1])
             t0, calls = time.perf_counter(), [int(probed)]
             reports, pool = self._capture_graphs(calls) if self._backend.captures else ([], 0)
@@ -140,7 +155,7 @@ class GraphRuntime:
         log.debug("captured %d widths (%s) in %.2f s", len(reports), self._backend.name,
                   self.capture_report.seconds)
         self._ready = True
-        if self._inputs.graph_stager.short_path and not self._rows_mode.ships_rows:
+        if self._inputs.graph_stager.short_path and not self._row_choice.ships_rows:
             self._direct = DirectStep(self._inputs, self._by_width.get, self._planner, self._layout, self._counters,
                                       self._token, self._watch)
         return self.capture_report
@@ -160,7 +175,7 @@ class GraphRuntime:
             self._drop_graphs()
             self._inputs, self._by_width, self._dynamic, self._body = None, {}, None, None
             self._direct = None
-            self._rows_mode.close()
+            self._row_choice.close()
 
     def __enter__(self) -> "GraphRuntime":
         return self
@@ -193,13 +208,13 @@ class GraphRuntime:
         """``HostRows(mode="commit")``: ship ``rows`` of an earlier step's ``source`` output
         to the host, from its device snapshot. Allowed until ``depth`` later steps have
         run (then StaleRowsError); not for sliced steps (CapacityError)."""
-        self._rows_mode.check_commit()
+        self._row_choice.check_commit()
         if not isinstance(result, StepResult):
             raise InputError(expected("result", "a StepResult of this runtime", type(result).__name__))
         if result.owner is not self._token:
             raise InputError(expected("result", "a StepResult of this runtime", "one this runtime did not make"))
         with self._exclusive("commit"):
-            handle = self._rows_mode.commit(result, rows, result.T, self._inputs)
+            handle = self._row_choice.commit(result, rows, result.T, self._inputs)
             self._counters.commits += 1
             return handle
 
@@ -224,7 +239,7 @@ class GraphRuntime:
         self._check_open("state_digest")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # every queued gather has written the ring
-        return runtime_digest(self._inputs, self._rows_mode, self.stats())
+        return runtime_digest(self._inputs, self._row_choice, self.stats())
 
     # -- the runtime's own buffers, handed out: what each is and for how long, in its docstring
     def static_outputs(self, width: int) -> Any:
@@ -249,7 +264,7 @@ class GraphRuntime:
         a CPU, where they are plain memory)."""
         if self._inputs is None:
             return 0
-        return sum(b.nbytes for b in self._inputs.staging) + self._rows_mode.pinned_bytes()
+        return sum(b.nbytes for b in self._inputs.staging) + self._row_choice.pinned_bytes()
 
     def static_inputs(self, width: int) -> dict[str, torch.Tensor]:
         """The device views a graph of ``width`` reads: rows ``[:width]`` of the arena.
@@ -329,7 +344,7 @@ class GraphRuntime:
         slices = (self._planner.first(T),) if sliced else self._planner(T)
         if prep.zero_copy and sliced:
             raise CapacityError(expected("zero-copy inputs", f"a step of at most {self.config.rows} rows", T))
-        hr = self._rows_mode
+        hr = self._row_choice
         first = slices[0].width if slices[0].path == "graph" else slices[0].length
         idx = hr.step_rows(rows, T, first, sliced)
         if sliced:
@@ -337,38 +352,38 @@ class GraphRuntime:
         if not self._ready:
             self.capture()
         self._watch.check()
-        return PlannedStep(prep, slices, hr.ticket(idx))
+        return PlannedStep(prep, slices, hr.ticket(idx, T, sliced))
 
     def _execute(self, step: PlannedStep) -> StepResult:
-        ticket = step.ticket
-        ticket.open(step.sliced)
+        ticket, counters = step.ticket, self._counters
+        ticket.open()
         try:
-            control = ticket.control(step.T, step.sliced)
+            control = ticket.control()
             if step.sliced:
                 outputs = self._run_sliced(step, control)
             else:
                 s = step.slices[0]
-                outputs = ticket.outputs(self._executor(s).outputs(step.prep, s, control, self._layout), step.T)
-                self._counters.slices += 1
-                self._counters.padding += s.padding
+                outputs = ticket.finish(self._executor(s).outputs(step.prep, s, control, self._layout))
         except BaseException:
             ticket.abort()
             raise
-        self._counters.steps += 1
-        handle, snap = ticket.publish(step.T)
+        if step.sliced:
+            counters.step_ran()
+        else:
+            counters.step_ran(step.slices[0].padding, 1)
+        handle, snap = ticket.publish()
         return StepResult(outputs, step.T, step.slices, handle, snap, self._token)
 
     def _run_sliced(self, step: PlannedStep, control) -> Any:
         """Each slice's rows are copied out of graph memory before the next slice runs."""
-        ticket, bufs, records = step.ticket, None, []
+        ticket, bufs = step.ticket, None
         with torch.inference_mode():
             for s in step.slices:
                 out = self._executor(s).run(step.prep, s, control)
-                self._counters.slices += 1
-                self._counters.padding += s.padding
+                self._counters.slice_ran(s.padding)
                 bufs = self._layout.join_into(bufs, out, s, step.T)
-                records.append(ticket.record(out, s.start, s.width if s.path == "graph" else s.length, s.length))
-            return ticket.gather_sliced(self._layout.joined(bufs), step.T, records)
+                ticket.record(out, s)
+            return ticket.finish(self._layout.joined(bufs))
 
     # -- building blocks ---------------------------------------------------------------
     def _executor(self, s: Slice):
@@ -383,13 +398,13 @@ class GraphRuntime:
         every gather aimed at a spare slot (recapture() comes after real steps; their rows,
         KV slots and held host rows must not be touched again). Each width as the capture
         policy says (``graphs.policy``)."""
-        self._inputs.reset(self._rows_mode.spare_control())
+        self._inputs.reset(self._row_choice.spare_control())
         cap = self._capturer
         cap.begin()
         parts = WidthParts(self._body, self._inputs, self._counters, self._backend, self._replaying, self.device,
                            self.explain_capture)
         reports = capture_widths(self.config.capture_policy, cap, self._by_width, parts, calls)
-        self._rows_mode.capture_extra(cap.body, self._inputs)
+        self._row_choice.capture_extra(cap.body, self._inputs)
         self._watch.remember()
         return reports, cap.pool_bytes()
 
@@ -407,7 +422,7 @@ class GraphRuntime:
     def _drop_graphs(self) -> None:
         self._direct = None
         self._eager_executors()
-        self._rows_mode.drop_graphs()
+        self._row_choice.drop_graphs()
         self._capturer.drop()
         self._ready = False
         self._watch.forget()

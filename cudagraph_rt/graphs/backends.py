@@ -44,7 +44,7 @@ class GraphBackend:
         raise CgrtError(f"graphs={self.value!r} captures no graph")
 
     def before_launch(self, replaying: Callable[[], None]) -> Callable[[], None]:
-        """What a graph step calls before its launch: the host-row mode's ``replaying``
+        """What a graph step calls before its launch: the host-row choice's ``replaying``
         where the launch runs the captured gather without Python (CUDA graphs)."""
         return replaying
 

@@ -161,7 +161,7 @@ class WidthCapturer:
         return g, out, WidthCapture(w, tw, tc, self.pool_bytes(), pool=self.pool_index)
 
     def body(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
-        """A graph of ``fn`` in the pool (a host-row mode's own, e.g. commit's gather):
+        """A graph of ``fn`` in the pool (a host-row choice's own, e.g. commit's gather):
         one eager run on the capture stream, then the capture."""
         g, stream = torch.cuda.CUDAGraph(), self.stream
         stream.wait_stream(torch.cuda.current_stream())

@@ -121,7 +121,7 @@ class EmulatedCapturer(NoPool):
         return EmulatedPieces(w, replay, out, calls), out, WidthCapture(w, tw, tc, 0, pool=self.pool_index)
 
     def body(self, fn: Callable[[], None]) -> EmulatedGraph:
-        """A graph of ``fn`` (a host-row mode's own, e.g. commit's gather)."""
+        """A graph of ``fn`` (a host-row choice's own, e.g. commit's gather)."""
         return EmulatedGraph(0, fn, None)
 
 

@@ -255,7 +255,7 @@ class PiecewiseGraph:
 class PieceLaunch:
     """A step's launch of a piecewise width: each piece's graph launched in turn (on the
     caller's stream), the marked calls between them run eagerly, ``before_last`` (the
-    host-row mode's bookkeeping) just before the last piece, which holds the gather."""
+    host-row choice's bookkeeping) just before the last piece, which holds the gather."""
 
     __slots__ = ("_steps", "_last", "_before_last")
 

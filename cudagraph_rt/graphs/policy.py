@@ -27,7 +27,7 @@ class WidthParts(NamedTuple):
     inputs: Any  # StaticInputs
     counters: Any
     backend: Any  # graphs.backends.GraphBackend
-    replaying: Callable[[], None]  # the host-row mode's bookkeeping before a graph runs its gather
+    replaying: Callable[[], None]  # the host-row choice's bookkeeping before a graph runs its gather
     device: Any
     explain: Callable[[int], tuple]  # the hazard finder on width w
 

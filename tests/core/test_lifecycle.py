@@ -131,7 +131,7 @@ def test_capture_with_graphs_off_checks_the_output_structure_as_its_docstring_sa
 def test_state_digest_waits_for_the_device_before_reading_the_ring():
     """state_digest()'s docstring: "Waits for the device first". The old runtime
     synchronized the device (and took the step lock) before hashing; runtime_digest no
-    longer does, and it hashes the pinned host ring (``rows_mode.digest()``) before the
+    longer does, and it hashes the pinned host ring (``row_choice.digest()``) before the
     arena's ``.cpu()`` copy syncs anything: a digest taken right after a step that is still
     on the device reads the ring before the step's gather lands, so "equal digests before
     and after a refused call" can fail spuriously (or pass on a half-written ring)."""
@@ -219,7 +219,7 @@ def test_close_frees_the_host_row_ring_and_its_snapshots_at_once(device, graphs,
         handle.rows()
         handle.release()
         del res, handle
-    hr = rt._rows_mode
+    hr = rt._row_choice
     held = {"ring rows": hr.ring.dst, "ring meta": hr.ring.meta}
     if mode == "commit":
         held.update({"snapshots": hr.snap, "snapshot meta": hr._snap_meta})

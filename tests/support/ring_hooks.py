@@ -10,7 +10,7 @@ from cudagraph_rt.host_rows import HostRowRing
 def host_ring(rt) -> HostRowRing | None:
     """The runtime's host-row ring (None before the first-use probe sized it, or without
     HostRows). ``dst[slot]`` rows, ``meta[slot]`` = [count, error bits, indices...]."""
-    return rt._rows_mode.ring  # NoHostRows has none
+    return rt._row_choice.ring  # NoHostRows has none
 
 
 def poison_next_slot(rt) -> None:

@@ -358,11 +358,11 @@ class SubSub(Sub):
                    "other._inputs", "self._inputs"], got
 
 
-def test_the_step_path_never_asks_whether_there_is_a_host_row_mode():
-    """A runtime without HostRows holds NoHostRows, so the step path calls its mode's hooks
-    unconditionally: no ``hr is None`` / ``rows_mode is not None`` anywhere in the core."""
-    pattern = re.compile(r"\b(hr|rows_mode|_rows_mode)\s+is\s+(not\s+)?None\b|\bif\s+(not\s+)?(hr|self\._rows_mode)\b")
+def test_the_step_path_never_asks_whether_there_is_a_host_row_choice():
+    """A runtime without HostRows holds NoHostRows, so the step path calls its row choice's
+    hooks unconditionally: no ``hr is None`` / ``row_choice is not None`` anywhere in the core."""
+    pattern = re.compile(r"\b(hr|row_choice|_row_choice)\s+is\s+(not\s+)?None\b|\bif\s+(not\s+)?(hr|self\._row_choice)\b")
     found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in CORE
              for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert not found, found
-    assert pattern.search("x = hr.ring if hr is not None else None") and pattern.search("if self._rows_mode:")
+    assert pattern.search("x = hr.ring if hr is not None else None") and pattern.search("if self._row_choice:")
