@@ -2,7 +2,7 @@
 
 The step samples with per-row device tensors (``kernels.sampling.SamplingSettings``); a
 runner writes each request's :class:`SamplingParams` into those rows of every step it
-feeds (``spec/runner.py``). What each setting means, and the order they apply in, is
+feeds (``speculative/runner.py``). What each setting means, and the order they apply in, is
 ``kernels/sampling/settings.py``'s: temperature, then top-k, then top-p on the top-k set,
 then min-p; temperature 0 is greedy (the first maximal logit, exactly the greedy step's
 token), whatever the other settings say.

@@ -11,7 +11,7 @@ One language:
 - ``--device``: ``cuda`` | ``cpu`` (default: cuda where torch sees one).
 - ``--widths W,W,..``: positive step widths.
 - ``--graphs``: ``auto`` | ``on`` | ``off`` | ``both`` | ``emulate``, one meaning in every
-  command that runs graphs (``cudagraph_rt.testing.graph_modes``); what needs CUDA graphs
+  command that runs graphs (``cudagraph_rt.sweep.graph_modes``); what needs CUDA graphs
   (``on``, ``both``) is a usage error on a device without CUDA, naming what runs there.
 - ``--seed N``: the seed of every random draw the command makes (an int >= 0), the
   sampled tokens' included (each request's seed derives from it and its uid).
@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from cudagraph_rt.errors import InputError, expected
 from cudagraph_rt.extras import available, message
-from cudagraph_rt.testing.graph_modes import GRAPHS, MEANING, resolve_graphs
+from cudagraph_rt.sweep.graph_modes import GRAPHS, MEANING, resolve_graphs
 
 if TYPE_CHECKING:
     import torch
@@ -382,7 +382,7 @@ def device(args: argparse.Namespace) -> "torch.device":
 def graph_modes(mode: str, dev: "torch.device") -> tuple[list[bool | str], list[str]]:
     """``--graphs`` on ``dev`` -> the graph modes to run, in order (True: on, False: off,
     "emulate"), and notes; UsageError for a mode that cannot run on ``dev``. The meaning is
-    the sweep harness's own (cudagraph_rt.testing.graph_modes), for every command."""
+    the sweep harness's own (cudagraph_rt.sweep.graph_modes), for every command."""
     try:
         modes, notes = resolve_graphs(mode, dev, name="--graphs")
     except InputError as e:

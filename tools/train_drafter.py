@@ -2,8 +2,8 @@
 
 The target (``--model``, as ``cgrt bench``'s) generates from random prompts through its own
 runtime (plain greedy decoding, every committed hidden row kept); then ``--kind head``
-trains an EAGLE-style draft head (``cudagraph_rt.spec.head``) on those rows, or ``--kind
-model`` a small causal LM of the target's vocabulary (``cudagraph_rt.spec.draft_training``)
+trains an EAGLE-style draft head (``cudagraph_rt.speculative.head``) on those rows, or ``--kind
+model`` a small causal LM of the target's vocabulary (``cudagraph_rt.speculative.draft_training``)
 on those tokens. ``--out PATH`` gets the drafter (a head file, or a transformers checkpoint
 folder for ``model``), ``--plot DIR`` the loss curve (``train_loss.png``). Prints the wall time of each phase
 and the held-out acceptance estimate (greedy, k drafts). No download: the data is the
@@ -87,8 +87,8 @@ def _model(args, choice, device):
 def run(args) -> int:
     import torch
 
-    from cudagraph_rt.spec import training
-    from cudagraph_rt.testing.graph_modes import mode_name
+    from cudagraph_rt.speculative import training
+    from cudagraph_rt.sweep.graph_modes import mode_name
 
     if args.out is None:
         raise options.UsageError(expected("--out", "a path for the drafter", "none"))
@@ -124,7 +124,7 @@ def run(args) -> int:
                 tick(i)
 
         if args.kind == "head":
-            from cudagraph_rt.spec.head import save_head
+            from cudagraph_rt.speculative.head import save_head
             target = f"{args.model} {choice.size} seed {args.seed}"
             head = training.make_head(model, train, hidden=args.hidden, layers=args.layers or 1,
                                       draft_vocab=args.draft_vocab, target=target, seed=args.seed)
@@ -132,7 +132,7 @@ def run(args) -> int:
                                       held_out=held, k=args.k, seed=args.seed, on_step=on_step)
             save_head(head, args.out)
         else:
-            from cudagraph_rt.spec import draft_training
+            from cudagraph_rt.speculative import draft_training
             rep = draft_training.train_draft_model(model, train, held, out=args.out, steps=args.steps, batch=batch,
                                                    lr=args.lr, hidden=args.hidden, layers=args.layers or 2, k=args.k,
                                                    seed=args.seed, on_step=on_step)

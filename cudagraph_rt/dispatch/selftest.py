@@ -32,9 +32,9 @@ def run(k: int = 4, rounds: int = 32) -> int:
         return 2
     import torch
     from ..models import ToyConfig, ToyDecoder
-    from ..spec.device_drafter import DeviceDrafter
-    from ..spec.loop_drafter import CoinRounds
-    from ..spec.runner import Request, SpecRunner
+    from ..speculative.device_drafter import DeviceDrafter
+    from ..speculative.loop_drafter import CoinRounds
+    from ..speculative.runner import Request, SpecRunner
     from .conditional import ConditionalRounds, compile_set_handles
     from .loop import DeviceLoop
     from cuda.bindings import nvrtc

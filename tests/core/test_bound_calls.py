@@ -265,7 +265,7 @@ def _pool_attend_is_bound(device, graphs):
     """The toy with its attention marked eager, in pieces: every recorded call is bound
     (KVPool.bind_attend), and the sweep passes it against the eager reference."""
     from cudagraph_rt.models import ToyDecoder
-    from cudagraph_rt.testing import ToyAdapter, run_sweep
+    from cudagraph_rt.sweep import ToyAdapter, run_sweep
     m = ToyDecoder(device=device, attention="eager-piece")
     rt = GraphRuntime(m.step, m.inputs(), graphs=graphs, pieces=True, device=device, widths=(1, 2, 4, 8))
     rt.capture()

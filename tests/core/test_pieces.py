@@ -21,7 +21,7 @@ from cudagraph_rt.debug.inspect import inspect_runtime
 from cudagraph_rt.graphs.emulation import EmulatedPieces
 from cudagraph_rt.graphs.pieces import EagerCall, PieceLaunch, PiecewiseGraph
 from cudagraph_rt.pieces import is_marked
-from cudagraph_rt.testing.checks import check_pad_rows
+from cudagraph_rt.sweep.checks import check_pad_rows
 from tests.support.extras import require
 from tests.support.models_for_tests import InPlaceArgsModel, MarkedSlotModel, SlotModel
 from tests.support.reliability_harness import ScaleChooser, chosen_by_scale
@@ -202,7 +202,7 @@ def test_the_toy_with_its_attention_in_pieces_equals_the_captured_toy():
 
 
 def test_sweep_passes_the_toy_in_pieces_emulated_and_off():
-    from cudagraph_rt.testing import ToyAdapter, run_sweep
+    from cudagraph_rt.sweep import ToyAdapter, run_sweep
     for graphs in ("emulate", "off"):
         rep = run_sweep(ToyAdapter(device="cpu", attention="eager-piece", pieces=True, widths=(1, 2, 4, 8)),
                         graphs=graphs, repeats=1, extras=(12,))
@@ -231,7 +231,7 @@ def test_a_transformers_model_in_pieces_equals_its_whole_graph():
 @pytest.mark.parametrize("attention", ["eager-piece", "varlen"])
 def test_sweep_passes_a_transformers_model_in_pieces(attention):
     require("transformers")
-    from cudagraph_rt.testing import HFAdapter, run_sweep
+    from cudagraph_rt.sweep import HFAdapter, run_sweep
     adapter = HFAdapter("llama", "tiny", device="cpu", widths=(1, 2, 4, 8), attention=attention, pieces=True)
     for graphs in ("emulate", "off"):
         rep = run_sweep(adapter, graphs=graphs, repeats=1, extras=(12,))
@@ -824,7 +824,7 @@ def test_cuda_varlen_attention_in_pieces_equals_graphs_off(dtype):
 @pytest.mark.parametrize("attention", ["eager-piece", "varlen"])
 def test_cuda_sweep_in_pieces(attention):
     require("transformers")
-    from cudagraph_rt.testing import HFAdapter, ToyAdapter, run_sweep
+    from cudagraph_rt.sweep import HFAdapter, ToyAdapter, run_sweep
     rep = run_sweep(HFAdapter("llama", "tiny", device="cuda", attention=attention, pieces=True), graphs="both",
                     repeats=1)
     assert rep.ok, rep.summary()

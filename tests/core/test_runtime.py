@@ -361,7 +361,7 @@ def test_padding_rows_run_the_pads_even_after_views_written_past_their_step(grap
     thread filling late) land in staging rows the bookkeeping counts as pads; the fed path
     then ran them as padding rows, which wrote their KV cells. The prologue of every fed
     graph now pads rows [T, width) on the device, and staging pads them on every write."""
-    from cudagraph_rt.testing.checks import check_pad_rows
+    from cudagraph_rt.sweep.checks import check_pad_rows
     device = "cuda" if graphs is True else "cpu"
     m, ref = cls(device, seed=6), cls(device, seed=6)
     rt = GraphRuntime(m, m.specs(), graphs=graphs, device=device)

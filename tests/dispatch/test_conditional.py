@@ -58,7 +58,7 @@ def test_torch_graph_detection():
 def test_without_conditional_nodes_the_rounds_run_host_driven(monkeypatch, caplog):
     from cudagraph_rt.dispatch.loop import DeviceLoop
     from cudagraph_rt.models import ToyConfig, ToyDecoder
-    from cudagraph_rt.spec.loop_drafter import CoinRounds
+    from cudagraph_rt.speculative.loop_drafter import CoinRounds
     model = ToyDecoder(ToyConfig.tiny(max_len=32, max_seqs=2), "cpu")
     loop = DeviceLoop(model, CoinRounds(model, 0.5), k=1)
     monkeypatch.setattr(sup, "conditional_support", lambda: sup.Support(**{**OK, "driver": 12040}))

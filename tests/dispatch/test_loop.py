@@ -14,9 +14,9 @@ import torch
 from cudagraph_rt.dispatch.loop import DeviceLoop, LoopError
 from cudagraph_rt.dispatch.state import Finish, Stop
 from cudagraph_rt.models import ToyConfig, ToyDecoder
-from cudagraph_rt.spec.device_drafter import DeviceDrafter
-from cudagraph_rt.spec.loop_drafter import CoinRounds
-from cudagraph_rt.spec.runner import Request, SpecRunner, ToyDrafter
+from cudagraph_rt.speculative.device_drafter import DeviceDrafter
+from cudagraph_rt.speculative.loop_drafter import CoinRounds
+from cudagraph_rt.speculative.runner import Request, SpecRunner, ToyDrafter
 from tests.support.seeds import seeded_rng
 
 MODEL = ToyDecoder(ToyConfig.tiny(max_len=64, max_seqs=3), "cpu")

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from cudagraph_rt.dispatch.planner import plan_round
 from cudagraph_rt.dispatch.state import LoopRing, LoopShape, LoopState, RoundRows, Stop
 from cudagraph_rt.models import ToyConfig, ToyDecoder
-from cudagraph_rt.spec.runner import COLUMNS, Sequence, SpecRunner
+from cudagraph_rt.speculative.runner import COLUMNS, Sequence, SpecRunner
 from cudagraph_rt.widths import default_widths
 
 MODEL = ToyDecoder(ToyConfig.tiny(max_len=64, max_seqs=6), "cpu")

@@ -364,7 +364,7 @@ def test_sweep_of_the_compiled_decoder_through_the_graph_path(tmp_path):
     import json
 
     from cudagraph_rt import cli
-    from cudagraph_rt.testing import HFAdapter, run_sweep
+    from cudagraph_rt.sweep import HFAdapter, run_sweep
 
     rng = seeded_rng("COMPILE_TEST_SEED")
     adapter = HFAdapter("qwen3", "tiny", device="cpu", widths=(1, 2, 4), compile="default")

@@ -20,9 +20,9 @@ from cudagraph_rt import GraphRuntime, InputError, InputSpec  # noqa: E402
 from cudagraph_rt.models import hf  # noqa: E402
 from cudagraph_rt.models import attention_op, hf_rotary  # noqa: E402
 from cudagraph_rt.models.accept import greedy_accept  # noqa: E402
-from cudagraph_rt.spec.runner import ReferenceDrafter, Request, SpecRunner  # noqa: E402
-from cudagraph_rt.testing import HFAdapter, run_sweep  # noqa: E402
-from cudagraph_rt.testing.checks import Tolerance  # noqa: E402
+from cudagraph_rt.speculative.runner import ReferenceDrafter, Request, SpecRunner  # noqa: E402
+from cudagraph_rt.sweep import HFAdapter, run_sweep  # noqa: E402
+from cudagraph_rt.sweep.checks import Tolerance  # noqa: E402
 from tests.support.models_for_tests import python_acceptance  # noqa: E402
 from tests.support.seeds import seeded_rng
 

@@ -17,7 +17,7 @@ from cudagraph_rt.kernels.rotary_cells import rotate_reference  # noqa: E402
 from cudagraph_rt.models import attention_op, hf, hf_rotary  # noqa: E402
 from cudagraph_rt.models import pool as pool_mod  # noqa: E402
 from cudagraph_rt.models.pool import KVPool  # noqa: E402
-from cudagraph_rt.testing.checks import Tolerance  # noqa: E402
+from cudagraph_rt.sweep.checks import Tolerance  # noqa: E402
 from tests.models.test_hf import poison, random_schedule, rows_to_inputs  # noqa: E402
 from tests.support.seeds import seeded_rng  # noqa: E402
 

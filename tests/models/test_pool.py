@@ -373,7 +373,7 @@ def test_every_model_is_a_decoder():
 def _check_rows(model, got_tokens, got_hidden, tokens, first: int):
     """Rows at positions first.. of one sequence of ``tokens`` against the eager reference:
     hidden rows to tolerance, greedy tokens where the reference's margin is clear."""
-    from cudagraph_rt.testing.checks import Tolerance
+    from cudagraph_rt.sweep.checks import Tolerance
 
     logits, hidden = model.reference_logits(tokens)
     clear = model.clear_positions(logits) if hasattr(model, "clear_positions") else torch.ones(len(tokens), dtype=bool)
@@ -525,7 +525,7 @@ def test_runner_on_a_small_pool_admits_by_free_blocks_and_frees_on_retire(rng):
     free, until the free blocks cover its worst case; every output is plain greedy
     decoding; every block is back in the pool at the end. A request larger than the whole
     pool (but within max_len) is refused at submit."""
-    from cudagraph_rt.spec.runner import Request, SpecRunner, ToyDrafter
+    from cudagraph_rt.speculative.runner import Request, SpecRunner, ToyDrafter
 
     m = ToyDecoder(ToyConfig.tiny(max_seqs=6, max_len=48, cells=32), "cpu")
     V = m.config.vocab

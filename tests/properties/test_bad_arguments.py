@@ -37,8 +37,8 @@ from cudagraph_rt.kernels import attention as ca
 from cudagraph_rt.kernels import common
 from cudagraph_rt.kernels import rotary_cells as rc
 from cudagraph_rt.models import KVPool, ToyConfig, ToyDecoder
-from cudagraph_rt.spec.device_drafter import DeviceDrafter
-from cudagraph_rt.spec.runner import ReferenceDrafter, Request, SpecRunner, ToyDrafter
+from cudagraph_rt.speculative.device_drafter import DeviceDrafter
+from cudagraph_rt.speculative.runner import ReferenceDrafter, Request, SpecRunner, ToyDrafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 

@@ -635,8 +635,8 @@ class RunnerMachine(RuleBasedStateMachine):
     @initialize(graphs=st.sampled_from([False, "emulate"]), k=st.integers(0, 3), lanes=st.integers(1, 2),
                 drafter=st.sampled_from(["host", "device", "device_short"]), seed=st.integers(0, 2**31 - 1))
     def build(self, graphs, k, lanes, drafter, seed):
-        from cudagraph_rt.spec.device_drafter import DeviceDrafter
-        from cudagraph_rt.spec.runner import SpecRunner, ToyDrafter
+        from cudagraph_rt.speculative.device_drafter import DeviceDrafter
+        from cudagraph_rt.speculative.runner import SpecRunner, ToyDrafter
         print(f"runner fuzz: graphs={graphs} k={k} lanes={lanes} drafter={drafter} seed={seed}")
         RUNNER_MODEL.reset_cache()
         if drafter == "host":
@@ -655,7 +655,7 @@ class RunnerMachine(RuleBasedStateMachine):
         self.next_uid = 0
 
     def request(self, kind: str):
-        from cudagraph_rt.spec.runner import Request
+        from cudagraph_rt.speculative.runner import Request
         L, V = RUNNER_MODEL.config.max_len, RUNNER_MODEL.config.vocab
         n = int(self.gen.integers(1, 8))
         prompt = tuple(int(t) for t in self.gen.integers(0, V, n))

@@ -30,9 +30,9 @@ import cudagraph_rt.models.accept as accept
 import cudagraph_rt.widths as widths_mod
 from cudagraph_rt import GraphRuntime, HostRows, Slice
 from cudagraph_rt.models import ToyDecoder
-from cudagraph_rt.spec.runner import Request, SpecRunner, ToyDrafter
-from cudagraph_rt.testing import ToyAdapter, run_sweep
-from cudagraph_rt.testing.checks import Tolerance
+from cudagraph_rt.speculative.runner import Request, SpecRunner, ToyDrafter
+from cudagraph_rt.sweep import ToyAdapter, run_sweep
+from cudagraph_rt.sweep.checks import Tolerance
 from tests.support.planting import plan_one_width_wider, plant
 from tests.support.seeds import seeded_rng
 

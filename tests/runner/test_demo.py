@@ -1,4 +1,4 @@
-"""The speculative-decoding host runner (cudagraph_rt.spec.runner) and `cgrt demo`.
+"""The speculative-decoding host runner (cudagraph_rt.speculative.runner) and `cgrt demo`.
 
 CPU tests run the runner with graphs off; the cuda ones replay graphs. Prompts are fresh
 random each run from a seed printed on failure (DEMO_TEST_SEED=<n> replays one).
@@ -15,10 +15,10 @@ import torch
 
 from cudagraph_rt import InputError, cli
 from cudagraph_rt.models import ToyConfig, ToyDecoder
-from cudagraph_rt.spec.device_drafter import DeviceDrafter
-from cudagraph_rt.spec.drafting import CommittedRows, DraftRule, controlled_drafts, controlled_drafts_py
-from cudagraph_rt.spec.runner import PHASES, PhaseClock, Request, SpecRunner, ToyDrafter
-from cudagraph_rt.testing.checks import Tolerance
+from cudagraph_rt.speculative.device_drafter import DeviceDrafter
+from cudagraph_rt.speculative.drafting import CommittedRows, DraftRule, controlled_drafts, controlled_drafts_py
+from cudagraph_rt.speculative.runner import PHASES, PhaseClock, Request, SpecRunner, ToyDrafter
+from cudagraph_rt.sweep.checks import Tolerance
 from tests.support.seeds import seeded_rng
 
 

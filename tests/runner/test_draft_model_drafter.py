@@ -1,4 +1,4 @@
-"""``DraftModelDrafter`` (``spec/draft_model.py``): the runner's output with it equals
+"""``DraftModelDrafter`` (``speculative/draft_model.py``): the runner's output with it equals
 plain greedy decoding, and every proposal (after rejections rolled its KV back) equals a
 fresh run of the draft model's own greedy decoding of the sequence so far."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 
 from cudagraph_rt import InputError
 from cudagraph_rt.models import ToyConfig, ToyDecoder
-from cudagraph_rt.spec.draft_model import DraftModelDrafter
-from cudagraph_rt.spec.runner import Request, SpecRunner
+from cudagraph_rt.speculative.draft_model import DraftModelDrafter
+from cudagraph_rt.speculative.runner import Request, SpecRunner
 
 CFG = ToyConfig.tiny(max_len=48, max_seqs=4)
 TARGET = ToyDecoder(CFG, "cpu")

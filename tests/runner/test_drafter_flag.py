@@ -9,8 +9,8 @@ import pytest
 
 from cudagraph_rt import cli
 from cudagraph_rt.models import ToyConfig, ToyDecoder
-from cudagraph_rt.spec import training
-from cudagraph_rt.spec.head import save_head
+from cudagraph_rt.speculative import training
+from cudagraph_rt.speculative.head import save_head
 
 
 @pytest.fixture(autouse=True)

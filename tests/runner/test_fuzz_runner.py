@@ -16,9 +16,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cudagraph_rt.spec.device_drafter import DeviceDrafter
+from cudagraph_rt.speculative.device_drafter import DeviceDrafter
 from cudagraph_rt.models import ToyConfig, ToyDecoder
-from cudagraph_rt.spec.runner import Request, SpecRunner, ToyDrafter
+from cudagraph_rt.speculative.runner import Request, SpecRunner, ToyDrafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 MODEL = ToyDecoder(ToyConfig.tiny(max_len=48, max_seqs=6), "cpu")

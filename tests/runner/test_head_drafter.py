@@ -1,5 +1,5 @@
-"""The draft head (``spec/head.py``, ``spec/head_drafter.py``) and its trainer
-(``spec/training.py``, ``cgrt train-drafter``) on the toy: a short training beats an
+"""The draft head (``speculative/head.py``, ``speculative/head_drafter.py``) and its trainer
+(``speculative/training.py``, ``cgrt train-drafter``) on the toy: a short training beats an
 untrained head, the runner's output with the head equals plain greedy decoding (graphs off
 and emulated), a saved head loads back to the same drafts, and bad arguments are refused
 naming themselves before anything is built."""
@@ -14,10 +14,10 @@ import torch
 from cudagraph_rt import InputError
 from cudagraph_rt import cli
 from cudagraph_rt.models import ToyConfig, ToyDecoder
-from cudagraph_rt.spec import training
-from cudagraph_rt.spec.head import DraftHead, load_head, save_head
-from cudagraph_rt.spec.head_drafter import HeadDrafter
-from cudagraph_rt.spec.runner import Request, SpecRunner
+from cudagraph_rt.speculative import training
+from cudagraph_rt.speculative.head import DraftHead, load_head, save_head
+from cudagraph_rt.speculative.head_drafter import HeadDrafter
+from cudagraph_rt.speculative.runner import Request, SpecRunner
 
 CFG = ToyConfig.tiny(max_len=48, max_seqs=4)
 MODEL = ToyDecoder(CFG, "cpu")
@@ -132,9 +132,9 @@ def test_drafts_start_from_each_sequences_last_committed_row(trained):
     """Two sequences observed in one CommittedRows (several rows each): each one's drafts
     are the head unrolled from its own last row and last committed token, computed here
     by hand from the reference's hidden rows."""
-    from cudagraph_rt.spec.drafting import CommittedRows
-    from cudagraph_rt.spec.runner import Sequence
-    from cudagraph_rt.spec.target_parts import target_parts
+    from cudagraph_rt.speculative.drafting import CommittedRows
+    from cudagraph_rt.speculative.runner import Sequence
+    from cudagraph_rt.speculative.target_parts import target_parts
 
     head, _, _ = trained
     parts = target_parts(MODEL)

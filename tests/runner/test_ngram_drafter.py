@@ -1,4 +1,4 @@
-"""Prompt lookup (``spec/ngram.py``): its drafts against a plain-Python reference (fixed
+"""Prompt lookup (``speculative/ngram.py``): its drafts against a plain-Python reference (fixed
 cases and a hypothesis property), its arguments, and the runner's output with it equal to
 plain greedy decoding (lossless at temperature 0)."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 
 from cudagraph_rt import InputError
 from cudagraph_rt.models import ToyConfig, ToyDecoder
-from cudagraph_rt.spec.ngram import NgramDrafter, ngram_drafts
-from cudagraph_rt.spec.proposal import Proposal
-from cudagraph_rt.spec.runner import Request, Sequence, SpecRunner
+from cudagraph_rt.speculative.ngram import NgramDrafter, ngram_drafts
+from cudagraph_rt.speculative.proposal import Proposal
+from cudagraph_rt.speculative.runner import Request, Sequence, SpecRunner
 
 MODEL = ToyDecoder(ToyConfig.tiny(max_len=48, max_seqs=4), "cpu")
 

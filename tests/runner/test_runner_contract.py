@@ -15,10 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cudagraph_rt import InputError
-from cudagraph_rt.spec.device_drafter import DeviceDrafter
-from cudagraph_rt.spec.drafting import CommittedRows, DraftRule, controlled_drafts, controlled_drafts_py
+from cudagraph_rt.speculative.device_drafter import DeviceDrafter
+from cudagraph_rt.speculative.drafting import CommittedRows, DraftRule, controlled_drafts, controlled_drafts_py
 from cudagraph_rt.models import ToyConfig, ToyDecoder
-from cudagraph_rt.spec.runner import ReferenceDrafter, Request, SpecRunner, ToyDrafter
+from cudagraph_rt.speculative.runner import ReferenceDrafter, Request, SpecRunner, ToyDrafter
 from cudagraph_rt.tools.demo import serve as demo
 
 MODEL = ToyDecoder(ToyConfig.tiny(max_len=48, max_seqs=6), "cpu")
@@ -358,7 +358,7 @@ def test_the_reference_drafter_refuses_a_row_with_one_non_finite_entry(bad):
     """ReferenceDrafter.observe "checks one finite host row per committed token": a row is
     finite only when every entry is; one NaN (or inf) entry in one row is a RuntimeError
     naming the row's position, and finite rows pass."""
-    from cudagraph_rt.spec.runner import Sequence
+    from cudagraph_rt.speculative.runner import Sequence
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     drafter = ReferenceDrafter(MODEL, 0.5, seed=1)
     seq = Sequence(uid=7, slot=0, prompt=(1, 2, 3), max_new=8, tokens=[1, 2, 3, 4, 5, 6])

@@ -21,8 +21,8 @@ from cudagraph_rt.kernels.sampling.reference import reference_probs
 from cudagraph_rt.models import ToyConfig, ToyDecoder
 from cudagraph_rt.models.choose import SAMPLING_INPUTS
 from cudagraph_rt.sampling_params import derived_seed
-from cudagraph_rt.spec.proposal import Proposal
-from cudagraph_rt.spec.runner import Request, SpecRunner, ToyDrafter
+from cudagraph_rt.speculative.proposal import Proposal
+from cudagraph_rt.speculative.runner import Request, SpecRunner, ToyDrafter
 from tests.support.sampling_cases import chi_square
 
 MODEL = ToyDecoder(ToyConfig.tiny(max_len=48, max_seqs=8), "cpu")

@@ -111,8 +111,8 @@ def test_sweep_rerun_line_quotes_a_checkpoint_path(checkpoint, tmp_path):
     import shlex
     import shutil
 
-    from cudagraph_rt.testing import HFAdapter, SweepOptions
-    from cudagraph_rt.testing.harness import default_repro
+    from cudagraph_rt.sweep import HFAdapter, SweepOptions
+    from cudagraph_rt.sweep.harness import default_repro
 
     odd = tmp_path / "my ckpt's"
     shutil.copytree(checkpoint, odd)
@@ -129,7 +129,7 @@ def test_graphs_that_need_cuda_are_one_usage_error_in_every_command(capsys, comm
     """One value set, one meaning: what cannot run without CUDA is refused alike in every
     command that runs graphs (sweep refused `both` as "'off' or 'auto'", demo ran it,
     `on` said "off, both or auto"), naming what runs here; the library says the same."""
-    from cudagraph_rt.testing import resolve_graphs
+    from cudagraph_rt.sweep import resolve_graphs
 
     err = usage_error(capsys, [command, "--graphs", value], "--graphs", "auto | off | emulate here")
     assert err.rstrip().endswith(f"got {value!r}") and "CUDA graphs need a GPU" in err
@@ -140,7 +140,7 @@ def test_graphs_that_need_cuda_are_one_usage_error_in_every_command(capsys, comm
 def test_every_command_with_graphs_takes_the_same_values():
     """`emulate` was accepted by sweep alone: every command that runs graphs takes the
     harness's own value set, and `--help` says the same of it."""
-    from cudagraph_rt.testing.graph_modes import GRAPHS
+    from cudagraph_rt.sweep.graph_modes import GRAPHS
 
     parsers = {n: p for n, p in subparsers().items() if any("--graphs" in a.option_strings for a in p._actions)}
     assert set(parsers) == {"sweep", "demo", "train-drafter"}
@@ -287,7 +287,7 @@ def test_the_package_and_the_tools_import_without_torch():
     the shared options, the progress display, each tool's module, the harness's plans."""
     mods = ["cudagraph_rt", "cudagraph_rt.cli", "cudagraph_rt.tools.options", "cudagraph_rt.tools.progress",
             "cudagraph_rt.tools.sweep", "cudagraph_rt.tools.demo", "cudagraph_rt.tools.inspect_cmd",
-            "cudagraph_rt.tools.bench", "cudagraph_rt.testing.plans", "cudagraph_rt.testing.graph_modes"]
+            "cudagraph_rt.tools.bench", "cudagraph_rt.sweep.plans", "cudagraph_rt.sweep.graph_modes"]
     code = f"import importlib, sys\nfor m in {mods!r}: importlib.import_module(m)\nprint('torch' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stdout + proc.stderr[-3000:]
@@ -319,7 +319,7 @@ def test_a_tiny_model_is_built_and_run_on_one_thread_and_the_count_is_put_back(c
     thread takes 11 s): the command sets one thread for all its work, the model's build
     included (it ran on torch's default before), and puts the count back."""
     from cudagraph_rt.models import hf
-    from cudagraph_rt.testing import harness
+    from cudagraph_rt.sweep import harness
 
     seen = {}
 
@@ -335,7 +335,7 @@ def test_a_tiny_model_is_built_and_run_on_one_thread_and_the_count_is_put_back(c
         seen["sweep"] = torch.get_num_threads()
         return real(*args, **kw)
 
-    monkeypatch.setattr("cudagraph_rt.testing.run_sweep", run_sweep)
+    monkeypatch.setattr("cudagraph_rt.sweep.run_sweep", run_sweep)
     assert main(["sweep", *QUICK_SWEEP]) == 0
     assert seen == {"build": 1, "sweep": 1} and torch.get_num_threads() == 2
     assert main(["sweep", *QUICK_SWEEP, "--threads", "2"]) == 0 and seen["sweep"] == 2
@@ -367,7 +367,7 @@ def test_verbose_prints_the_librarys_log_and_quiet_prints_nothing(capsys):
     assert main(["sweep", *QUICK_SWEEP, "--graphs", "emulate", "--verbose"]) == 0
     err = capsys.readouterr().err
     assert "cudagraph_rt.graphs.policy: capturing width 4 (1 of 3)" in err, err
-    assert "cudagraph_rt.testing.harness: graphs emulated: building the runtime and capturing" in err
+    assert "cudagraph_rt.sweep.harness: graphs emulated: building the runtime and capturing" in err
     assert (logger.level, logger.handlers) == (level, handlers)
     assert main(["sweep", *QUICK_SWEEP, "--graphs", "emulate"]) == 0
     err = capsys.readouterr().err
@@ -505,8 +505,8 @@ def _assert_readable(text: str, values: list[str]) -> None:
 
 
 def test_tables_are_readable_at_80_columns(capsys, tmp_path, monkeypatch):
-    from cudagraph_rt.testing import ToyAdapter, run_sweep
-    from cudagraph_rt.testing.report import rich_tables
+    from cudagraph_rt.sweep import ToyAdapter, run_sweep
+    from cudagraph_rt.sweep.report import rich_tables
     from cudagraph_rt.tools.bench import report as bench_report
     from cudagraph_rt.tools.demo import report as demo_report
     from cudagraph_rt.tools import console as console_mod

@@ -137,7 +137,7 @@ def test_wheel_holds_the_package_only_and_resolves_inside_itself(wheel, tmp_path
     assert tops == {"cudagraph_rt", wheel.name.split("-")[0] + "-" + wheel.name.split("-")[1] + ".dist-info"}, tops
     for must in ("cudagraph_rt/py.typed", "cudagraph_rt/kernels/attention/kernel.py",
                  "cudagraph_rt/tools/sweep/__init__.py",
-                 "cudagraph_rt/models/toy.py", "cudagraph_rt/debug/inspect.py", "cudagraph_rt/spec/runner.py",
+                 "cudagraph_rt/models/toy.py", "cudagraph_rt/debug/inspect.py", "cudagraph_rt/speculative/runner.py",
                  "cudagraph_rt/tools/bench/compile_child.py", "cudagraph_rt/tools/demo/serve.py"):
         assert must in names, must
     # every module of the tree, at its installed path (a subpackage setup.py misses is caught here)

@@ -169,7 +169,7 @@ def test_cgrt_commands_parse(block: Block):
 
 def test_architecture_layout_names_every_module():
     """ARCHITECTURE.md's layout stays true: every module of the package and of tools/
-    (models/ and testing/ are described as a whole) is named there, and every file it
+    (models/ and sweep/ are described as a whole) is named there, and every file it
     names exists."""
     text = (ROOT / "ARCHITECTURE.md").read_text()
     layout = next(b.code for b in blocks(text) if b.section == "Layout")
@@ -178,7 +178,7 @@ def test_architecture_layout_names_every_module():
     for pkg in (ROOT / "cudagraph_rt", ROOT / "tools"):
         for path in sorted(pkg.rglob("*.py")):
             rel = path.relative_to(pkg)
-            if rel.parts[0] in ("models", "testing") or path.name.startswith("__") or "__pycache__" in rel.parts:
+            if rel.parts[0] in ("models", "sweep") or path.name.startswith("__") or "__pycache__" in rel.parts:
                 continue
             if path.name not in named or (len(rel.parts) > 1 and f"{rel.parts[0]}/" not in named):
                 missing.append(str(path.relative_to(ROOT)))
@@ -192,7 +192,7 @@ LINKED = ["README.md", "ARCHITECTURE.md", *(f"docs/{p.name}" for p in PAGES)]
 
 @pytest.mark.parametrize("doc", LINKED)
 def test_files_the_docs_point_at_exist(doc):
-    """Every repository file the doc names (``tests/test_x.py``, ``cudagraph_rt/spec/runner.py``)
+    """Every repository file the doc names (``tests/test_x.py``, ``cudagraph_rt/speculative/runner.py``)
     exists, a ``::Name`` after it is a class or function defined there, and every relative
     link (``[api.md](api.md)``, ``[CHANGELOG.md](../CHANGELOG.md)``) reaches a file."""
     text = (ROOT / doc).read_text()

@@ -8,7 +8,7 @@ import re
 from tests.support import ROOT
 
 CORE = [p for p in sorted((ROOT / "cudagraph_rt").rglob("*.py"))
-        if not {"models", "testing"} & set(p.relative_to(ROOT / "cudagraph_rt").parts[:-1])]
+        if not {"models", "sweep"} & set(p.relative_to(ROOT / "cudagraph_rt").parts[:-1])]
 KERNELS = sorted((ROOT / "kernels").rglob("*.py"))
 
 
@@ -202,16 +202,16 @@ def test_the_cycle_finder_sees_lazy_relative_and_package_imports(tmp_path):
 
 
 def test_the_wings_sit_on_the_core():
-    """The runner wing (``spec``, and ``dispatch`` beside it) is imported by the tools alone; the diagnostics wing
+    """The runner wing (``speculative``, and ``dispatch`` beside it) is imported by the tools alone; the diagnostics wing
     (``debug``) by the tools and, from inside a function only (explain_capture, after a
     failed capture), by the core: importing the core runs neither wing."""
     graph, eager = import_graph(), import_graph(lazy=False)
     in_wing = lambda m, w: m == f"cudagraph_rt.{w}" or m.startswith(f"cudagraph_rt.{w}.")
     user = lambda m: m.startswith("cudagraph_rt.tools")
-    # the device dispatcher (issue 38) is a wing of the runner's: it may use spec, and only
-    # the tools and spec may use it
-    bad = [f"{m} imports {t}" for m, ts in graph.items() for t in ts for w in ("spec", "dispatch")
-           if in_wing(t, w) and not (in_wing(m, "spec") or in_wing(m, "dispatch") or user(m))]
+    # the device dispatcher (issue 38) is a wing of the runner's: it may use speculative, and only
+    # the tools and speculative may use it
+    bad = [f"{m} imports {t}" for m, ts in graph.items() for t in ts for w in ("speculative", "dispatch")
+           if in_wing(t, w) and not (in_wing(m, "speculative") or in_wing(m, "dispatch") or user(m))]
     bad += [f"{m}:{line} imports {t} at import time" for m, ts in eager.items() for t, line in ts.items()
             if in_wing(t, "debug") and not (in_wing(m, "debug") or user(m))]
     assert not bad, bad

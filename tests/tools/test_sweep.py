@@ -20,7 +20,7 @@ import torch
 from cudagraph_rt import GraphRuntime, InputError, InputSpec
 from cudagraph_rt.inputs import StaticInputs
 from cudagraph_rt.cli import main
-from cudagraph_rt.testing import (
+from cudagraph_rt.sweep import (
     Capacity,
     SweepAdapter,
     SweepOptions,
@@ -29,7 +29,7 @@ from cudagraph_rt.testing import (
     make_plan,
     run_sweep,
 )
-from cudagraph_rt.testing.checks import rule_slices
+from cudagraph_rt.sweep.checks import rule_slices
 from cudagraph_rt.widths import default_widths, plan_step
 from tests.support.planting import plan_one_width_wider
 
@@ -81,7 +81,7 @@ def test_the_state_check_sees_padding_rows_overwrite_a_cell_no_row_of_the_step_w
     one padding row). That padding row overwrites the cell's K/V; the check must see it
     (the cell's K/V compared with a copy taken before the step). With the scratch cell as
     the pad (the toy as it is), the same steps are clean. Emulated graphs: padding rows run."""
-    from cudagraph_rt.testing.plans import Chunk, StepPlan
+    from cudagraph_rt.sweep.plans import Chunk, StepPlan
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     vocab = ToyAdapter(device="cpu").config.vocab
     toks = [int(t) for t in torch.randint(1, vocab, (7,), generator=gen)]  # not the pad token 0
@@ -236,7 +236,7 @@ def test_non_finite_hidden_rows_fail_the_sweep(value):
 
 
 def test_the_tolerance_counts_a_non_finite_row_as_infinitely_wrong():
-    from cudagraph_rt.testing.checks import Tolerance
+    from cudagraph_rt.sweep.checks import Tolerance
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     ref = torch.randn(5, 8, generator=gen)
     got = ref.clone()
@@ -333,7 +333,7 @@ def test_a_row_that_wants_no_token_hides_no_mismatch_of_one_that_does():
 def test_the_pad_check_sees_one_stale_padding_row(toy, T):
     """check_pad_rows reads every padding row the last graph slice read, one padding row too
     (T=3 and 7 pad one row at widths 4 and 8); a step without padding has nothing to check."""
-    from cudagraph_rt.testing.checks import check_pad_rows
+    from cudagraph_rt.sweep.checks import check_pad_rows
     rt = toy.build("emulate")
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     x = {k: torch.full((T,), int(v.pad), dtype=v.dtype) for k, v in rt.input_specs.items()}
@@ -679,7 +679,7 @@ def test_cuda_sweep_emulated_graphs():
 # ======================================================================================
 @pytest.mark.usefixtures("rig_graphs", "one_thread")  # graphs off, then emulated
 def test_harness_options_refused():
-    from cudagraph_rt.testing import harness, plans  # a renamed module or class fails here, never skips
+    from cudagraph_rt.sweep import harness, plans  # a renamed module or class fails here, never skips
 
     cases = [
         (lambda: plans.SweepOptions(repeats=0), r"repeats: expected a positive int, got 0"),

@@ -1,5 +1,5 @@
 """`cgrt demo`: speculative decoding on the toy decoder (or ``--model hf:<family>``, a
-transformers model with random weights) through cudagraph_rt.spec.runner.
+transformers model with random weights) through cudagraph_rt.speculative.runner.
 
 Serves ``--sequences`` random prompts (at most ``--slots`` at once, so sequences retire
 and join), with graphs on and/or off, and reports tokens/s, steps/s, the acceptance
@@ -20,7 +20,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from cudagraph_rt.errors import CgrtError, expected
-from cudagraph_rt.testing.graph_modes import mode_name
+from cudagraph_rt.sweep.graph_modes import mode_name
 
 from .. import options
 from ..progress import Activity

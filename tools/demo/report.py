@@ -1,8 +1,8 @@
 """``cgrt demo``'s report: the tables (80 columns) and ``--json``, and the exit code."""
 from __future__ import annotations
 
-from cudagraph_rt.spec.runner import PHASES
-from cudagraph_rt.testing.graph_modes import mode_flag, mode_name
+from cudagraph_rt.speculative.runner import PHASES
+from cudagraph_rt.sweep.graph_modes import mode_flag, mode_name
 
 from .. import options
 

@@ -13,11 +13,11 @@ import torch
 
 from cudagraph_rt.errors import InputError, expected
 from cudagraph_rt.models import Decoder, ToyConfig, ToyDecoder
-from cudagraph_rt.spec.device_drafter import DeviceDrafter
+from cudagraph_rt.speculative.device_drafter import DeviceDrafter
 from cudagraph_rt.tools import options
-from cudagraph_rt.spec.runner import ReferenceDrafter, Request, RunReport, SpecRunner, ToyDrafter
-from cudagraph_rt.testing.checks import Tolerance
-from cudagraph_rt.testing.graph_modes import mode_name
+from cudagraph_rt.speculative.runner import ReferenceDrafter, Request, RunReport, SpecRunner, ToyDrafter
+from cudagraph_rt.sweep.checks import Tolerance
+from cudagraph_rt.sweep.graph_modes import mode_name
 
 # Hidden rows against the unbatched reference: fp32 differs by reduction order only;
 # bf16 by a few ulps per layer (the toy's own GPU test allows 0.25 on the bench size).
@@ -94,7 +94,7 @@ def make_drafter(model: Decoder, accept_prob: float, seed: int, requests: list[R
     when it does not fit the model), or a coin (a test double): the toy's rule-based one on
     the host or (``gpu``) in its own GraphRuntime, or for other models one that follows
     the model's own greedy decoding (planned here, before timing)."""
-    from cudagraph_rt.spec.ngram import NgramDrafter
+    from cudagraph_rt.speculative.ngram import NgramDrafter
     from ..options import UsageError
 
     what, _, path = kind.partition(":")
@@ -103,10 +103,10 @@ def make_drafter(model: Decoder, accept_prob: float, seed: int, requests: list[R
     if what in ("head", "model"):
         try:
             if what == "head":
-                from cudagraph_rt.spec.head_drafter import HeadDrafter
+                from cudagraph_rt.speculative.head_drafter import HeadDrafter
                 d = HeadDrafter(model, path, k=max(k, 1), graphs=graphs)
             else:
-                from cudagraph_rt.spec.draft_model import DraftModelDrafter
+                from cudagraph_rt.speculative.draft_model import DraftModelDrafter
                 d = DraftModelDrafter.from_path(model, path, k=max(k, 1), graphs=graphs)
         except InputError as e:
             raise UsageError(expected("--drafter", f"a {what} for this model", f"{kind} ({e})")) from None

@@ -1,6 +1,6 @@
 """``cgrt demo --tp N``: the speculative-decoding demo on the tensor-parallel toy.
 
-Rank 0 is the driver: it runs the host runner (cudagraph_rt.spec.runner.SpecRunner) over a
+Rank 0 is the driver: it runs the host runner (cudagraph_rt.speculative.runner.SpecRunner) over a
 DistributedRuntime whose inputs are broadcast (``inputs_from=0``) and whose host rows come
 from rank 0 only; the other ranks ``follow()``. Every generated token is checked on rank 0
 against greedy decoding of the ONE-device ToyDecoder with the same weights, and every
@@ -16,7 +16,7 @@ from cudagraph_rt.distributed import DistributedRuntime
 from cudagraph_rt.errors import CgrtError, expected
 from cudagraph_rt.models import ToyConfig, ToyDecoder
 from cudagraph_rt.models.tp import TPToyDecoder
-from cudagraph_rt.spec.runner import Request, RunReport, SpecRunner, ToyDrafter
+from cudagraph_rt.speculative.runner import Request, RunReport, SpecRunner, ToyDrafter
 from .. import options, tp_launch
 from .report import publish
 from .serve import check, make_requests, timing

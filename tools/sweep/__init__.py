@@ -15,14 +15,14 @@ import os
 from typing import TYPE_CHECKING
 
 from cudagraph_rt.errors import CgrtError, InputError, expected
-from cudagraph_rt.testing.plans import SweepOptions
+from cudagraph_rt.sweep.plans import SweepOptions
 
 from .. import options
 from ..console import make_console
 from ..progress import Activity
 
 if TYPE_CHECKING:
-    from cudagraph_rt.testing import HFAdapter, ToyAdapter
+    from cudagraph_rt.sweep import HFAdapter, ToyAdapter
 
 _DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names
 
@@ -68,7 +68,7 @@ def _adapter(args, choice: options.ModelChoice) -> "ToyAdapter | HFAdapter":
     import torch
 
     from cudagraph_rt.models.toy import ToyConfig
-    from cudagraph_rt.testing import HFAdapter, ToyAdapter
+    from cudagraph_rt.sweep import HFAdapter, ToyAdapter
 
     dtype = getattr(torch, args.dtype) if args.dtype is not None else None
     if choice.kind != "toy":
@@ -106,7 +106,7 @@ def _check_together(args, choice: options.ModelChoice, modes: list) -> None:
 
 
 def run(args) -> int:
-    from cudagraph_rt.testing import run_sweep
+    from cudagraph_rt.sweep import run_sweep
 
     if getattr(args, "tp", 1) > 1 and not getattr(args, "tp_inner", False):  # one process per rank
         from .tp import run_tp
@@ -148,7 +148,7 @@ def run(args) -> int:
 
 def _publish(args, report, console) -> None:
     """The plot, the JSON, the tables and the summary (the seed and notes were logged)."""
-    from cudagraph_rt.testing.report import plot, rich_tables
+    from cudagraph_rt.sweep.report import plot, rich_tables
 
     png = os.path.join(args.plot, "sweep.png") if args.plot else None
     if png:

@@ -15,8 +15,8 @@ from cudagraph_rt.distributed import DistributedRuntime
 from cudagraph_rt.errors import expected
 from cudagraph_rt.models.toy import ToyConfig
 from cudagraph_rt.models.tp import TPToyDecoder
-from cudagraph_rt.testing import ToyAdapter
-from cudagraph_rt.testing.harness import fresh_seed
+from cudagraph_rt.sweep import ToyAdapter
+from cudagraph_rt.sweep.harness import fresh_seed
 from .. import options, tp_launch
 
 

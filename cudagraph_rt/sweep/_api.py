@@ -1,6 +1,6 @@
 """The sweep harness's public names, imported together the first time one is asked for
-(``cudagraph_rt.testing.__getattr__``): its light modules (``plans``) import alone. Every
-name here is re-exported (``cudagraph_rt.testing.__all__`` lists them)."""
+(``cudagraph_rt.sweep.__getattr__``): its light modules (``plans``) import alone. Every
+name here is re-exported (``cudagraph_rt.sweep.__all__`` lists them)."""
 from __future__ import annotations
 
 from .adapter import BaseAdapter, HFAdapter, PoolAdapter, SweepAdapter, ToyAdapter

@@ -224,8 +224,8 @@ class SpecRunner:
     than the runtime's dynamic limit, 96 by default, makes a sliced step).
     ``record_rows`` keeps a copy of every committed hidden row per sequence (for checks).
     The drafter has ``observe(CommittedRows)``, ``propose(seqs, k) -> [len(seqs), k]`` (or a
-    :class:`~cudagraph_rt.spec.proposal.Proposal`) and ``forget(seq)``; see
-    :mod:`cudagraph_rt.spec.drafting`.
+    :class:`~cudagraph_rt.speculative.proposal.Proposal`) and ``forget(seq)``; see
+    :mod:`cudagraph_rt.speculative.drafting`.
 
     Sampling (``sampling=True``, the default): every step samples each row with its
     request's :class:`~cudagraph_rt.SamplingParams` (written into the step's static

@@ -1,4 +1,4 @@
-"""The coin drafter of :class:`~cudagraph_rt.spec.device_drafter.DeviceDrafter` as a drafter
+"""The coin drafter of :class:`~cudagraph_rt.speculative.device_drafter.DeviceDrafter` as a drafter
 of the device loop (:mod:`cudagraph_rt.dispatch`): the same drafts, drawn on the device from
 the loop's state alone (no host rows, no host read), so the plan captures it.
 
