@@ -439,8 +439,8 @@ def test_a_failed_check_is_exit_1_and_json_says_not_ok(capsys, monkeypatch):
 
     real = demo.check
 
-    def wrong(model, runner):
-        out = real(model, runner)
+    def wrong(model, runner, **kw):
+        out = real(model, runner, **kw)
         return {**out, "ok": False, "token_mismatches": [0]}
 
     monkeypatch.setattr(demo, "check", wrong)
