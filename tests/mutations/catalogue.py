@@ -488,7 +488,7 @@ CATALOGUE: tuple[Mutation, ...] = (
       "self.device = torch.device(device)",
       "the pool takes its device as torch reads it: 'gpu' and None raise torch's errors, 'cuda:0' on a CPU "
       "machine an AssertionError, 'meta' builds a pool nothing can step", POOL + ARGS),
-    M(89, "spec runner", "cudagraph_rt/speculative/runner.py",
+    M(89, "spec runner", "cudagraph_rt/speculative/intake.py",
       'k = as_int("k", k, 0)',
       "k = int(k)",
       "k read with int(): k=True drafts 1, k=2.5 drafts 2, k='2' drafts 2", RUNNER + ARGS),

@@ -1,0 +1,109 @@
+"""What a runner takes in, checked before anything is built: the requests, the sequences
+they become while served, the runner's own arguments, and a drafter's proposals."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..checks import as_bool, as_int
+from ..errors import InputError, expected
+from ..models.protocol import Decoder
+from ..sampling_params import MAX_SEED, SamplingParams
+from .proposal import Proposal
+
+__all__ = ["Request", "Sequence", "check_runner_args", "check_sampling_args", "read_proposal"]
+
+
+@dataclass(frozen=True)
+class Request:
+    """A prompt, how many tokens to generate for it, and how to draw them (``sampling``:
+    a :class:`~cudagraph_rt.SamplingParams`, greedy by default; ``seed=None`` there means
+    the runner derives one from its own seed and the request's uid)."""
+
+    prompt: tuple[int, ...]
+    max_new: int
+    sampling: SamplingParams = SamplingParams()
+
+
+@dataclass
+class Sequence:
+    """One request while it is served. ``tokens`` = prompt + generated; the last token is
+    committed but not fed yet (its K/V is written by the next step). ``slot`` is the
+    model's sequence id (its KV blocks), free again once the sequence retires."""
+
+    uid: int
+    slot: int
+    prompt: tuple[int, ...]
+    max_new: int
+    tokens: list[int]
+    prefilled: int = 0  # prompt tokens already placed in a step
+    rows: list[torch.Tensor] = field(default_factory=list)  # committed hidden rows, if recorded
+    # the request's settings, seed resolved (an int: a draft model draws with it, Stream.DRAFT)
+    sampling: SamplingParams = SamplingParams(seed=0)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[len(self.prompt):]
+
+    @property
+    def decoding(self) -> bool:
+        return len(self.tokens) > len(self.prompt)
+
+    @property
+    def done(self) -> bool:
+        return len(self.tokens) - len(self.prompt) >= self.max_new
+
+
+def read_proposal(p, n: int, k: int, vocab: int, device: torch.device, takes_q: bool) -> tuple[list, torch.Tensor | None]:
+    """A drafter's answer (a :class:`Proposal` or a bare ``(n, k)`` array: q None) as its
+    draft lists and its q (None, or ``(n, k, vocab)`` float32 on ``device``), checked:
+    InputError naming ``drafter.propose`` for a q this runner cannot take or of the wrong
+    shape (before anything of the step is built)."""
+    q = None
+    if isinstance(p, Proposal):
+        p, q = p.tokens, p.q
+    if q is not None:
+        if not takes_q:
+            raise InputError(expected("drafter.propose(...).q", "None: this runner's verify step takes no q "
+                                      "(SpecRunner(draft_q=True), or a drafter with draft_q = True)", "a q"))
+        if not isinstance(q, torch.Tensor) or tuple(q.shape[:1]) != (n,) or q.dim() != 3 or q.shape[1] < k \
+                or q.shape[2] != vocab or q.dtype != torch.float32 or q.device != device:
+            got = f"{q.dtype} {tuple(q.shape)} on {q.device}" if isinstance(q, torch.Tensor) else type(q).__name__
+            raise InputError(expected("drafter.propose(...).q", f"a ({n}, >= {k}, {vocab}) float32 tensor on {device}",
+                                      got))
+    return p.tolist(), q
+
+
+def check_sampling_args(drafter, seed, sampling, draft_q) -> tuple[int, bool, bool]:
+    """SpecRunner's ``seed``, ``sampling`` and ``draft_q`` checked (InputError naming the first
+    bad one); ``draft_q=None`` asks the drafter (its ``draft_q``, default False)."""
+    seed = as_int("seed", seed, 0, MAX_SEED)
+    sampling = as_bool("sampling", sampling)
+    draft_q = as_bool("draft_q", bool(getattr(drafter, "draft_q", False)) if draft_q is None else draft_q)
+    if draft_q and not sampling:
+        raise InputError(expected("draft_q", "False when sampling=False (a greedy step takes no q)", True))
+    return seed, sampling, draft_q
+
+
+def check_runner_args(model, drafter, k, slots, lanes, chunk, record_rows) -> tuple[int, int, int, int, bool]:
+    """SpecRunner's arguments checked (InputError naming the first bad one), as plain values."""
+    if not isinstance(model, Decoder):
+        raise InputError(expected("model", "a Decoder (cudagraph_rt.models.Decoder)", type(model).__name__))
+    if not all(callable(getattr(drafter, call, None)) for call in ("observe", "propose", "forget")):
+        raise InputError(expected("drafter", "an object with observe, propose and forget", type(drafter).__name__))
+    max_seqs = model.config.max_seqs
+    k = as_int("k", k, 0)
+    slots = max_seqs if slots is None else as_int("slots", slots, 1, max_seqs)
+    lanes = as_int("lanes", lanes, 1, slots, f"an int in [1, slots = {slots}]")
+    chunk = as_int("chunk", chunk, 1)
+    record_rows = as_bool("record_rows", record_rows)
+    depth = getattr(drafter, "depth", None)  # a drafter that holds results per observe
+    if depth is not None and depth < lanes + 1:
+        raise InputError(expected("drafter.depth", f">= lanes + 1 = {lanes + 1} (a lane's drafts must outlive "
+                                  "the other lanes' observes)", depth))
+    drafts = getattr(drafter, "k", None)  # a drafter that drafts at most k per sequence
+    if drafts is not None and drafts < k:
+        raise InputError(expected("drafter.k", f">= the runner's k = {k} (it proposes k drafts per sequence)",
+                                  drafts))
+    return k, slots, lanes, chunk, record_rows
