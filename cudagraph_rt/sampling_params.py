@@ -42,9 +42,11 @@ def _real(name: str, v, lo: float, hi: float, lo_open: bool, hi_open: bool, what
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
         raise InputError(expected(name, what, repr(v)))
     x = float(v)
-    ok = math.isfinite(x) and (lo < x if lo_open else lo <= x) and (x < hi if hi_open else x <= hi)
+    with np.errstate(over="ignore"):  # the step's rows are float32: the value must hold there too
+        y = float(np.float32(x))
+    ok = all(math.isfinite(z) and (lo < z if lo_open else lo <= z) and (z < hi if hi_open else z <= hi) for z in (x, y))
     if not ok:
-        raise InputError(expected(name, what, repr(v)))
+        raise InputError(expected(name, what + " (as a float32 too)", repr(v)))
     return x
 
 
@@ -55,9 +57,12 @@ class SamplingParams:
     refused before any runner, buffer or cache sees it. Numpy scalars are taken as the
     plain value; bools are refused everywhere.
 
+    Each float must hold as a float32 too (the step's rows are float32: 1e39 is no
+    temperature, 1e-46 no top_p).
+
     * ``temperature``: a finite float >= 0; below ``kernels.sampling.MIN_TEMPERATURE``
       (0 included) the request is greedy and the other settings do not matter.
-    * ``top_k``: an int >= 0 (0: off).
+    * ``top_k``: an int in [0, 2**63 - 1] (0: off; an int64 row of the step).
     * ``top_p``: a float in (0, 1] (1: off).
     * ``min_p``: a float in [0, 1) (0: off).
     * ``seed``: None (the runner derives one, see the module doc) or an int in
@@ -77,7 +82,7 @@ class SamplingParams:
         values = dict(
             temperature=_real(f + "temperature", self.temperature, 0.0, math.inf, False, True,
                               "a finite number >= 0 (0: greedy)"),
-            top_k=as_int(f + "top_k", self.top_k, 0, None, "an int >= 0 (0: off)"),
+            top_k=as_int(f + "top_k", self.top_k, 0, MAX_SEED, "an int in [0, 2**63 - 1] (0: off)"),
             top_p=_real(f + "top_p", self.top_p, 0.0, 1.0, True, False, "a number in (0, 1] (1: off)"),
             min_p=_real(f + "min_p", self.min_p, 0.0, 1.0, False, True, "a number in [0, 1) (0: off)"),
             seed=None if self.seed is None else as_int(f + "seed", self.seed, 0, MAX_SEED),

@@ -126,6 +126,22 @@ def real_in(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = Fals
     return parse
 
 
+def sampling_setting(field: str, parse: Callable[[str], float]) -> Callable[[str], float]:
+    """``type=`` for a SamplingParams field: ``parse`` first, then the field's own check (a
+    value that does not hold as a float32, 1e39 for a temperature, is refused here too)."""
+    def check(text: str):
+        v = parse(text)
+        from cudagraph_rt.errors import InputError
+        from cudagraph_rt.sampling_params import SamplingParams
+        try:
+            SamplingParams(**{field: v})
+        except InputError as e:
+            raise _bad(str(e).split(": expected ", 1)[-1].split(", got ")[0], text) from None
+        return v
+    check.__name__ = parse.__name__
+    return check
+
+
 def one_of(*choices: str) -> Callable[[str], str]:
     """``type=`` for one of ``choices`` (argparse's ``choices=`` has a message of its own)."""
     def parse(text: str) -> str:
@@ -266,13 +282,14 @@ def add_sampling(p: argparse.ArgumentParser, applies: str = "every request") -> 
     """``--temperature --top-k --top-p --min-p``: the sampling settings of {applies}
     (``sampling_params(args)``); ``--seed`` seeds the draws."""
     g = p.add_argument_group("sampling", f"how {applies} draws its tokens (default greedy); --seed seeds the draws")
-    g.add_argument("--temperature", type=real_in(0.0, math.inf, hi_open=True, what="a finite number >= 0"),
+    g.add_argument("--temperature", type=sampling_setting("temperature", real_in(0.0, math.inf, hi_open=True,
+                                                                                  what="a finite number >= 0")),
                    default=0.0, metavar="T", help="softmax temperature; 0 is greedy (default 0)")
-    g.add_argument("--top-k", type=int_at_least(0), default=0, metavar="K",
+    g.add_argument("--top-k", type=sampling_setting("top_k", int_at_least(0)), default=0, metavar="K",
                    help="keep the K most likely tokens; 0 is off (default 0)")
-    g.add_argument("--top-p", type=real_in(0.0, 1.0, lo_open=True), default=1.0, metavar="P",
+    g.add_argument("--top-p", type=sampling_setting("top_p", real_in(0.0, 1.0, lo_open=True)), default=1.0, metavar="P",
                    help="keep the most likely tokens up to mass P of the top-k set; 1 is off (default 1)")
-    g.add_argument("--min-p", type=real_in(0.0, 1.0, hi_open=True), default=0.0, metavar="M",
+    g.add_argument("--min-p", type=sampling_setting("min_p", real_in(0.0, 1.0, hi_open=True)), default=0.0, metavar="M",
                    help="keep the tokens with p >= M * p_max; 0 is off (default 0)")
 
 

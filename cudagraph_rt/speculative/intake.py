@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..checks import as_bool, as_int
@@ -72,7 +73,40 @@ def read_proposal(p, n: int, k: int, vocab: int, device: torch.device, takes_q: 
             got = f"{q.dtype} {tuple(q.shape)} on {q.device}" if isinstance(q, torch.Tensor) else type(q).__name__
             raise InputError(expected("drafter.propose(...).q", f"a ({n}, >= {k}, {vocab}) float32 tensor on {device}",
                                       got))
-    return p.tolist(), q
+    tokens = _draft_tokens(p, n, k, vocab)
+    if q is not None and q.device.type == "cpu":
+        _check_q_values(q[:, :k], tokens)
+    return tokens.tolist(), q
+
+
+def _draft_tokens(p, n: int, k: int, vocab: int) -> np.ndarray:
+    """The drafts as an int64 ``(n, >= k)`` array of token ids in [0, vocab), or InputError
+    naming ``drafter.propose(...)``: a short answer would leave a sequence without drafts,
+    a token out of range would reach the embedding."""
+    name = "drafter.propose(...).tokens"
+    try:
+        a = np.asarray(p)
+    except (TypeError, ValueError):
+        a = None
+    if a is None or a.dtype.kind not in "iu" or a.ndim != 2 or a.shape[0] != n or a.shape[1] < k:
+        got = f"{a.dtype} {a.shape}" if a is not None else type(p).__name__
+        raise InputError(expected(name, f"ints of shape ({n}, >= {k}): k drafts for each sequence", got))
+    d = a[:, :k]
+    if d.size and (d.min() < 0 or d.max() >= vocab):
+        raise InputError(expected(name, f"token ids in [0, {vocab})", f"{int(d.min())} .. {int(d.max())}"))
+    return d.astype(np.int64, copy=False)
+
+
+def _check_q_values(q: torch.Tensor, tokens: np.ndarray) -> None:
+    """A q on the CPU checked as a distribution each draft was drawn from: finite, >= 0, rows
+    summing to 1, positive at the draft (acceptance divides by it). On CUDA the values
+    are not read (a host read would wait for the GPU): a bad q there gives wrong odds."""
+    name = "drafter.propose(...).q"
+    at = q.gather(2, torch.as_tensor(tokens, dtype=torch.int64)[..., None])
+    if not (torch.isfinite(q).all() and (q >= 0).all() and torch.allclose(q.sum(-1), torch.ones(()), atol=1e-3)
+            and (at > 0).all()):
+        raise InputError(expected(name, "rows of probabilities (finite, >= 0, summing to 1, > 0 at the draft)",
+                                  "other values"))
 
 
 def check_sampling_args(drafter, seed, sampling, draft_q) -> tuple[int, bool, bool]:

@@ -122,6 +122,14 @@ def _sampling_columns(groups: list[_Group]) -> list[list]:
     return cols
 
 
+def _unbuild(groups: list[_Group]) -> None:
+    """Undo what building a step changed in its sequences (the prompt chunks it placed), for
+    a step that failed before it ran: a later ``run`` builds the same rows again."""
+    for g in groups:
+        if not g.verify:
+            g.seq.prefilled = g.pos0
+
+
 class SpecRunner:
     """Serves requests with speculative decoding through one GraphRuntime.
 
@@ -254,7 +262,11 @@ class SpecRunner:
                 groups, cols = self._build(lane)
                 clk.mark("build")
                 if groups:
-                    lane.inflight = self._launch(lane, groups, cols)
+                    try:
+                        lane.inflight = self._launch(lane, groups, cols)
+                    except BaseException:
+                        _unbuild(groups)  # the step never ran: its prompt chunks are fed again next time
+                        raise
                     self._turn = (i + 1) % L
                     busy = True
             if not busy and all(lane.inflight is None for lane in self.lanes):

@@ -622,10 +622,11 @@ CATALOGUE: tuple[Mutation, ...] = (
       "the transformers step keeps its greedy fast path for every step: sampling settings are ignored",
       SPEC_SAMPLING),
     M(116, "sampling cli", "tools/options.py",
-      'g.add_argument("--top-p", type=real_in(0.0, 1.0, lo_open=True), default=1.0, metavar="P",',
-      'g.add_argument("--top-p", type=real_in(0.0, 1.0), default=1.0, metavar="P",',
-      "--top-p 0 passes the parser: the run starts (the model builds) before SamplingParams refuses it, "
-      "and the message names the field, not the flag", SPEC_SAMPLING),
+      "            SamplingParams(**{field: v})",
+      "            SamplingParams()",
+      "the flags' values not put through SamplingParams' own check while parsing: --top-p 1e-46 (0 as a "
+      "float32) passes the parser, the model builds, and the run fails naming the field, not the flag",
+      SPEC_SAMPLING),
     M(117, "device dispatch plan", "cudagraph_rt/dispatch/planner.py",
       "slot = torch.searchsorted(end, r, right=True)  # rows past T land on S",
       "slot = torch.searchsorted(end, r)  # rows past T land on S",

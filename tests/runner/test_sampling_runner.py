@@ -115,7 +115,9 @@ def _pool_tensors(model):
 @pytest.mark.parametrize("field, value", [
     ("temperature", -0.1), ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", True),
     ("top_k", -1), ("top_k", 1.5), ("top_k", True), ("top_p", 0.0), ("top_p", 1.01), ("top_p", "0.5"),
-    ("min_p", 1.0), ("min_p", -0.01), ("seed", -1), ("seed", 2**63), ("seed", 1.0)])
+    ("min_p", 1.0), ("min_p", -0.01), ("seed", -1), ("seed", 2**63), ("seed", 1.0),
+    # values a float32 / int64 row of the step cannot hold
+    ("temperature", 1e39), ("top_p", 1e-46), ("min_p", 1 - 1e-12), ("top_k", 2**63)])
 def test_sampling_params_are_checked_at_construction(field, value):
     with pytest.raises(InputError, match=f"SamplingParams.{field}"):
         SamplingParams(**{field: value})
@@ -383,7 +385,8 @@ def test_sampling_flags_are_checked_while_parsing(capsys):
     from cudagraph_rt.cli import main
 
     for flag, value in [("--temperature", "-1"), ("--temperature", "nan"), ("--top-k", "-2"), ("--top-p", "0"),
-                        ("--top-p", "1.5"), ("--min-p", "1")]:
+                        ("--top-p", "1.5"), ("--min-p", "1"), ("--temperature", "1e39"), ("--top-p", "1e-46"),
+                        ("--min-p", "0.99999999999"), ("--top-k", "99999999999999999999")]:
         assert main(["demo", flag, value]) == 2
         assert f"{flag}: expected" in capsys.readouterr().err
 
@@ -420,3 +423,89 @@ def test_each_draft_is_verified_against_its_own_q():
             assert torch.equal(x["draft_q"][i], q[j]), f"row {i}: draft {j} verified against another q"
             checked += 1
     assert checked > 10
+
+
+class OnceBad:
+    """A drafter whose first proposal is ``bad`` (then ToyDrafter's), for the runner's checks."""
+
+    def __init__(self, bad):
+        self.bad, self.inner = bad, ToyDrafter(MODEL, 0.6, seed=3)
+
+    def observe(self, c) -> None:
+        self.inner.observe(c)
+
+    def forget(self, seq) -> None:
+        self.inner.forget(seq)
+
+    def propose(self, seqs, k: int):
+        bad, self.bad = self.bad, None
+        return bad(len(seqs), k) if bad is not None else self.inner.propose(seqs, k)
+
+
+@pytest.mark.parametrize("bad, what", [
+    (lambda n, k: np.zeros((n - 1, k), np.int64), "tokens"),       # a sequence without drafts
+    (lambda n, k: np.zeros((n, k - 1), np.int64), "tokens"),       # too few drafts
+    (lambda n, k: np.full((n, k), 1.7), "tokens"),                 # not token ids
+    (lambda n, k: np.full((n, k), V, np.int64), "tokens"),         # past the vocabulary
+    (lambda n, k: np.full((n, k), -1, np.int64), "tokens"),
+    (lambda n, k: Proposal(np.zeros((n, k), np.int64), torch.full((n, k, V), float("nan"))), "q"),
+    (lambda n, k: Proposal(np.zeros((n, k), np.int64), torch.full((n, k, V), 2.0 / V)), "q"),  # sums to 2
+    (lambda n, k: Proposal(np.zeros((n, k), np.int64),                                         # 0 at the draft
+                           torch.cat([torch.zeros(n, k, 1), torch.full((n, k, V - 1), 1.0 / (V - 1))], -1)), "q"),
+])
+def test_a_malformed_proposal_is_refused_naming_it_and_the_run_continues(bad, what):
+    """A drafter's answer that would leave a sequence without drafts, feed a token outside
+    the vocabulary or give the verify a q that is no distribution: InputError naming
+    drafter.propose before anything of the step is built; the next run serves every
+    request as if it had never happened (a list of lists is taken as the array it is)."""
+    reqs = [Request((1, 2, 3), 6, SamplingParams(temperature=2.0, seed=1)), Request((4, 5), 6)]
+    want = _serve(reqs, k=2)
+    MODEL.reset_cache()
+    r = SpecRunner(MODEL, OnceBad(bad), k=2, draft_q=True)
+    uids = r.submit(reqs)
+    with pytest.raises(InputError, match=rf"drafter.propose\(...\).{what}"):
+        r.run()
+    r.run()
+    got = {s.uid: s.generated for s in r.finished}
+    assert [got.get(u) for u in uids] == want
+
+
+def test_a_step_that_fails_leaves_its_prompt_chunks_to_be_fed_again():
+    """The step raises after the runner built it (here: the runtime's step itself): the
+    prompt chunks it placed are not counted as fed, so the next run serves every request,
+    the ones that shared the failed step included, exactly as an undisturbed run."""
+    reqs = [Request((1, 2, 3, 4, 5), 5, SamplingParams(temperature=2.0, seed=2)), Request((6, 7, 8), 5)]
+    want = _serve(reqs, k=2, lanes=1)
+    MODEL.reset_cache()
+    r = SpecRunner(MODEL, ToyDrafter(MODEL, 0.6, seed=3), k=2, lanes=1)
+    uids = r.submit(reqs)
+    real, calls = r.rt.step, []
+
+    def failing(*a, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a step that fails")
+        return real(*a, **kw)
+
+    r.rt.step = failing
+    with pytest.raises(RuntimeError, match="a step that fails"):
+        r.run()
+    r.run()
+    got = {s.uid: s.generated for s in r.finished}
+    assert [got.get(u) for u in uids] == want
+
+
+def test_the_demos_sampled_tokens_do_not_depend_on_how_many_run_at_once(capsys):
+    """cgrt demo --json's tokens are for comparing runs: with the same --seed, a request's
+    sampled tokens are the same whatever --slots (its warm-up requests take runner uids, so
+    a seed derived from the uid would move with it)."""
+    import json
+
+    from cudagraph_rt.cli import main
+
+    got = []
+    for slots in ("4", "2"):
+        assert main(["demo", "--device", "cpu", "--sequences", "4", "--max-new", "6", "--temperature", "5",
+                     "--drafter", "ngram", "--seed", "1", "--slots", slots, "--graphs", "off", "--quiet", "--json"]) == 0
+        got.append(json.loads(capsys.readouterr().out)["tokens"])
+    assert got[0] == got[1] and len(got[0]) == 4

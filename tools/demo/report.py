@@ -57,7 +57,9 @@ def _print(report: dict) -> None:
                      f"dynamic {w['dynamic_calls'] or '-'}; {w['slices']} slices in {r['steps']} steps; "
                      f"padding rows {w['padding_rows']}")
         ties = f" (near-ties not counted: {ch['near_ties']})" if ch.get("near_ties") else ""
-        lines.append(f"  check: {r['finished']} finished; greedy mismatches {ch['token_mismatches'] or 'none'}{ties}; "
+        tokens = ("tokens sampled (checked by their rows only)" if ch.get("sampled")
+                  else f"greedy mismatches {ch['token_mismatches'] or 'none'}{ties}")
+        lines.append(f"  check: {r['finished']} finished; {tokens}; "
                      f"host rows {ch['rows_checked']} (= rows consumed {r['rows_consumed']}), "
                      f"{ch.get('rows_rule', 'max |err|')} {ch['rows_max_err']:.2e} (tol {ch['rows_tol']:g})")
         out.print("\n".join(lines), markup=False, style=None if ch["ok"] else "bold red")

@@ -82,7 +82,7 @@ def check(model: Decoder, runner: SpecRunner, sampled: bool = False) -> dict:
         else:
             worst = max(worst, float((got - want).abs().max()))
     limit = 1.0 if hf else _ROW_TOL[model.config.dtype]
-    return {"ok": not bad and worst <= limit, "token_mismatches": sorted(set(bad)), "near_ties": ties,
+    return {"ok": not bad and worst <= limit, "token_mismatches": sorted(set(bad)), "near_ties": ties, "sampled": sampled,
             "tokens_checked": not sampled, "rows_checked": rows, "rows_max_err": worst, "rows_tol": limit,
             "rows_rule": f"normwise, fraction of {tol}" if hf else "max |err|"}
 
@@ -147,8 +147,10 @@ def serve(model: Decoder, requests: list[Request], graphs: bool, args, plans=Non
     """Capture, warm up on the first wave's prompts, then serve ``requests`` timed. ``plans``:
     served sequences whose tokens the reference drafter follows (``prepare_from``)."""
     model.reset_cache()
-    sampling = options.sampling_params(args)  # every request's; seeds derive from --seed and the uid
-    requests = [Request(r.prompt, r.max_new, sampling) for r in requests]
+    # every request's settings; request i's seed derives from --seed and i (not from its uid
+    # in the runner, which the warm-up's requests would shift)
+    sampling = options.sampling_params(args)
+    requests = [Request(r.prompt, r.max_new, sampling.seeded(args.seed, i)) for i, r in enumerate(requests)]
     # Warm-up: the first wave's own prompts (as many as run at once), a few tokens each, so
     # the timed run meets no first-time cost (the dynamic path's kernels, cuBLAS plans).
     warm = [Request(r.prompt, min(4, r.max_new), sampling) for r in requests[:args.slots or model.config.max_seqs]]
@@ -176,7 +178,7 @@ def serve(model: Decoder, requests: list[Request], graphs: bool, args, plans=Non
         drafter.close()
     served = {s.uid: s.generated for s in runner.finished + [s for lane in runner.lanes for s in lane.seqs]}
     return {
-        "graphs": graphs, "drafter": kind, "drafter_is": "coin drafter (test double)", "steps": rep.steps, "tokens": rep.tokens, "seconds": rep.seconds,
+        "graphs": graphs, "drafter": kind, "steps": rep.steps, "tokens": rep.tokens, "seconds": rep.seconds,
         "tokens_per_s": rep.tokens_per_s, "steps_per_s": rep.steps_per_s, "capture_s": cap.seconds,
         "finished": len(runner.finished), "accept_hist": list(rep.accept_hist), "proposed": rep.proposed,
         "accepted": rep.accepted, "rows_consumed": rep.rows, **timing(rep),
