@@ -9,7 +9,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .training import Corpus, TrainReport, _autocast
+from .training import Corpus, TrainReport, _autocast, optimizer_step
 
 __all__ = ["draft_acceptance", "train_draft_model"]
 
@@ -79,14 +79,7 @@ def train_draft_model(target, train: Corpus, held: Corpus, *, out: str, steps: i
         with _autocast(dev):
             logits = lm(input_ids=ids).logits[:, :-1]
         loss = F.cross_entropy(logits.float()[mask], ids[:, 1:][mask])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(lm.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.detach())
-        if on_step is not None:
-            on_step(i + 1, losses[-1])
+        optimizer_step(loss, lm, opt, sched, losses, on_step, i)
     seconds = time.perf_counter() - t0
     lm.eval()
     after = draft_acceptance(lm, held, k)

@@ -153,6 +153,19 @@ def _autocast(device: torch.device):
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
 
 
+def optimizer_step(loss, module, opt, sched, losses: list, on_step, i: int) -> None:
+    """One training step's update (clipped at norm 1), the loss kept for the report and
+    handed to ``on_step(i + 1, loss)`` (the progress bar)."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    losses.append(loss.detach())
+    if on_step is not None:
+        on_step(i + 1, losses[-1])
+
+
 def _unrolled(head: DraftHead, parts, readout: Tensor, corpus: Corpus, idx: Tensor, steps: int,
               to_draft: Tensor) -> tuple[Tensor, Tensor, list[Tensor]]:
     """Run ``head`` ``steps`` times from rows ``idx`` on true next tokens; returns the CE
@@ -232,14 +245,7 @@ def train_head(head: DraftHead, model, corpus: Corpus, *, steps: int, batch: int
         with _autocast(dev):
             ce, reg, _ = _unrolled(head, parts, readout, corpus, pick, unroll, to_draft)
             loss = ce + reg_weight * reg
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.detach())
-        if on_step is not None:
-            on_step(i + 1, losses[-1])
+        optimizer_step(loss, head, opt, sched, losses, on_step, i)
     losses_f = tuple(float(x) for x in torch.stack(losses).cpu())
     seconds = time.perf_counter() - t0
     head.eval()
