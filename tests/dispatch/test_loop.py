@@ -58,9 +58,11 @@ def test_tokens_and_rows_equal_the_host_loop(k, rounds):
     loop.run()
     got = {q.uid: q for q in loop.finished}
     assert sorted(got) == sorted(want)
-    # Every step the same rows in both loops while all requests fit the slots at once; a
-    # request that waits joins the host loop's verify step but the loop's own prefill step.
-    same = torch.equal if len(reqs) <= MODEL.config.max_seqs else lambda a, b: torch.allclose(a, b, 1e-4, 1e-4)
+    # Tokens bit for bit; rows to rounding: the two loops batch the same rows into steps of
+    # different row counts (a request that waits joins the host loop's verify step but the
+    # loop's own prefill step; a sequence that retires mid-launch), and a CPU matmul's row
+    # may round differently with the rows beside it.
+    same = lambda a, b: torch.allclose(a, b, 1e-4, 1e-4)  # noqa: E731
     for uid, q in got.items():
         assert q.tokens == want[uid].tokens
         assert same(torch.cat(q.rows), torch.cat(want[uid].rows))

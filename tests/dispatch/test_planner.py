@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from cudagraph_rt.dispatch.planner import plan_round
 from cudagraph_rt.dispatch.state import LoopRing, LoopShape, LoopState, RoundRows, Stop
 from cudagraph_rt.models import ToyConfig, ToyDecoder
+from cudagraph_rt.speculative import runner as runner_module
 from cudagraph_rt.speculative.runner import COLUMNS, Sequence, SpecRunner
 from cudagraph_rt.widths import default_widths
 
@@ -81,7 +82,14 @@ def _host_plan(k, slots, drafts):
     lane = runner.lanes[0]
     lane.seqs = [Sequence(uid=100 + slot, slot=slot, prompt=tuple(t[:p]), max_new=len(t) - p + rem, tokens=list(t),
                           prefilled=p) for slot, p, rem, t in slots]
-    _, cols = runner._build(lane)
+    # the layout of any drafts, bad ones included: the runner's own check of a proposal
+    # (which refuses a token outside the vocabulary) is tested with the runner
+    real = runner_module.read_proposal
+    runner_module.read_proposal = lambda p, n, k, *_: (np.asarray(p)[:, :k].tolist(), None)
+    try:
+        _, cols = runner._build(lane)
+    finally:
+        runner_module.read_proposal = real
     T = len(cols[0])
     return cols, T, (runner.rt.plan(T)[0].width if T else None)
 

@@ -191,12 +191,16 @@ def sec_spec(ctx) -> dict:
     coin = serving.is_coin(kind)
     out, plans, passes = {}, None, []
     reqs = serving.make_requests(ctx.model.config, ctx.spec_sequences, ctx.new, ctx.seed)
-    runs = [("greedy", 0)] + ([("plan", 4)] * SPEC_PLAN_PASSES if coin else []) + [("spec", 4)]
+    # an untimed plain run first, so the timed ones meet no first-time cost; the plain runs
+    # keep a drafter that costs nothing per step (prompt lookup observes nothing)
+    runs = [("warm", 0), ("greedy", 0)] + ([("plan", 4)] * SPEC_PLAN_PASSES if coin else []) + [("spec", 4)]
     for name, k in runs:
         args = SimpleNamespace(k=k, accept_prob=0.7, seed=ctx.seed, slots=1, lanes=1, chunk=128, rounds=0,
-                               drafter=kind if k else "coin", **getattr(ctx, "sampling", {}))
+                               drafter=kind if k or coin else "ngram", **getattr(ctx, "sampling", {}))
         r = serving.serve(ctx.model, reqs, ctx.graphs, args, plans=plans if coin else None)
         plans = r.pop("finished_seqs")
+        if name == "warm":
+            continue
         if name == "plan":
             passes.append({"replans": r["replans"], "accepted": r["accepted"], "proposed": r["proposed"]})
             continue
