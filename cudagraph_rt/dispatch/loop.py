@@ -19,6 +19,7 @@ from ..checks import as_int, token_ids
 from ..errors import CapacityError, InputError, expected
 from ..models.pool import cdiv
 from ..runtime import GraphRuntime
+from ..speculative.loop_drafter import LoopDrafter
 from ..widths import check_widths, default_widths
 from .rounds import HostRounds, RoundBody
 from .state import Finish, LoopRing, LoopShape, LoopState, RoundRows, Stop
@@ -72,7 +73,8 @@ def _loop_widths(widths, rows: int) -> tuple[int, ...]:
 class DeviceLoop:
     """Serves requests with ``k`` drafts per sequence and round on ``model`` (a Decoder on a
     KV pool; its ``max_seqs`` are the slots), the drafts drawn on the device by ``drafter``
-    (``drafter(state, k) -> [slots, k]``, e.g. ``spec.loop_drafter.CoinRounds``).
+    (a ``speculative.loop_drafter.LoopDrafter``: ``CoinRounds`` for the toy, ``PlanRounds``
+    for any model).
 
     ``graphs``: "emulate" (the loop's semantics on any device, a CPU included) or True (CUDA
     graphs; the outer graph of conditional nodes where :func:`.support.conditional_support`
@@ -87,6 +89,9 @@ class DeviceLoop:
         k, rounds = as_int("k", k, 0), as_int("rounds", rounds, 1)
         depth = rounds if depth is None else as_int("depth", depth, 1)
         stops = token_ids("stop_tokens", list(stop_tokens), model.config.vocab)
+        if not isinstance(drafter, LoopDrafter):
+            raise InputError(expected("drafter", "a LoopDrafter (drafts drawn on the device: CoinRounds, PlanRounds)",
+                                      type(drafter).__name__))
         if graphs is False:
             raise InputError(expected("graphs", "True or 'emulate' (the loop replays captured widths)", graphs))
         S, pool = model.config.max_seqs, model.pool
@@ -203,6 +208,7 @@ class DeviceLoop:
         first, rows = out["tokens"][last].tolist(), out["hidden"][last]
         st = self.state
         for i, (q, t) in enumerate(zip(seqs, first)):
+            self.body.drafter.admit(q.slot, q.uid, q.prompt)
             q.tokens.append(t)
             if self.record_rows:
                 q.rows.append(rows[i:i + 1].clone())

@@ -61,6 +61,21 @@ def _mix32_int(x: int) -> int:
     return x ^ (x >> 16)
 
 
+def draft_coins(xp, seed_key: int, threshold: int, vocab: int, uid, pos, k: int):
+    """``(right, off)``, each ``[G, k]``: whether draft ``j`` of each of ``G`` sequences
+    (first draft at position ``pos``) is right, by the coin of ``(seed, uid, pos + j)``
+    against ``threshold`` (of 2**32), and the non-zero offset a wrong draft adds to the
+    truth (mod ``vocab``). ``xp`` is numpy or torch; the same bits on either."""
+    steps = np.arange(k) if xp is np else torch.arange(k, device=pos.device)
+    x = mix32(mix32(uid ^ seed_key)[:, None] ^ mix32(pos[:, None] + steps))
+    return mix32(x) < threshold, 1 + mix32(x ^ _SALT) % (vocab - 1)
+
+
+def coin_key(accept_prob: float, seed: int) -> tuple[int, int]:
+    """A coin's ``(threshold, seed_key)`` for :func:`draft_coins` (checked values)."""
+    return int(round(accept_prob * 2**32)), int(mix32(np.int64(seed & M32)))
+
+
 def controlled_drafts(xp, rule: "DraftRule", uid, pos, prev, cur, k: int):
     """``[G, k]`` drafts continuing ``(prev, cur)`` (the last two tokens) of ``G``
     sequences whose first draft sits at position ``pos``; ``xp`` is numpy or torch, and
@@ -68,12 +83,7 @@ def controlled_drafts(xp, rule: "DraftRule", uid, pos, prev, cur, k: int):
     drafts before it (``rule.truth``) when the coin of ``(seed, uid, pos + j)`` falls below
     ``accept_prob``, else that token plus a non-zero offset (always wrong). The coins of
     all drafts are drawn at once; only the truth chain goes draft by draft."""
-    if xp is np:
-        x = mix32(mix32(uid ^ rule.seed_key)[:, None] ^ mix32(pos[:, None] + np.arange(k)))
-    else:
-        x = mix32(mix32(uid ^ rule.seed_key)[:, None] ^ mix32(pos[:, None] + torch.arange(k, device=pos.device)))
-    right = mix32(x) < rule.threshold
-    off = 1 + mix32(x ^ _SALT) % (rule.vocab - 1)
+    right, off = draft_coins(xp, rule.seed_key, rule.threshold, rule.vocab, uid, pos, k)
     out = []
     for j in range(k):
         truth = rule.truth(prev, cur)
@@ -138,8 +148,7 @@ class DraftRule:
         pa, pb = np.asarray(model._pi_a, dtype=np.int64), np.asarray(model._pi_b, dtype=np.int64)
         if device is not None:
             pa, pb = torch.from_numpy(pa).to(device), torch.from_numpy(pb).to(device)
-        return cls(pa, pb, b, model.config.vocab, int(round(accept_prob * 2**32)),
-                   int(mix32(np.int64(seed & M32))))
+        return cls(pa, pb, b, model.config.vocab, *coin_key(accept_prob, seed))
 
     def truth(self, prev, cur):
         return self.pi_a[cur // self.b] * self.b + self.pi_b[prev % self.b]

@@ -1,29 +1,92 @@
-"""The coin drafter of :class:`~cudagraph_rt.speculative.device_drafter.DeviceDrafter` as a drafter
-of the device loop (:mod:`cudagraph_rt.dispatch`): the same drafts, drawn on the device from
-the loop's state alone (no host rows, no host read), so the plan captures it.
+"""Drafters of the device loop (:mod:`cudagraph_rt.dispatch`): drafts drawn on the device
+from the loop's state alone (no host rows, no host read), so the round's plan captures them.
 
-A loop drafter is a callable ``drafter(state, k) -> [slots, k] int64 tensor`` of static
-shape: the drafts continuing each slot's ``(prev, cur)`` (its last two tokens), the first at
-position ``n_tok`` (slots not live draft anything; their rows are never laid out).
+A loop drafter is a :class:`LoopDrafter`: ``drafter(state, k) -> [slots, k] int64 tensor``
+of static shape, the drafts continuing each slot's sequence, the first at position
+``n_tok`` (slots not live draft anything; their rows are never laid out), and
+``admit(slot, uid, prompt)``, which the loop calls on the host, between launches, when a
+sequence takes a slot.
+
+Both drafters here are coins (test doubles, as ``ToyDrafter`` and ``ReferenceDrafter``):
+right with a chosen probability per draft by the coin of ``(seed, uid, position)``.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from .drafting import DraftRule, controlled_drafts
+from ..errors import InputError, expected
+from .drafting import DraftRule, check_drafter, coin_key, controlled_drafts, draft_coins
 
 
-class CoinRounds:
-    """Right with probability ``accept_prob`` per draft by the coin of ``(seed, uid,
-    position)``: the drafts ``ToyDrafter`` and ``DeviceDrafter`` propose for the same
-    sequence state (``drafting.controlled_drafts``). ``model``: the toy (its greedy rule).
-    Raises InputError for a model that is not the toy, a bad ``accept_prob`` or ``seed``."""
+class LoopDrafter:
+    """The device loop's drafter interface (see the module's docstring)."""
+
+    def admit(self, slot: int, uid: int, prompt: tuple[int, ...]) -> None:
+        """A sequence took ``slot`` (host, between launches): nothing to do by default."""
+
+    def __call__(self, state, k: int) -> Tensor:
+        raise NotImplementedError
+
+
+def _no_drafts(state) -> Tensor:
+    return torch.zeros(state.uid.shape[0], 0, dtype=torch.int64, device=state.uid.device)
+
+
+class CoinRounds(LoopDrafter):
+    """The drafts ``ToyDrafter`` and ``DeviceDrafter`` propose for the same sequence state
+    (``drafting.controlled_drafts``: the toy's greedy rule, right with probability
+    ``accept_prob``). ``model``: the toy. Raises InputError for a model that is not the toy,
+    a bad ``accept_prob`` or ``seed``."""
 
     def __init__(self, model, accept_prob: float, seed: int = 0):
         self.rule = DraftRule.for_toy(model, accept_prob, seed, device=model.device)
 
     def __call__(self, state, k: int) -> Tensor:
         if k == 0:
-            return torch.zeros(state.uid.shape[0], 0, dtype=torch.int64, device=state.uid.device)
+            return _no_drafts(state)
         return controlled_drafts(torch, self.rule, state.uid, state.n_tok, state.prev, state.cur, k)
+
+
+class PlanRounds(LoopDrafter):
+    """A coin over the target's own greedy decoding, for any Decoder (the transformers
+    models included): draft ``j`` is the plan's token at position ``n_tok + j`` when the
+    coin of ``(seed, uid, n_tok + j)`` falls below ``accept_prob``, else that token plus a
+    non-zero offset (always wrong).
+
+    The plans are the full token lists (prompt + greedy continuation) of the prompts to
+    serve, given up front (``plans``: prompt tuple -> tokens, e.g. the sequences of a plain
+    greedy run through the same runtime, so near-ties round as the loop's verify does).
+    ``admit`` copies a sequence's plan into its slot's row of a ``[slots, max_len]`` device
+    table; a position past the plan, or a prompt without one, drafts token 0. A sequence
+    whose served tokens leave its plan (a near-tie) keeps drafting the plan: its drafts are
+    then wrong, never its output (the verify's token always wins).
+    Raises InputError for a bad ``model``, ``accept_prob``, ``seed`` or ``plans``."""
+
+    def __init__(self, model, accept_prob: float, seed: int = 0, plans=None):
+        accept_prob, seed = check_drafter(model, accept_prob, seed, toy=False)
+        cfg = model.config
+        self.vocab, self.max_len = cfg.vocab, cfg.max_len
+        self.threshold, self.seed_key = coin_key(accept_prob, seed)
+        self.plans: dict[tuple[int, ...], list[int]] = {}
+        for prompt, tokens in dict(plans or {}).items():
+            toks = [int(t) for t in tokens]
+            if list(prompt) != toks[:len(prompt)] or any(not 0 <= t < cfg.vocab for t in toks):
+                raise InputError(expected("plans", f"prompt -> its tokens (prompt first), ids in [0, {cfg.vocab})",
+                                          f"{tuple(prompt)[:8]}... -> {toks[:8]}..."))
+            self.plans[tuple(int(t) for t in prompt)] = toks[:cfg.max_len + 1]
+        self.table = torch.zeros(cfg.max_seqs, cfg.max_len + 1, dtype=torch.int64, device=model.device)
+
+    def admit(self, slot: int, uid: int, prompt: tuple[int, ...]) -> None:
+        plan = self.plans.get(tuple(prompt), [])
+        row = torch.zeros(self.table.shape[1], dtype=torch.int64)
+        row[:len(plan)] = torch.tensor(plan, dtype=torch.int64)
+        self.table[slot].copy_(row)
+
+    def __call__(self, state, k: int) -> Tensor:
+        if k == 0:
+            return _no_drafts(state)
+        pos = state.n_tok[:, None] + torch.arange(k, device=state.n_tok.device)
+        truth = self.table.gather(1, pos.clamp(max=self.table.shape[1] - 1))
+        right, off = draft_coins(torch, self.seed_key, self.threshold, self.vocab, state.uid, state.n_tok, k)
+        return torch.where(right, truth, (truth + off) % self.vocab)

@@ -15,7 +15,7 @@ from cudagraph_rt.dispatch.loop import DeviceLoop, LoopError
 from cudagraph_rt.dispatch.state import Finish, Stop
 from cudagraph_rt.models import ToyConfig, ToyDecoder
 from cudagraph_rt.speculative.device_drafter import DeviceDrafter
-from cudagraph_rt.speculative.loop_drafter import CoinRounds
+from cudagraph_rt.speculative.loop_drafter import CoinRounds, LoopDrafter
 from cudagraph_rt.speculative.runner import Request, SpecRunner, ToyDrafter
 from tests.support.seeds import seeded_rng
 
@@ -114,7 +114,7 @@ def test_a_retired_sequence_stops_the_launch_while_requests_wait():
     assert {q.uid: q.tokens for q in loop.finished} == {u: s.tokens for u, s in want.items()}
 
 
-class _BadAt:
+class _BadAt(LoopDrafter):
     """The coin drafter, but slot 1 drafts ``bad`` once its sequence holds ``at`` tokens."""
 
     def __init__(self, inner, at, bad):
