@@ -213,6 +213,11 @@ DRAFTERS = ("ngram", "head:PATH", "model:PATH", "coin")
 COIN_DRAFTERS = ("coin", "host", "gpu")  # the test doubles (host: coin's old name; gpu: on the device)
 
 
+def is_coin(kind: str) -> bool:
+    """Whether ``--drafter kind`` is a test double whose acceptance is set, not measured."""
+    return kind in COIN_DRAFTERS
+
+
 def drafter(text: str) -> str:
     """``--drafter``: one of :data:`DRAFTERS` (or ``host`` / ``gpu``); a ``head:`` PATH must be
     a file and a ``model:`` PATH a folder. Returns the text."""
@@ -235,6 +240,21 @@ def add_drafter(p: argparse.ArgumentParser, default: str = "coin", note: str = "
                    help="ngram (prompt lookup) | head:PATH (cgrt train-drafter --kind head) | model:PATH (a draft "
                         "model's checkpoint folder) | coin (a test double, right with probability --accept-prob; "
                         f"gpu: the coin in its own GraphRuntime, toy only) (default {default}){note}")
+
+
+DISPATCH_DEVICE_WANTS = ("the coin drafter (--drafter coin: the device loop draws its drafts on the device), greedy "
+                         "decoding and one process")
+
+
+def add_dispatch(p: argparse.ArgumentParser) -> None:
+    """``--dispatch host|device`` and ``--launch-rounds N`` (the device loop's rounds per launch)."""
+    p.add_argument("--dispatch", type=one_of("host", "device"), default="host", metavar="WHERE",
+                   help="host: the runner plans every speculative step on the host (default); device: the rounds "
+                        "run on the device (cudagraph_rt.dispatch.DeviceLoop: one launch of conditional graph nodes "
+                        "for up to --launch-rounds rounds where CUDA allows, else host-driven rounds with a message "
+                        "saying why; emulated with graphs off). Device dispatch takes " + DISPATCH_DEVICE_WANTS)
+    p.add_argument("--launch-rounds", type=int_at_least(1), default=64, metavar="N",
+                   help="--dispatch device: rounds per launch of the loop (default 64)")
 
 
 # --------------------------------------------------------------------------- the arguments

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -56,11 +56,13 @@ class LoopSequence:
 
 @dataclass(frozen=True)
 class LaunchReport:
-    """One launch: the rounds it ran, the tokens it committed and why it stopped."""
+    """One launch: the rounds it ran, the tokens it committed, why it stopped and, on CUDA,
+    its device time (events around the launch; None elsewhere)."""
 
     rounds: int
     tokens: int
     stop: Stop
+    device_seconds: float | None = None
 
 
 def _loop_widths(widths, rows: int) -> tuple[int, ...]:
@@ -72,7 +74,7 @@ def _loop_widths(widths, rows: int) -> tuple[int, ...]:
 
 class DeviceLoop:
     """Serves requests with ``k`` drafts per sequence and round on ``model`` (a Decoder on a
-    KV pool; its ``max_seqs`` are the slots), the drafts drawn on the device by ``drafter``
+    KV pool; ``slots`` of its sequence ids serve at once, default its ``max_seqs``), the drafts drawn on the device by ``drafter``
     (a ``speculative.loop_drafter.LoopDrafter``: ``CoinRounds`` for the toy, ``PlanRounds``
     for any model).
 
@@ -85,8 +87,10 @@ class DeviceLoop:
     Raises InputError for bad arguments, before the model's pool is touched."""
 
     def __init__(self, model, drafter, *, k: int = 4, graphs="emulate", rounds: int = 64, depth: int | None = None,
-                 stop_tokens=(), widths=None, record_rows: bool = False, conditional: bool = True):
+                 stop_tokens=(), widths=None, record_rows: bool = False, conditional: bool = True,
+                 slots: int | None = None):
         k, rounds = as_int("k", k, 0), as_int("rounds", rounds, 1)
+        S = model.config.max_seqs if slots is None else as_int("slots", slots, 1, model.config.max_seqs)
         depth = rounds if depth is None else as_int("depth", depth, 1)
         stops = token_ids("stop_tokens", list(stop_tokens), model.config.vocab)
         if not isinstance(drafter, LoopDrafter):
@@ -94,7 +98,7 @@ class DeviceLoop:
                                       type(drafter).__name__))
         if graphs is False:
             raise InputError(expected("graphs", "True or 'emulate' (the loop replays captured widths)", graphs))
-        S, pool = model.config.max_seqs, model.pool
+        pool = model.pool
         ws = _loop_widths(widths, S * (k + 1))
         self.model, self.k, self.rounds, self.record_rows = model, k, rounds, bool(record_rows)
         self.rt = GraphRuntime(_RowOutputs(model.verify_step), model.inputs(verify=True), widths=ws, graphs=graphs,
@@ -157,8 +161,17 @@ class DeviceLoop:
                      (st.stop_on_retire, int(bool(self.waiting))), (self.ring.head, 0), (st.error, -1)):
             t.fill_(v)
         self.body.unfeed()
+        timed = self.model.device.type == "cuda"
+        if timed:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
         self.runner.run()
+        if timed:
+            end.record()
         report = self._drain()
+        if timed:
+            end.synchronize()
+            report = replace(report, device_seconds=start.elapsed_time(end) / 1e3)
         self.launches.append(report)
         if report.stop == Stop.BAD_TOKEN:
             slot, tok, pos = st.error.tolist()

@@ -69,13 +69,22 @@ class PlanRounds(LoopDrafter):
         self.vocab, self.max_len = cfg.vocab, cfg.max_len
         self.threshold, self.seed_key = coin_key(accept_prob, seed)
         self.plans: dict[tuple[int, ...], list[int]] = {}
-        for prompt, tokens in dict(plans or {}).items():
-            toks = [int(t) for t in tokens]
-            if list(prompt) != toks[:len(prompt)] or any(not 0 <= t < cfg.vocab for t in toks):
-                raise InputError(expected("plans", f"prompt -> its tokens (prompt first), ids in [0, {cfg.vocab})",
-                                          f"{tuple(prompt)[:8]}... -> {toks[:8]}..."))
-            self.plans[tuple(int(t) for t in prompt)] = toks[:cfg.max_len + 1]
+        self._add(dict(plans or {}))
         self.table = torch.zeros(cfg.max_seqs, cfg.max_len + 1, dtype=torch.int64, device=model.device)
+
+    def prepare_from(self, sequences) -> None:
+        """Take served sequences' ``tokens`` (e.g. an untimed run of the same loop, whose
+        verify rounds as the timed one's) as the plans of their ``prompt``s."""
+        self._add({tuple(q.prompt): list(q.tokens) for q in sequences})
+
+    def _add(self, plans: dict) -> None:
+        vocab, max_len = self.vocab, self.max_len
+        for prompt, tokens in plans.items():
+            toks = [int(t) for t in tokens]
+            if list(prompt) != toks[:len(prompt)] or any(not 0 <= t < vocab for t in toks):
+                raise InputError(expected("plans", f"prompt -> its tokens (prompt first), ids in [0, {vocab})",
+                                          f"{tuple(prompt)[:8]}... -> {toks[:8]}..."))
+            self.plans[tuple(int(t) for t in prompt)] = toks[:max_len + 1]
 
     def admit(self, slot: int, uid: int, prompt: tuple[int, ...]) -> None:
         plan = self.plans.get(tuple(prompt), [])

@@ -70,6 +70,9 @@ def test_bad_values_are_one_line_and_exit_2(capsys, argv, flag, want):
     (["inspect", "--model", "hf:llama", "--target", "cudagraph_rt.tools.inspect_cmd:toy_target"], "--model",
      "toy (the default) with --target"),
     (["demo", "--drafter", "gpu", "--model", "hf:llama"], "--drafter", "coin for transformers models"),
+    (["demo", "--dispatch", "device", "--drafter", "ngram"], "--drafter", "with --dispatch device: the coin drafter"),
+    (["demo", "--dispatch", "device", "--temperature", "0.7"], "--temperature", "with --dispatch device"),
+    (["demo", "--dispatch", "device", "--rounds", "3"], "--rounds", "with --dispatch device"),
 ])
 def test_flags_that_conflict_are_a_usage_error_before_the_run(capsys, argv, flag, want):
     """Each flag parses, together they make no sense: these were accepted without a word
@@ -411,6 +414,33 @@ def test_on_a_terminal_the_display_shows_the_phase_and_the_latest_message():
         with activity.phase("capturing"):
             logging.getLogger("cudagraph_rt.graphs.policy").info("capturing width 8")
     assert quiet.file.getvalue() == ""
+
+
+@pytest.mark.parametrize("extra", [[], ["--slots", "2", "--launch-rounds", "2", "--k", "2"]])
+def test_demo_with_device_dispatch_serves_the_host_runners_tokens(capsys, extra):
+    """`cgrt demo --dispatch device` on a CPU: the device loop, emulated (graphs off runs it
+    so, and says so), every token and host row checked; greedy, so its tokens are the host
+    runner's for the same requests."""
+    assert main(["demo", *QUICK_DEMO, "--max-new", "12", *extra, "--json"]) == 0
+    host = json.loads(capsys.readouterr().out)
+    assert main(["demo", *QUICK_DEMO, "--max-new", "12", *extra, "--dispatch", "device", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] and doc["config"]["dispatch"] == "device" and any("emulated" in n for n in doc["notes"])
+    (run,) = doc["runs"]
+    assert run["graphs"] == "emulate" and run["loop"]["rounds_ran"] == "host"
+    assert run["loop"]["rounds"] == run["steps"] > 0 and run["check"]["rows_checked"] == run["tokens"] > 0
+    assert doc["tokens"] == host["tokens"] and all(doc["tokens"])
+    if extra:  # two rounds a launch: the loop launched more than once
+        assert run["loop"]["loop_launches"] > 1 and set(run["loop"]["stops"]) <= {"ROUNDS", "FINISHED", "RETIRED"}
+
+
+def test_a_failed_check_of_the_device_loop_is_exit_1(capsys, monkeypatch):
+    from cudagraph_rt.tools.demo import serve as demo
+
+    real = demo.check
+    monkeypatch.setattr(demo, "check", lambda model, seqs, **kw: {**real(model, seqs, **kw), "ok": False})
+    assert main(["demo", *QUICK_DEMO, "--dispatch", "device", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["ok"] is False
 
 
 # ------------------------------------------------------------------ exit codes and --json

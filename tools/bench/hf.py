@@ -185,10 +185,11 @@ def sec_spec(ctx) -> dict:
     next, the last plans the timed one (the width-8 verify step rounds unlike the width-1
     greedy step, and on this random model's near-ties the outputs part); a re-plan is
     counted and timed, and the speedup is also given without it."""
+    from .. import options
     from ..demo import serve as serving
 
     kind = getattr(ctx, "drafter", "coin")
-    coin = serving.is_coin(kind)
+    coin = options.is_coin(kind)
     out, plans, passes = {}, None, []
     reqs = serving.make_requests(ctx.model.config, ctx.spec_sequences, ctx.new, ctx.seed)
     # an untimed plain run first, so the timed ones meet no first-time cost; the plain runs

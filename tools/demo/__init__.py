@@ -50,8 +50,32 @@ def _check_together(args, choice: options.ModelChoice) -> None:
     if getattr(args, "tp", 1) > 1 and args.drafter not in ("coin", "host"):
         raise options.UsageError(expected("--drafter", "coin with --tp (the other drafters run on one GPU)",
                                           args.drafter))
+    if getattr(args, "dispatch", "host") == "device":
+        sp = options.sampling_params(args)
+        for flag, bad in (("--drafter", not options.is_coin(args.drafter)), ("--temperature", not sp.greedy),
+                          ("--tp", getattr(args, "tp", 1) > 1), ("--rounds", args.rounds > 0)):
+            if bad:
+                raise options.UsageError(expected(flag, f"with --dispatch device: {options.DISPATCH_DEVICE_WANTS}"
+                                                         " (and no --rounds limit)", getattr(args, flag[2:])))
     if args.drafter == "gpu" and choice.kind != "toy":
         raise options.UsageError(expected("--drafter", "coin for transformers models (gpu drafts the toy)", "gpu"))
+
+
+def _loop_modes(modes: list, notes: list[str]) -> tuple[list, list[str]]:
+    """The graph modes the device loop runs: it replays captured widths, so graphs off
+    runs its rounds emulated (``graphs="emulate"``, the same code, eagerly)."""
+    if False not in modes:
+        return modes, notes
+    note = "--dispatch device with graphs off: the loop's rounds run emulated (graphs='emulate')"
+    return list(dict.fromkeys("emulate" if g is False else g for g in modes)), notes + [note]
+
+
+def _serve(model, requests, graphs, args) -> dict:
+    from . import serve, serve_loop
+
+    if args.dispatch == "device":
+        return serve_loop.serve_loop(model, requests, graphs, args)
+    return serve.serve(model, requests, graphs, args)
 
 
 def _sampling_text(args) -> str:
@@ -71,6 +95,8 @@ def run(args) -> int:
         return run_tp(args)
     device = options.device(args)
     modes, notes = options.graph_modes(args.graphs, device)
+    if args.dispatch == "device":
+        modes, notes = _loop_modes(modes, notes)
     with options.threads(options.thread_count(args, device, choice.tiny)), Activity.of("cgrt demo", args) as activity:
         # the toy builds in a moment; a transformers model may take minutes
         building = activity.phase(f"building {choice.label} on {device.type}") if choice.kind != "toy" else None
@@ -85,7 +111,7 @@ def run(args) -> int:
             runs = []
             for g in modes:
                 with activity.phase(f"serving {args.sequences} sequences, {mode_name(g)}"):
-                    runs.append(serve.serve(model, requests, g, args))
+                    runs.append(_serve(model, requests, g, args))
             for r in runs:
                 r.pop("finished_seqs")
         except ValueError as e:  # a bad argument (InputError is a ValueError)
@@ -100,7 +126,7 @@ def run(args) -> int:
                       "sequences": args.sequences, "slots": args.slots or cfg.max_seqs, "lanes": args.lanes,
                       "k": args.k, "accept_prob": args.accept_prob, "max_new": args.max_new,
                       "chunk": args.chunk, "rounds": args.rounds, "seed": args.seed,
-                      "drafter": args.drafter,
+                      "drafter": args.drafter, "dispatch": args.dispatch,
                       "drafter_label": serve.drafter_label(args.drafter, args.accept_prob),
                       "sampling": _sampling_text(args)},
               "notes": notes, "runs": runs, "ok": all(r["check"]["ok"] for r in runs),

@@ -21,6 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     options.add_device(p)
     options.add_model(p)
     options.add_drafter(p, "coin")
+    options.add_dispatch(p)
     p.add_argument("--slots", type=options.int_at_least(1), default=None, metavar="N",
                    help="sequences served at once (default: the model's max_seqs)")
     p.add_argument("--lanes", type=options.int_at_least(1), default=2, metavar="N",

@@ -28,7 +28,7 @@ def _print(report: dict) -> None:
     out.print(f"cgrt demo: {c.get('model', 'toy')} {c['size']} ({c['dtype']}, {c['hidden']} hidden, {c['layers']} layers) on "
               f"{c['device']}; {c['sequences']} sequences ({c['slots']} at once, {c['lanes']} lanes), k={c['k']}, "
               f"max-new {c['max_new']}, chunk {c['chunk']}, drafter {c.get('drafter_label', c.get('drafter', 'coin'))}, "
-              f"sampling {c.get('sampling', 'greedy')}",
+              f"sampling {c.get('sampling', 'greedy')}, dispatch {c.get('dispatch', 'host')}",
               markup=False)
     for note in report["notes"]:
         out.print(f"note: {note}", markup=False)
@@ -42,7 +42,8 @@ def _print(report: dict) -> None:
                   f"{r['tokens_per_s']:.1f}", f"{r['steps_per_s']:.1f}", f"{rate:.2f}",
                   "n/a" if busy is None else f"{100 * busy:.0f}%", "ok" if r["check"]["ok"] else "FAIL")
     out.print(fit(t))
-    out.print(_phase_table(report["runs"]))
+    if any(r.get("host_phases_us_per_step") for r in report["runs"]):
+        out.print(_phase_table(report["runs"]))
     for r in report["runs"]:
         hist, top = r["accept_hist"], max(r["accept_hist"] + [1])
         lines = [f"{mode_name(r['graphs'])}: {r['tokens']} tokens in {r['seconds']:.3f} s (capture "
@@ -52,8 +53,14 @@ def _print(report: dict) -> None:
         if by:
             lines.append(f"  mean accepted {r.get('mean_accepted', 0.0):.2f} of k={c['k']}; draft j accepted in "
                          + ", ".join(f"j={j + 1}: {100 * a:.0f}%" for j, a in enumerate(by)) + " of the rounds that proposed it")
+        loop = r.get("loop")
+        if loop:
+            per = loop["launches_per_64_tokens"]
+            lines.append(f"  device loop: {loop['rounds']} rounds in {loop['loop_launches']} loop launches, run by "
+                         f"{_RAN_BY.get(loop['rounds_ran'], loop['rounds_ran'])}; host launches {loop['launches']} (prompts' steps {loop['prefill_steps']}), "
+                         f"{'-' if per is None else f'{per:.2f}'} per 64 tokens; stops {', '.join(loop['stops'])}")
         w, ch = r["widths"], r["check"]
-        lines.append(f"  widths: graph replays {w['graph_replays'] or '-'}; eager {w['eager_calls'] or '-'}; "
+        lines.append(f"  {'the prompts’ steps' if loop else 'widths'}: graph replays {w['graph_replays'] or '-'}; eager {w['eager_calls'] or '-'}; "
                      f"dynamic {w['dynamic_calls'] or '-'}; {w['slices']} slices in {r['steps']} steps; "
                      f"padding rows {w['padding_rows']}")
         ties = f" (near-ties not counted: {ch['near_ties']})" if ch.get("near_ties") else ""
@@ -63,6 +70,9 @@ def _print(report: dict) -> None:
                      f"host rows {ch['rows_checked']} (= rows consumed {r['rows_consumed']}), "
                      f"{ch.get('rows_rule', 'max |err|')} {ch['rows_max_err']:.2e} (tol {ch['rows_tol']:g})")
         out.print("\n".join(lines), markup=False, style=None if ch["ok"] else "bold red")
+
+
+_RAN_BY = {"conditional": "one outer graph of conditional nodes per launch", "host": "the host (round by round)"}
 
 
 def _phase_table(runs: list[dict]):

@@ -38,7 +38,7 @@ def make_requests(cfg: ToyConfig, n: int, max_new: int, seed: int) -> list[Reque
                     rng.randint(max(1, max_new // 2), max_new)) for _ in range(n)]
 
 
-def check(model: Decoder, runner: SpecRunner, sampled: bool = False) -> dict:
+def check(model: Decoder, seqs, sampled: bool = False) -> dict:
     """Generated tokens against greedy decoding and host rows against the reference.
 
     ``reference(prompt + generated)`` gives the greedy next token and the hidden row at
@@ -50,13 +50,15 @@ def check(model: Decoder, runner: SpecRunner, sampled: bool = False) -> dict:
     counted in ``near_ties``, not as a mismatch; host rows are compared normwise
     (``||row - ref|| <= tol * ||ref||``, the sweep's rule) since they are normed rows.
 
+    ``seqs``: the served sequences (``uid``, ``prompt``, ``tokens``, ``generated`` and
+    ``rows``, one hidden row per generated token: the host runner's and the device loop's).
     ``sampled``: the requests sample (temperature > 0), so their tokens are not greedy
     decoding's: only the host rows are checked (against the reference of the tokens served).
     """
     bad, worst, rows, ties = [], 0.0, 0, 0
     hf = hasattr(model, "clear_positions")
     tol = Tolerance.for_dtype(model.config.dtype, model.device) if hf else None
-    for seq in runner.finished + [s for lane in runner.lanes for s in lane.seqs if s.decoding]:
+    for seq in seqs:
         p0, gen = len(seq.prompt) - 1, seq.generated
         if hf:
             logits, hidden = model.reference_logits(seq.tokens)
@@ -125,14 +127,9 @@ def make_drafter(model: Decoder, accept_prob: float, seed: int, requests: list[R
     return drafter
 
 
-def is_coin(kind: str) -> bool:
-    """Whether ``--drafter kind`` is a test double whose acceptance is set, not measured."""
-    return kind in ("coin", "host", "gpu")
-
-
 def drafter_label(kind: str, accept_prob: float) -> str:
     """How reports name the drafter (a coin says it is a test double)."""
-    return f"{kind} (a test double: each draft right with probability {accept_prob})" if is_coin(kind) else kind
+    return f"{kind} (a test double: each draft right with probability {accept_prob})" if options.is_coin(kind) else kind
 
 
 def timing(rep: RunReport) -> dict:
@@ -188,7 +185,8 @@ def serve(model: Decoder, requests: list[Request], graphs: bool, args, plans=Non
                    "eager_calls": dict(sorted(st.eager_calls.items())),
                    "dynamic_calls": dict(sorted(st.dynamic_calls.items())),
                    "padding_rows": st.padding_rows, "slices": st.slices},
-        "check": check(model, runner, sampled=not sampling.greedy),
+        "check": check(model, runner.finished + [s for lane in runner.lanes for s in lane.seqs if s.decoding],
+                       sampled=not sampling.greedy),
         "generated": [served.get(u, []) for u in uids],  # one list per request, in submission order
         "replans": getattr(drafter, "replans", 0), "replan_seconds": getattr(drafter, "replan_seconds", 0.0),
         "finished_seqs": runner.finished,
