@@ -482,6 +482,9 @@ def test_bench_quick_runs_every_section(tmp_path):
         assert phases and abs(sum(phases.values()) * r["spec"][name]["steps"] / 1e6 - r["spec"][name]["seconds"]) \
             < 0.05 * r["spec"][name]["seconds"], (name, phases)
     assert r["greedy"]["rows"][0]["agree_with_eager"] == r["meta"]["new"]  # fp32: the same tokens as generate
+    d = r["dispatch"]  # the device loop (emulated), host-driven rounds and the host runner: the same tokens
+    assert d["status"] == "ok" and [x["sequences"] for x in d["rows"]] == [1, 2]
+    assert all(x["tokens_equal"] and x["checks_ok"] and x["device"]["tokens"] > 0 for x in d["rows"])
     assert r["goals"] == []
     assert cli.main(["bench", "--model", "hf:gpt2"]) == 2
 

@@ -16,7 +16,7 @@ from cudagraph_rt.models.toy import ToyConfig, ToyDecoder
 from cudagraph_rt.tools.bench import compile_setups as bench_compile, report as bench_report
 from cudagraph_rt.tools.bench.common import N_SETS, ToyRows
 
-SECTIONS = ("step_time", "mixed_trace", "host_overhead", "memory", "padding", "host_rows")
+SECTIONS = ("step_time", "mixed_trace", "host_overhead", "memory", "padding", "host_rows", "dispatch")
 
 
 def test_quick_writes_every_section(tmp_path, capsys):
@@ -53,6 +53,11 @@ def test_quick_writes_every_section(tmp_path, capsys):
     for s in pad.values():  # the runtime padded exactly what plan() says
         assert s["padded_rows_counted"] == s["padded_rows"]
     assert pad["user"]["padded_rows"] < pad["default"]["padded_rows"]
+    d = data["dispatch"]  # every variant on a CPU (the loop emulated): the same greedy tokens, checked
+    assert d["status"] == "ok" and [r["sequences"] for r in d["rows"]] == [1, 2]
+    for r in d["rows"]:
+        assert r["tokens_equal"] and r["checks_ok"] and r["rounds_ran"] == "host"
+        assert r["device"]["tokens"] == r["host_rounds"]["tokens"] == r["host_runner"]["tokens"] > 0
     for key in ("host_overhead", "memory", "host_rows"):  # GPU-only, with the reason
         assert data[key]["status"] == "skipped" and data[key]["reason"]
     assert data["goals"] == []  # a CPU's figures are not GPU figures: no goal judged
@@ -101,7 +106,7 @@ def test_sections_pick_and_reject(tmp_path, capsys):
     assert data["padding"]["status"] == "ok" and data["padding"]["steps"] == 20
     assert all(data[k]["status"] == "not run" for k in SECTIONS if k != "padding")
     assert "cgrt bench: 5. padding ..." in capsys.readouterr().err  # progress: on stderr, one line in a log
-    for bad in ("7", "1,x", ""):
+    for bad in ("8", "1,x", ""):
         assert main(["bench", "--sections", bad]) == 2
         err = capsys.readouterr().err
         assert err.startswith("cgrt bench: --sections: expected section numbers") and err.count("\n") == 1
@@ -242,3 +247,34 @@ def test_interleaved_timing_runs_each_variant_after_its_prepare_in_rotating_orde
             assert next(x for x in log[k + 1:] if x[0] == "call")[1:] == e[1:]
     assert set(out) == {"a", "b", "c", "_deltas"} and set(out["_deltas"]) == {"b", "c"}
     assert all(out[n]["n"] == 3 for n in "abc")
+
+
+def _dispatch_row(sequences, rounds_ran, device_tps, rounds_tps, runner_tps, busy, per64, equal=True):
+    brief = lambda tps: {"tokens_per_s": tps, "mean_accepted": 2.0, "gpu_busy": busy,  # noqa: E731
+                         "loop": {"launches_per_64_tokens": per64}}
+    return {"sequences": sequences, "rounds_ran": rounds_ran, "device": brief(device_tps),
+            "host_rounds": brief(rounds_tps), "host_runner": brief(runner_tps),
+            "device_over_host_rounds": device_tps / rounds_tps, "device_over_host_runner": device_tps / runner_tps,
+            "device_over_best_host": device_tps / max(rounds_tps, runner_tps), "tokens_equal": equal,
+            "checks_ok": True}
+
+
+@pytest.mark.parametrize("toy, device_tps, met", [(True, 1600.0, True), (True, 1400.0, False),
+                                                  (False, 1250.0, True), (False, 1150.0, False)])
+def test_dispatch_goals_judge_the_faster_host_loop_at_one_sequence(toy, device_tps, met):
+    """The speed goal divides by the faster of the two host-driven variants (here the runner,
+    1000 tok/s, over host rounds at 800), at one sequence only; a loop that ran host-driven
+    (no conditional nodes) leaves the device goals unmeasured, never met."""
+    from cudagraph_rt.tools.bench.dispatch import goal_values
+
+    sec = {"rows": [_dispatch_row(1, "conditional", device_tps, 800.0, 1000.0, 0.98, 1.5),
+                    _dispatch_row(4, "conditional", 10.0, 800.0, 1000.0, 0.5, 9.0)]}
+    goals = {name: (value, ok) for name, value, _, ok in goal_values(sec, toy)}
+    speed = next(v for k, v in goals.items() if k.startswith("device dispatch / the faster"))
+    assert speed == (pytest.approx(device_tps / 1000.0), met)
+    assert next(v for k, v in goals.items() if "GPU busy" in k) == (0.98, True)
+    assert next(v for k, v in goals.items() if "launches" in k) == (1.5, True)
+    host = {"rows": [_dispatch_row(1, "host", device_tps, 800.0, 1000.0, 0.99, 1.0, equal=False)]}
+    judged = goal_values(host, toy)
+    assert all(value is None and not ok for name, value, _, ok in judged if "tokens equal" not in name)
+    assert [ok for name, _, _, ok in judged if "tokens equal" in name] == [False]

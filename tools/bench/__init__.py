@@ -8,6 +8,7 @@ Sections (``--sections 1,2,...``):
   4 memory                   one shared pool vs separate pools vs the widest alone; capture time
   5 padding waste            default width set vs a denser user set over the trace
   6 host rows                chosen hidden rows to the host: captured gather vs copy-all vs .item()
+  7 dispatch                 speculative rounds: the device loop vs host-driven rounds vs the host runner
 
 Every figure is a median over many timed calls after warm-up, with random inputs rotated
 among several pre-generated sets; what each includes is stated in the tables and in the
@@ -45,18 +46,19 @@ from . import compile_setups
 if TYPE_CHECKING:
     from .context import Context
 
-SECTIONS = {1: "step_time", 2: "mixed_trace", 3: "host_overhead", 4: "memory", 5: "padding", 6: "host_rows"}
+SECTIONS = {1: "step_time", 2: "mixed_trace", 3: "host_overhead", 4: "memory", 5: "padding", 6: "host_rows",
+            7: "dispatch"}
 
 
 def section_function(n: int) -> Callable[["Context"], dict]:
     """The function that runs section ``n`` (its module imports torch: loaded here)."""
-    from . import host_rows, memory, steps
+    from . import dispatch, host_rows, memory, steps
 
     return {1: steps.step_time, 2: steps.mixed_trace, 3: steps.host_overhead, 4: memory.memory,
-            5: memory.padding, 6: host_rows.host_rows}[n]
+            5: memory.padding, 6: host_rows.host_rows, 7: dispatch.toy_section}[n]
 
 
-HF_SECTIONS = ("compiled", "pool", "spec", "capture", "pieces", "sampling", "greedy")  # tools/bench/hf.py's, by name
+HF_SECTIONS = ("compiled", "pool", "spec", "capture", "pieces", "sampling", "dispatch", "greedy")  # hf.py's, by name
 
 
 def _sections(text: str) -> tuple:
@@ -218,6 +220,8 @@ def run(args: argparse.Namespace) -> int:
                                                   ",".join(map(str, args.sections))))
             args.hf_sections = args.sections
             return hf.run(args)
+        by_name = {key: n for n, key in SECTIONS.items()}  # a section both have, by name: "dispatch"
+        args.sections = tuple(by_name.get(n, n) for n in args.sections or ()) or None
         if any(isinstance(n, str) for n in args.sections or ()):
             raise options.UsageError(expected("--sections", f"numbers from {sorted(SECTIONS)} for the toy",
                                               ",".join(map(str, args.sections))))

@@ -259,6 +259,12 @@ def sec_sampling(ctx) -> dict:
     return run_sampling(ctx)
 
 
+def sec_dispatch(ctx) -> dict:
+    from .dispatch import run_section
+    return run_section(ctx.model, graphs=ctx.graphs, seed=ctx.seed, sequences=(1, 2) if not ctx.graphs else (1, 4),
+                       requests=ctx.spec_sequences, new=ctx.new)
+
+
 def sec_pieces(ctx) -> dict:
     from .pieces import sec_pieces as run_pieces
     return run_pieces(ctx)
@@ -266,7 +272,7 @@ def sec_pieces(ctx) -> dict:
 
 # The cheap sections first: the static+compile child may run into a caller's time limit.
 SECTIONS = {"compiled": sec_compiled, "pool": sec_pool, "spec": sec_spec, "capture": sec_capture,
-            "pieces": sec_pieces, "sampling": sec_sampling, "greedy": sec_greedy}
+            "pieces": sec_pieces, "sampling": sec_sampling, "dispatch": sec_dispatch, "greedy": sec_greedy}
 
 
 # ------------------------------------------------------------------------------ context, children
@@ -381,6 +387,9 @@ def goals(r: dict) -> list[dict]:
     from .sampling import goals as sampling_goals
     for name, value, target, ok in sampling_goals(r.get("sampling", {})):
         add(name, value, target, ok)
+    from .dispatch import goal_values as dispatch_goals
+    for name, value, target, ok in dispatch_goals(r.get("dispatch", {}), toy=False):
+        add(name, value, target, ok)
     return out
 
 
@@ -445,6 +454,9 @@ def _print(r: dict) -> None:
                     con.print(f"  {name} check: mismatches {ch['token_mismatches']}, near-ties {ch['near_ties']}, rows "
                               f"{ch['rows_checked']} worst {ch['rows_max_err']:.3g} of tol ({ch['rows_rule']})",
                               markup=False)
+        elif key == "dispatch":
+            from .dispatch import table
+            con.print(table(sec))
         elif key == "pieces":
             from .pieces import print_section
             print_section(con, sec)

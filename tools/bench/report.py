@@ -127,6 +127,9 @@ def tables(key: str, sec: dict) -> list[SplitTable]:
         return [_table(f"5. padding waste over the {sec['steps']}-step trace",
                        ["widths", "graphs", "pad rows", "pad/real", "trace ms", "µs/step", "pool MiB", "capture s"],
                        rows, "user = " + ",".join(map(str, sec["sets"][-1]["widths"])))]
+    if key == "dispatch":
+        from .dispatch import table
+        return [table(sec)]
     if key == "host_rows":
         names = ("captured_gather", "runtime_device", "runtime_host", "copy_all", "item_select")
         rows = [[str(r["accepted"]), *(_us(r[n]) for n in names), _x(r["captured_gather"]["median_us"]
@@ -251,6 +254,14 @@ def goals(results: dict) -> list[dict]:
                          f"{max(ts) / min(ts):.2f}", max(ts) / min(ts) <= 1.25))
     else:
         out.append(_goal("host rows at accepted=8", "≤ 0.5x (a) and < (b)", None, None, "needs section 6 on CUDA"))
+    from .dispatch import goal_values
+    dispatch = sec("dispatch")
+    for name, value, target, ok in goal_values(dispatch or {}, toy=True) if dispatch and graphs else []:
+        out.append(_goal(name, target, None if value is None else f"{value:.2f}", None if value is None else ok,
+                         "needs conditional nodes (CUDA 12.4+ driver, cuda-python)"))
+    if not (dispatch and graphs):
+        out.append(_goal("device dispatch / the faster host-driven loop, 1 seq, k=4", f">= {1.5}x", None, None,
+                         "needs section 7 on CUDA"))
     return out
 
 
