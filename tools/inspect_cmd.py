@@ -130,6 +130,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-compare", action="store_true", help="skip graphs on vs off")
     p.add_argument("--dot", type=options.output_folder, metavar="DIR",
                    help="write one Graphviz file per width into DIR, an existing folder")
+    options.add_dispatch(p, "; here device shows that loop's outer graph (its conditional nodes, branches and "
+                            "bodies; k=4, the model's coin drafter) instead of each width's graph")
     options.add_json(p)
     options.add_threads(p)
     options.add_verbosity(p)
@@ -214,6 +216,8 @@ def _check_widths(rt, asked: tuple[int, ...] | None) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    if args.dispatch == "device":
+        return _run_loop(args)
     try:
         choice = options.model_choice(args)
         factory = _factory(args, choice)
@@ -244,6 +248,58 @@ def run(args: argparse.Namespace) -> int:
         return 1
     _publish(report, args)
     return report.exit_code
+
+
+LOOP_K = 4  # drafts per sequence and round in the loop `--dispatch device` shows
+
+
+def _run_loop(args: argparse.Namespace) -> int:
+    """``--dispatch device``: the device loop over ``--model`` (the toy by default), built
+    as ``cgrt demo --dispatch device`` builds it, and its structure; exit 0 once built."""
+    import torch
+
+    try:
+        choice = options.model_choice(args)
+        for flag, given in (("--target", args.target is not None), ("--compile", bool(args.compile)),
+                            ("--widths", args.widths is not None), ("--dot", args.dot is not None)):
+            if given:
+                raise options.UsageError(expected(flag, "none with --dispatch device (the loop captures the widths "
+                                                        "its rows need)", repr(getattr(args, flag[2:]))))
+    except options.UsageError as exc:
+        print(f"cgrt inspect: {exc}", file=sys.stderr)
+        return 2
+    from cudagraph_rt.dispatch.loop import DeviceLoop
+    from cudagraph_rt.tools.demo.serve_loop import loop_drafter
+
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    try:
+        with options.threads(options.thread_count(args, dev, choice.tiny)), Activity.of("cgrt inspect", args) as activity:
+            with activity.phase(f"building {choice.label} and its device loop"):
+                if choice.kind == "toy":
+                    from cudagraph_rt.models import ToyConfig, ToyDecoder
+                    model = ToyDecoder(ToyConfig.tiny(), dev)
+                else:
+                    model = _hf_model(choice.family, "tiny" if choice.kind == "path" else choice.size, choice.path)
+                loop = DeviceLoop(model, loop_drafter(model, 0.7, 0), k=LOOP_K, graphs=True if cuda else "emulate",
+                                  rounds=args.launch_rounds)
+    except ImportError as exc:  # an hf model without the hf extra
+        print(f"cgrt inspect: {exc}", file=sys.stderr)
+        return 2
+    except CgrtError as exc:
+        print(f"cgrt inspect: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    shape = loop.shape
+    doc = {"ok": True, "dispatch": "device", "model": choice.label, "device": str(dev),
+           "rounds_ran": loop.runner.name, "note": loop.note, "k": shape.k, "slots": shape.slots,
+           "widths": list(shape.widths), "rounds_per_launch": loop.rounds, "outline": list(loop.runner.description)}
+    if args.json:
+        options.write_json(args.json, doc)
+    if args.json != options.STDOUT:
+        print(f"device loop over {choice.label} on {dev}: k={shape.k}, {shape.slots} slots, widths "
+              f"{list(shape.widths)}, up to {loop.rounds} rounds per launch\nrounds run by: {loop.note}")
+        print("\n".join(doc["outline"]))
+    return 0
 
 
 def _publish(report: "InspectReport", args: argparse.Namespace) -> None:

@@ -246,13 +246,13 @@ DISPATCH_DEVICE_WANTS = ("the coin drafter (--drafter coin: the device loop draw
                          "decoding and one process")
 
 
-def add_dispatch(p: argparse.ArgumentParser) -> None:
+def add_dispatch(p: argparse.ArgumentParser, note: str = "") -> None:
     """``--dispatch host|device`` and ``--launch-rounds N`` (the device loop's rounds per launch)."""
     p.add_argument("--dispatch", type=one_of("host", "device"), default="host", metavar="WHERE",
                    help="host: the runner plans every speculative step on the host (default); device: the rounds "
                         "run on the device (cudagraph_rt.dispatch.DeviceLoop: one launch of conditional graph nodes "
                         "for up to --launch-rounds rounds where CUDA allows, else host-driven rounds with a message "
-                        "saying why; emulated with graphs off). Device dispatch takes " + DISPATCH_DEVICE_WANTS)
+                        "saying why; emulated with graphs off). Device dispatch takes " + DISPATCH_DEVICE_WANTS + note)
     p.add_argument("--launch-rounds", type=int_at_least(1), default=64, metavar="N",
                    help="--dispatch device: rounds per launch of the loop (default 64)")
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .rounds import outline
+
 SET_HANDLES = r"""
 typedef __device_builtin__ unsigned long long cudaGraphConditionalHandle;
 extern "C" __device__ __cudart_builtin__ void cudaGraphSetConditional(cudaGraphConditionalHandle handle,
@@ -139,9 +141,10 @@ def kernel_params(driver, func, args: list[np.ndarray]):
     return p, pointers
 
 
-def build_outer(driver, kernel, plan, branches: list[tuple], go: int, width_index: int):
+def build_outer(driver, kernel, plan, branches: list[tuple], go: int, width_index: int, widths=None):
     """The outer graph (module docstring): ``plan`` and each branch's ``(step, commit)``
-    as CUgraphs, ``go`` / ``width_index`` the device addresses of the two int32 values.
+    as CUgraphs, ``go`` / ``width_index`` the device addresses of the two int32 values,
+    ``widths`` the branches' widths (default: their indices, for the description).
     Returns ``(graph, description)``: the graph and what it holds, node by node."""
     graph = check(driver.cuGraphCreate(0), "cuGraphCreate")
     ctx = check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
@@ -159,10 +162,7 @@ def build_outer(driver, kernel, plan, branches: list[tuple], go: int, width_inde
     for b, (step, commit) in zip(bodies, branches):
         s = check(driver.cuGraphAddChildGraphNode(b, [], 0, step), "cuGraphAddChildGraphNode")
         check(driver.cuGraphAddChildGraphNode(b, [s], 1, commit), "cuGraphAddChildGraphNode")
-    description = ["WHILE(loop: 1 at launch, then go)", "  body: plan (child graph)", "  body: set_handles (kernel)",
-                   f"  body: SWITCH(width_index) over {len(branches)} branches",
-                   *[f"    branch {i}: step (child graph) -> commit (child graph)" for i in range(len(branches))]]
-    return graph, description
+    return graph, outline(widths or list(range(len(branches))), setter=True)
 
 
 class _SwitchLater:
@@ -215,7 +215,8 @@ class ConditionalRounds:
         steps = [without_events(driver, raw(g)) for g in body.graphs]
         self.graph, self.description = build_outer(driver, kernel, raw(self._plan),
                                                    list(zip(steps, map(raw, self._commits))),
-                                                   body.rows.go.data_ptr(), body.rows.width_index.data_ptr())
+                                                   body.rows.go.data_ptr(), body.rows.width_index.data_ptr(),
+                                                   body.shape.widths)
         self._exec = check(driver.cuGraphInstantiate(self.graph, 0), "cuGraphInstantiate")
         self.launches = 0
 

@@ -83,7 +83,8 @@ class DeviceLoop:
     allows, else the host-driven rounds, with a log message naming what is missing).
     ``rounds``: rounds per launch; ``depth``: ring entries (default ``rounds``);
     ``stop_tokens``: ids that end a sequence (the stop token is kept); ``record_rows``: keep
-    each committed hidden row. The loop owns ``self.rt`` (its graphs, its pinned buffers).
+    each committed hidden row. The loop owns ``self.rt`` (its graphs, its pinned buffers);
+    ``self.note`` says how its rounds run (one outer graph, host-driven and why, emulated).
     Raises InputError for bad arguments, before the model's pool is touched."""
 
     def __init__(self, model, drafter, *, k: int = 4, graphs="emulate", rounds: int = 64, depth: int | None = None,
@@ -117,13 +118,20 @@ class DeviceLoop:
         self._next_uid = 0
 
     def _runner(self, graphs, conditional: bool):
+        """The rounds' runner, and ``self.note``: why the rounds run as they do."""
         if graphs is True and conditional:
             from .support import conditional_support
             support = conditional_support()
             if support.ok:
                 from .conditional import ConditionalRounds
+                self.note = "one launch of the outer graph (conditional nodes) runs up to `rounds` rounds"
                 return ConditionalRounds(self.body)
             log.warning("device dispatch: %s; the rounds run host-driven", support.message)
+            self.note = f"host-driven rounds: {support.message}"
+        elif graphs is True:
+            self.note = "host-driven rounds (conditional=False)"
+        else:
+            self.note = "emulated (graphs='emulate'): the host runs the WHILE / SWITCH semantics round by round"
         return HostRounds(self.body)
 
     # -- public ------------------------------------------------------------------------

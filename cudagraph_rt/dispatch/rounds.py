@@ -51,6 +51,19 @@ class RoundBody:
         commit_round(self.state, self.rows, self.outputs[i], self.ring, self.shape)
 
 
+def outline(widths, *, setter: bool) -> list[str]:
+    """The loop's structure, one line per node (the outer graph's where ``setter``: its
+    set-handles kernel; the host's reads otherwise), each SWITCH branch named by its width."""
+    piece, graph = ("child graph", "child graph") if setter else ("launched by the host", "replayed by the host")
+    head = ["WHILE(go: 1 at launch, then the plan's verdict)",
+            f"  body: plan: the round's drafts, rows, positions, cells and width ({piece})"]
+    head.append("  body: set_handles: go and width_index into the two handles (kernel)" if setter else
+                "  body: the host reads go and width_index (two device values)")
+    head.append(f"  body: SWITCH(width_index) over {len(widths)} branches (width_index {len(widths)}: none runs)")
+    return head + [f"    branch {i}: width {w}'s captured graph ({graph}) -> commit ({piece})"
+                   for i, w in enumerate(widths)]
+
+
 class HostRounds:
     """WHILE(go) { plan; SWITCH(width_index) { i: step(i); commit(i) } } with the host
     reading ``go`` and ``width_index`` (a value past the last branch runs none, as CUDA's
@@ -62,6 +75,7 @@ class HostRounds:
     def __init__(self, body: RoundBody):
         self.body = body
         self.launches = 0
+        self.description = outline(body.shape.widths, setter=False)
 
     def run(self) -> None:
         body, n = self.body, len(self.body.shape.widths)

@@ -143,7 +143,8 @@ def test_the_outer_graph_is_a_while_over_plan_setter_and_a_switch_of_the_widths(
     for edge_data in (True, False):  # cuda.bindings 13 and 12
         drv = FakeDriver(edge_data)
         branches = [(f"step{i}", f"commit{i}") for i in range(3)]
-        graph, description = cond.build_outer(drv, "kernel", "plan", branches, go=0xA0, width_index=0xB0)
+        graph, description = cond.build_outer(drv, "kernel", "plan", branches, go=0xA0, width_index=0xB0,
+                                              widths=(2, 8, 32))
         (loop,) = graph.nodes
         assert loop.info["cond"] == "while" and loop.info["size"] == 1 and loop.deps == []
         loop_handle = next(h for h in drv.handles if h.value == loop.info["handle"])
@@ -158,7 +159,9 @@ def test_the_outer_graph_is_a_while_over_plan_setter_and_a_switch_of_the_widths(
         for body, (step, commit) in zip(switch.info["bodies"], branches):
             s, c = body.nodes
             assert (s.info["child"], c.info["child"]) == (step, commit) and s.deps == [] and c.deps == [s]
-        assert len(description) == 4 + 3
+        assert len(description) == 4 + 3 and "SWITCH(width_index) over 3 branches" in description[3]
+        assert [line.split(":")[0].strip() for line in description[4:]] == ["branch 0", "branch 1", "branch 2"]
+        assert all(f"width {w}'s captured graph (child graph)" in line for w, line in zip((2, 8, 32), description[4:]))
 
 
 class _EventsDriver:

@@ -503,6 +503,40 @@ def test_model_and_target_together_are_a_usage_error(capsys):
         assert err == f"cgrt inspect: --model: expected toy (the default) with --target {target}, got 'hf:llama'\n"
 
 
+@pytest.mark.parametrize("model", ["toy", "hf:llama"])
+def test_dispatch_device_shows_the_loops_structure(capsys, model):
+    """`cgrt inspect --dispatch device`: the device loop built over the model, a SWITCH
+    branch per captured width (the narrowest holding a round's rows, widest slots * (k+1)),
+    and why its rounds run as they do (on a CPU: emulated)."""
+    from cudagraph_rt.cli import main
+    from tests.support.extras import available
+
+    if model != "toy" and not available("transformers"):
+        pytest.skip("needs transformers")
+    assert main(["inspect", "--dispatch", "device", "--model", model, "--launch-rounds", "8", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] and doc["rounds_per_launch"] == 8 and doc["k"] == 4
+    widths = doc["widths"]
+    assert widths[-1] >= doc["slots"] * 5 > widths[-2] and widths == sorted(set(widths))
+    lines = doc["outline"]
+    assert lines[0].startswith("WHILE") and f"SWITCH(width_index) over {len(widths)} branches" in lines[3]
+    assert [int(line.split("width ")[1].split("'")[0]) for line in lines[4:]] == widths
+    if not torch.cuda.is_available():
+        assert doc["rounds_ran"] == "host" and "emulated" in doc["note"] and "host reads" in lines[2]
+    elif doc["rounds_ran"] == "conditional":
+        assert "set_handles" in lines[2]
+
+
+@pytest.mark.parametrize("flag, value", [("--widths", "1,2"), ("--target", "cudagraph_rt.tools.inspect_cmd:toy_target"),
+                                         ("--compile", "default")])
+def test_dispatch_device_refuses_the_width_graph_flags(capsys, flag, value):
+    from cudagraph_rt.cli import main
+
+    assert main(["inspect", "--dispatch", "device", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"cgrt inspect: {flag}: expected none with --dispatch device") and err.count("\n") == 1
+
+
 def test_which_frames_count_as_user_code():
     import cudagraph_rt.models.toy as toy
     import cudagraph_rt.runtime as runtime

@@ -100,7 +100,7 @@ def serve_loop(model: Decoder, requests: list[Request], graphs, args, *, conditi
                    "eager_calls": dict(sorted(st.eager_calls.items())),
                    "dynamic_calls": dict(sorted(st.dynamic_calls.items())),
                    "padding_rows": st.padding_rows, "slices": st.slices},
-        "loop": {"rounds_ran": loop.runner.name, "launches": launches, "prefill_steps": prefills,
+        "loop": {"rounds_ran": loop.runner.name, "note": loop.note, "launches": launches, "prefill_steps": prefills,
                  "loop_launches": len(reports),
                  "rounds": rounds, "launches_per_64_tokens": 64 * launches / tokens if tokens else None,
                  "stops": [r.stop.name for r in reports]},
