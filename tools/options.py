@@ -242,8 +242,7 @@ def add_drafter(p: argparse.ArgumentParser, default: str = "coin", note: str = "
                         f"gpu: the coin in its own GraphRuntime, toy only) (default {default}){note}")
 
 
-DISPATCH_DEVICE_WANTS = ("the coin drafter (--drafter coin: the device loop draws its drafts on the device), greedy "
-                         "decoding and one process")
+DISPATCH_DEVICE_WANTS = "the coin drafter (--drafter coin: the device loop draws its drafts on the device) and one process"
 
 
 def add_dispatch(p: argparse.ArgumentParser, note: str = "") -> None:

@@ -15,14 +15,15 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..checks import as_int, token_ids
+from ..checks import as_bool, as_int, token_ids
 from ..errors import CapacityError, InputError, expected
 from ..models.pool import cdiv
 from ..runtime import GraphRuntime
+from ..sampling_params import SamplingParams
 from ..speculative.loop_drafter import LoopDrafter
 from ..widths import check_widths, default_widths
 from .rounds import HostRounds, RoundBody
-from .state import Finish, LoopRing, LoopShape, LoopState, RoundRows, Stop
+from .state import SAMPLING, Finish, LoopRing, LoopShape, LoopState, RoundRows, Stop
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class LoopSequence:
     rows: list[torch.Tensor] = field(default_factory=list)
     accepts: list[int] = field(default_factory=list)
     finish: Finish = Finish.NOT
+    sampling: SamplingParams = SamplingParams()
 
     @property
     def generated(self) -> list[int]:
@@ -83,13 +85,16 @@ class DeviceLoop:
     allows, else the host-driven rounds, with a log message naming what is missing).
     ``rounds``: rounds per launch; ``depth``: ring entries (default ``rounds``);
     ``stop_tokens``: ids that end a sequence (the stop token is kept); ``record_rows``: keep
-    each committed hidden row. The loop owns ``self.rt`` (its graphs, its pinned buffers);
+    each committed hidden row. ``sampling``: the verify step samples each row with its
+    request's ``SamplingParams`` (rejection sampling of the drafts, deterministic ones: q
+    one-hot) and ``seed`` seeds the requests that give none, as ``SpecRunner`` does (the
+    same seed and drafts give its tokens); without it, requests must be greedy. The loop owns ``self.rt`` (its graphs, its pinned buffers);
     ``self.note`` says how its rounds run (one outer graph, host-driven and why, emulated).
     Raises InputError for bad arguments, before the model's pool is touched."""
 
     def __init__(self, model, drafter, *, k: int = 4, graphs="emulate", rounds: int = 64, depth: int | None = None,
                  stop_tokens=(), widths=None, record_rows: bool = False, conditional: bool = True,
-                 slots: int | None = None):
+                 slots: int | None = None, sampling: bool = False, seed: int = 0):
         k, rounds = as_int("k", k, 0), as_int("rounds", rounds, 1)
         S = model.config.max_seqs if slots is None else as_int("slots", slots, 1, model.config.max_seqs)
         depth = rounds if depth is None else as_int("depth", depth, 1)
@@ -101,8 +106,10 @@ class DeviceLoop:
             raise InputError(expected("graphs", "True or 'emulate' (the loop replays captured widths)", graphs))
         pool = model.pool
         ws = _loop_widths(widths, S * (k + 1))
+        self.sampling, self.seed = as_bool("sampling", sampling), as_int("seed", seed, 0, 2**63 - 1)
         self.model, self.k, self.rounds, self.record_rows = model, k, rounds, bool(record_rows)
-        self.rt = GraphRuntime(_RowOutputs(model.verify_step), model.inputs(verify=True), widths=ws, graphs=graphs,
+        specs = model.inputs(verify=True, sampling=self.sampling)
+        self.rt = GraphRuntime(_RowOutputs(model.verify_step), specs, widths=ws, graphs=graphs,
                                device=model.device, keep_graphs=graphs is True)
         self.shape = LoopShape(S, k, ws, model.config.vocab, pool.block_size, model.scratch_cell, depth)
         self.state = LoopState(S, stops, model.device)
@@ -136,7 +143,9 @@ class DeviceLoop:
 
     # -- public ------------------------------------------------------------------------
     def submit(self, requests) -> list[int]:
-        """Queue requests (``prompt``, ``max_new``); their uids. All or none (InputError)."""
+        """Queue requests (``prompt``, ``max_new``, optional ``sampling``: a SamplingParams,
+        greedy by default, its seed resolved here as ``SpecRunner`` resolves it); their uids.
+        All or none (InputError)."""
         cfg, reqs = self.model.config, []
         for i, r in enumerate(list(requests)):
             n = as_int(f"requests[{i}].max_new", getattr(r, "max_new", None), 1)
@@ -144,8 +153,13 @@ class DeviceLoop:
             if not prompt or len(prompt) + n - 1 > cfg.max_len:
                 raise InputError(expected(f"requests[{i}]", f"a prompt and max_new within {cfg.max_len} positions",
                                           (len(prompt), n)))
-            reqs.append((prompt, n))
+            sp = getattr(r, "sampling", SamplingParams())
+            if not isinstance(sp, SamplingParams) or not (self.sampling or sp.greedy):
+                raise InputError(expected(f"requests[{i}].sampling", "a SamplingParams" + (
+                    "" if self.sampling else ", greedy (this loop has sampling=False)"), sp))
+            reqs.append((prompt, n, sp))
         uids = list(range(self._next_uid, self._next_uid + len(reqs)))
+        reqs = [(prompt, n, sp.seeded(self.seed, uid)) for uid, (prompt, n, sp) in zip(uids, reqs)]
         self.waiting.extend(zip(uids, reqs))
         self._next_uid += len(reqs)
         return uids
@@ -200,7 +214,7 @@ class DeviceLoop:
         pool, joined = self.model.pool, []
         free = [s for s in range(self.shape.slots) if s not in self.sequences]
         while self.waiting and free:
-            uid, (prompt, n) = self.waiting[0]
+            uid, (prompt, n, sp) = self.waiting[0]
             slot = free[0]
             self.model.free_seq(slot)
             owed = sum(self._blocks_for(len(q.prompt), q.max_new) - sum(b is not None for b in pool.blocks(q.slot))
@@ -209,7 +223,7 @@ class DeviceLoop:
                 break
             self.waiting.popleft()
             free.pop(0)
-            self.sequences[slot] = seq = LoopSequence(uid, slot, prompt, n, list(prompt))
+            self.sequences[slot] = seq = LoopSequence(uid, slot, prompt, n, list(prompt), sampling=sp)
             joined.append(seq)
         if joined:
             self._prefill(joined)
@@ -224,7 +238,11 @@ class DeviceLoop:
             cols["cells"] += self.model.cell_range(q.slot, 0, n)
             cols["want"] += [0] * (n - 1) + [1]
             cols["next_tokens"] += [-1] * n
-        out = self.rt.step(**{name: torch.tensor(c, dtype=torch.int64) for name, c in cols.items()}).outputs
+            if self.sampling:
+                for name, v in _settings(q.sampling).items():
+                    cols.setdefault(name, []).extend([v] * n)
+        out = self.rt.step(**{name: torch.tensor(c, dtype=SAMPLING.get(name, (torch.int64,))[0])
+                              for name, c in cols.items()}).outputs
         last = torch.tensor(list(_ends(len(q.prompt) for q in seqs)), device=self.model.device)
         first, rows = out["tokens"][last].tolist(), out["hidden"][last]
         st = self.state
@@ -235,6 +253,8 @@ class DeviceLoop:
                 q.rows.append(rows[i:i + 1].clone())
             live = q.max_new > 1
             s = q.slot
+            for name, v in _settings(q.sampling).items():
+                st.settings[name][s] = v
             st.live[s], st.uid[s], st.n_tok[s], st.remaining[s] = live, q.uid, len(q.tokens), q.max_new - 1
             st.prev[s], st.cur[s], st.reserved[s], st.finish[s] = q.tokens[-2], t, len(q.prompt), 0
             if t in st.stop_tokens.tolist() or not live:
@@ -308,6 +328,11 @@ class _RowOutputs:
     def __call__(self, inputs):
         out = self.verify_step(inputs)
         return {name: out[name] for name in ("tokens", "hidden", "committed")}
+
+
+def _settings(sp: SamplingParams) -> dict:
+    """A request's values of the sampling columns (its seed resolved at submit)."""
+    return {"temperature": sp.temperature, "top_k": sp.top_k, "top_p": sp.top_p, "min_p": sp.min_p, "seed": sp.seed}
 
 
 def _ends(lengths):

@@ -5,7 +5,8 @@ is captured once and replayed at every round. It lays a round out exactly as the
 runner does (``spec.runner.SpecRunner._verify_rows``): per live sequence, in slot order,
 ``k_s + 1`` rows (``k_s = min(k, remaining - 1)``): its last committed token, then its
 drafts; each row at the next position, asking for a token (``want = 1``) and naming the
-draft after it (``next_tokens``, -1 on the last). Cells come from the pool's block table
+draft after it (``next_tokens``, -1 on the last), with its slot's sampling settings when
+the step samples. Cells come from the pool's block table
 (``KVPool.device_cells``' rule). Rows past the round's ``T`` get each input's pad. The
 width is the one ``widths.plan_step(T)`` picks: the narrowest captured width ``>= T``.
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .state import LoopRing, LoopShape, LoopState, RoundRows, Stop
+from .state import SAMPLING, LoopRing, LoopShape, LoopState, RoundRows, Stop
 
 
 def round_layout(st: LoopState, shape: LoopShape) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -60,6 +61,9 @@ def plan_round(st: LoopState, rows: RoundRows, arena: dict[str, Tensor], block_t
     arena["cells"].copy_(cells)
     arena["want"].copy_(real.long())
     arena["next_tokens"].copy_(torch.where(real & ~bad, nxt, torch.full_like(nxt, -1)))
+    for name, (_, pad) in SAMPLING.items():  # a sampling verify step: each row its slot's settings
+        if name in arena:
+            arena[name].copy_(torch.where(real, st.settings[name][s], torch.full_like(arena[name], pad)))
     rows.slot.copy_(slot)
     rows.j.copy_(j)
     rows.pos.copy_(pos)

@@ -15,6 +15,12 @@ import torch
 from torch import Tensor
 
 
+# The per-row sampling columns of a verify step (models/choose.py) and their pads: a
+# padding row, or a greedy one, samples nothing.
+SAMPLING = {"temperature": (torch.float32, 0.0), "top_k": (torch.int64, 0), "top_p": (torch.float32, 1.0),
+            "min_p": (torch.float32, 0.0), "seed": (torch.int64, 0)}
+
+
 class Stop(enum.IntEnum):
     """Why a launch of the loop stopped (``LoopState.status``; 0 while it runs)."""
 
@@ -64,7 +70,9 @@ class LoopState:
     last round committed), ``finish`` (:class:`Finish`). Loop-wide (``[1]``): ``status``
     (:class:`Stop`), ``round`` (rounds run in this launch), ``max_rounds``,
     ``stop_on_retire``; ``error`` ``[3]``: (slot, token, position) of a bad token.
-    ``stop_tokens``: the ids that end a sequence (``[n]``, maybe empty)."""
+    ``stop_tokens``: the ids that end a sequence (``[n]``, maybe empty). ``settings``: the
+    slot's sampling settings per column of :data:`SAMPLING` (what the plan writes into a
+    sampling verify step's rows; a greedy slot holds the pads)."""
 
     def __init__(self, slots: int, stop_tokens: tuple[int, ...], device: torch.device):
         z = lambda dtype=torch.int64: torch.zeros(slots, dtype=dtype, device=device)  # noqa: E731
@@ -75,6 +83,8 @@ class LoopState:
         self.status, self.round, self.max_rounds, self.stop_on_retire = one(), one(), one(), one()
         self.error = torch.full((3,), -1, dtype=torch.int64, device=device)
         self.stop_tokens = torch.tensor(stop_tokens, dtype=torch.int64, device=device)
+        self.settings = {name: torch.full((slots,), pad, dtype=dtype, device=device)
+                         for name, (dtype, pad) in SAMPLING.items()}
 
     def tensors(self) -> dict[str, Tensor]:
         return {name: v for name, v in vars(self).items() if isinstance(v, Tensor)}

@@ -16,6 +16,8 @@ from cudagraph_rt.dispatch.state import Finish, Stop
 from cudagraph_rt.models import ToyConfig, ToyDecoder
 from cudagraph_rt.speculative.device_drafter import DeviceDrafter
 from cudagraph_rt.speculative.loop_drafter import CoinRounds, LoopDrafter
+from cudagraph_rt.errors import InputError
+from cudagraph_rt.sampling_params import SamplingParams
 from cudagraph_rt.speculative.runner import Request, SpecRunner, ToyDrafter
 from tests.support.seeds import seeded_rng
 
@@ -42,9 +44,9 @@ def _host(reqs, k, p, seed):
     return {s.uid: s for s in runner.finished}, runner.hist
 
 
-def _loop(k, p, seed, **kw):
+def _loop(k, p, coin_seed, **kw):
     MODEL.reset_cache()
-    return DeviceLoop(MODEL, kw.pop("drafter", None) or CoinRounds(MODEL, p, seed), k=k, record_rows=True, **kw)
+    return DeviceLoop(MODEL, kw.pop("drafter", None) or CoinRounds(MODEL, p, coin_seed), k=k, record_rows=True, **kw)
 
 
 @pytest.mark.parametrize("k, rounds", [(0, 5), (1, 64), (3, 4), (4, 2)])
@@ -68,6 +70,37 @@ def test_tokens_and_rows_equal_the_host_loop(k, rounds):
         assert same(torch.cat(q.rows), torch.cat(want[uid].rows))
         assert q.finish == Finish.MAX_TOKENS
     assert Counter(a - 1 for q in got.values() for a in q.accepts) == hist
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_sampled_tokens_equal_the_host_runners_for_the_same_seeds(k):
+    """Sampling (issue 37) inside the loop: each row samples with its request's settings and
+    the verify rejection-samples the drafts; with the same seeds and the same drafts (the
+    coin of the same state) the tokens are SpecRunner's bit for bit, whatever the rounds."""
+    rng = seeded_rng("CGRT_LOOP_SEED")
+    p, seed = rng.choice([0.3, 0.8]), rng.randrange(2**31)
+    # the toy's logits are peaked (its greedy rule): temperatures this high make the draws random
+    settings = [SamplingParams(temperature=rng.choice([3.0, 5.0, 10.0]), top_k=rng.choice([0, 9]),
+                               top_p=rng.choice([1.0, 0.9]), min_p=rng.choice([0.0, 0.05]),
+                               seed=rng.choice([None, rng.randrange(2**40)])) for _ in range(4)]
+    settings[0] = SamplingParams()  # a greedy request among sampled ones
+    reqs = [Request(r.prompt, r.max_new, sp) for r, sp in zip(_requests(rng, 4), settings)]
+    MODEL.reset_cache()
+    runner = SpecRunner(MODEL, ToyDrafter(MODEL, p, seed), k=k, lanes=1, seed=seed)
+    runner.submit(reqs)
+    runner.run()
+    want = {q.uid: q.tokens for q in runner.finished}
+    loop = _loop(k, p, seed, rounds=rng.randint(1, 6), sampling=True, seed=seed)
+    loop.submit(reqs)
+    loop.run()
+    got = {q.uid: q.tokens for q in loop.finished}
+    assert got == want
+    greedy_tokens = {u: list(r.prompt) + MODEL.greedy_generate(list(r.prompt), r.max_new) for u, r in enumerate(reqs)}
+    assert got[0] == greedy_tokens[0] and any(got[u] != greedy_tokens[u] for u in range(1, 4))  # the others sampled
+    greedy = _loop(k, p, seed, rounds=4)  # the greedy loop refuses a sampled request, before anything runs
+    with pytest.raises(InputError, match=r"requests\[1\].sampling"):
+        greedy.submit(reqs)
+    assert not greedy.waiting
 
 
 def test_a_stop_token_ends_its_sequence_and_keeps_the_token():

@@ -71,7 +71,6 @@ def test_bad_values_are_one_line_and_exit_2(capsys, argv, flag, want):
      "toy (the default) with --target"),
     (["demo", "--drafter", "gpu", "--model", "hf:llama"], "--drafter", "coin for transformers models"),
     (["demo", "--dispatch", "device", "--drafter", "ngram"], "--drafter", "with --dispatch device: the coin drafter"),
-    (["demo", "--dispatch", "device", "--temperature", "0.7"], "--temperature", "with --dispatch device"),
     (["demo", "--dispatch", "device", "--rounds", "3"], "--rounds", "with --dispatch device"),
 ])
 def test_flags_that_conflict_are_a_usage_error_before_the_run(capsys, argv, flag, want):
@@ -416,11 +415,12 @@ def test_on_a_terminal_the_display_shows_the_phase_and_the_latest_message():
     assert quiet.file.getvalue() == ""
 
 
-@pytest.mark.parametrize("extra", [[], ["--slots", "2", "--launch-rounds", "2", "--k", "2"]])
+@pytest.mark.parametrize("extra", [[], ["--slots", "2", "--launch-rounds", "2", "--k", "2"],
+                                   ["--temperature", "4", "--top-k", "30", "--lanes", "1"]])
 def test_demo_with_device_dispatch_serves_the_host_runners_tokens(capsys, extra):
     """`cgrt demo --dispatch device` on a CPU: the device loop, emulated (graphs off runs it
     so, and says so), every token and host row checked; greedy, so its tokens are the host
-    runner's for the same requests."""
+    runner's for the same requests, and sampled, the same seeds and drafts draw them too."""
     assert main(["demo", *QUICK_DEMO, "--max-new", "12", *extra, "--json"]) == 0
     host = json.loads(capsys.readouterr().out)
     assert main(["demo", *QUICK_DEMO, "--max-new", "12", *extra, "--dispatch", "device", "--json"]) == 0
@@ -430,7 +430,7 @@ def test_demo_with_device_dispatch_serves_the_host_runners_tokens(capsys, extra)
     assert run["graphs"] == "emulate" and run["loop"]["rounds_ran"] == "host"
     assert run["loop"]["rounds"] == run["steps"] > 0 and run["check"]["rows_checked"] == run["tokens"] > 0
     assert doc["tokens"] == host["tokens"] and all(doc["tokens"])
-    if extra:  # two rounds a launch: the loop launched more than once
+    if "--launch-rounds" in extra:  # two rounds a launch: the loop launched more than once
         assert run["loop"]["loop_launches"] > 1 and set(run["loop"]["stops"]) <= {"ROUNDS", "FINISHED", "RETIRED"}
 
 

@@ -51,9 +51,8 @@ def _check_together(args, choice: options.ModelChoice) -> None:
         raise options.UsageError(expected("--drafter", "coin with --tp (the other drafters run on one GPU)",
                                           args.drafter))
     if getattr(args, "dispatch", "host") == "device":
-        sp = options.sampling_params(args)
-        for flag, bad in (("--drafter", not options.is_coin(args.drafter)), ("--temperature", not sp.greedy),
-                          ("--tp", getattr(args, "tp", 1) > 1), ("--rounds", args.rounds > 0)):
+        for flag, bad in (("--drafter", not options.is_coin(args.drafter)), ("--tp", getattr(args, "tp", 1) > 1),
+                          ("--rounds", args.rounds > 0)):
             if bad:
                 raise options.UsageError(expected(flag, f"with --dispatch device: {options.DISPATCH_DEVICE_WANTS}"
                                                          " (and no --rounds limit)", getattr(args, flag[2:])))

@@ -3,7 +3,8 @@
 host runner's (greedy tokens against the reference, every committed hidden row against
 the reference's row). ``bench --sections dispatch`` serves through here too.
 
-The loop's drafter is a coin (a test double) drawn on the device: the toy's rule
+Requests sample as ``serve`` samples them (``--temperature`` etc., request i seeded from
+``--seed`` and i). The loop's drafter is a coin (a test double) drawn on the device: the toy's rule
 (``CoinRounds``) or, for other models, the model's own greedy decoding (``PlanRounds``)
 taken from an untimed run of the same loop (which is also the warm-up).
 """
@@ -18,6 +19,7 @@ from cudagraph_rt.models import Decoder, ToyDecoder
 from cudagraph_rt.speculative.loop_drafter import CoinRounds, PlanRounds
 from cudagraph_rt.speculative.runner import Request
 
+from .. import options
 from . import serve
 
 
@@ -55,14 +57,17 @@ def serve_loop(model: Decoder, requests: list[Request], graphs, args, *, conditi
     after an untimed run; the report ``serve.serve`` gives, with ``loop``: launches, rounds
     and which rounds ran (``conditional`` or ``host``)."""
     model.reset_cache()
+    # request i's settings and seed as serve.serve gives them (the same seed, the same draws)
+    sampling = options.sampling_params(args)
+    requests = [Request(r.prompt, r.max_new, sampling.seeded(args.seed, i)) for i, r in enumerate(requests)]
     drafter = loop_drafter(model, args.accept_prob, args.seed)
     t0 = time.perf_counter()
     loop = DeviceLoop(model, drafter, k=args.k, graphs=graphs, rounds=args.launch_rounds, record_rows=True,
-                      conditional=conditional, slots=args.slots)
+                      conditional=conditional, slots=args.slots, sampling=not sampling.greedy, seed=args.seed)
     capture_s = time.perf_counter() - t0
     # Untimed: every request once (the first-time costs, and PlanRounds' plans: the same
     # loop's greedy tokens, rounded as the timed run's verify rounds them)
-    loop.submit([Request(r.prompt, r.max_new) for r in requests])
+    loop.submit(requests)
     loop.run()
     if isinstance(drafter, PlanRounds):
         drafter.prepare_from(loop.finished)
@@ -104,7 +109,7 @@ def serve_loop(model: Decoder, requests: list[Request], graphs, args, *, conditi
                  "loop_launches": len(reports),
                  "rounds": rounds, "launches_per_64_tokens": 64 * launches / tokens if tokens else None,
                  "stops": [r.stop.name for r in reports]},
-        "check": serve.check(model, seqs),
+        "check": serve.check(model, seqs, sampled=not sampling.greedy),
         "generated": [served.get(u, []) for u in uids],
         "replans": 0, "replan_seconds": 0.0, "finished_seqs": seqs,
     }
