@@ -114,4 +114,4 @@ def toy_section(ctx) -> dict:
     CUDA, 1 and 2 on a CPU."""
     light = ctx.quick or not ctx.graphs
     return run_section(ctx.model, graphs=ctx.graphs, seed=ctx.seed, sequences=(1, 2) if light else (1, 4),
-                       requests=2 if light else 8, new=8 if light else 128)
+                       requests=2 if light else 8, new=8 if light else 96)
