@@ -2,6 +2,8 @@
 
     python -m cudagraph_rt.kernels.sampling.bench                 # the H200 run (CUDA)
     python -m cudagraph_rt.kernels.sampling.bench --smoke         # a CPU check that it runs
+    python -m cudagraph_rt.kernels.sampling.bench --rows 1,64 --dtypes bf16 --kernels --sweep
+                                                                  # per launch, and other plans
 
 For each logits dtype, row count and setting (plain temperature, top_k=50, top_p=0.9, both)
 it captures one graph of :func:`cudagraph_rt.kernels.sampling.sample` (the Triton kernels)
@@ -62,6 +64,12 @@ def _parse(argv) -> argparse.Namespace:
     p.add_argument("--scale", type=float, default=3.0, help="logits = randn * scale")
     p.add_argument("--passes", type=int, default=None, help="override the plan's search passes")
     p.add_argument("--candidates", type=int, default=None, help="override the plan's candidates per pass")
+    p.add_argument("--chunk", type=int, default=None, help="override the plan's vocabulary entries per program")
+    p.add_argument("--sweep", action="store_true",
+                   help="time top_p=0.9 under each plan of SWEEP (chunk x candidates x passes) at each row count, "
+                        "fastest first, tokens checked against the torch path")
+    p.add_argument("--kernels", action="store_true",
+                   help="each launch's device time in one replay of the default plan (torch.profiler)")
     p.add_argument("--smoke", action="store_true", help="CPU, small vocabulary, no timing: it runs")
     return p.parse_args(argv)
 
@@ -82,34 +90,45 @@ def _plan(args, rows: int, vocab: int, device):
         plan = replace(plan, search_passes=args.passes)
     if args.candidates is not None:
         plan = replace(plan, candidates=args.candidates, search_block=min(plan.block, _TILE_ELEMS // args.candidates))
+    if args.chunk is not None:
+        plan = replace(plan, chunk=args.chunk)
     return plan
 
 
-def _graph(fn):
-    """Warm ``fn`` up on a side stream, capture it; returns the graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
+# The plans --sweep times: the default plan spreads a row over ~2 programs per SM, which at
+# one row of 128k logits makes each program read one tile and each reducer walk ~128
+# partials; fewer, longer chunks trade read parallelism for shorter reductions.
+SWEEP = [dict(chunk=c, candidates=k, passes=p) for c in (1024, 4096, 16384) for k in (16, 64) for p in (2, 3)]
 
 
-def _time(graph, iters: int, flush: torch.Tensor) -> float:
-    """Median device microseconds of one replay, L2 flushed before each."""
-    times = []
-    for _ in range(iters):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        times.append((start, end))
+def _sweep(args, dtype: str, rows: int, flush) -> list[tuple[dict, Row]]:
+    """(plan overrides, its row) for each plan of SWEEP, fastest first."""
+    out = []
+    for over in SWEEP:
+        a = argparse.Namespace(**{**vars(args), **over})
+        out.append((over, _measure(a, dtype, rows, "top_p=0.9", flush)))
+    return sorted(out, key=lambda x: x[1].ours_us)
+
+
+def _kernel_times(args, dtype: str, rows: int, case: str, replays: int = 10) -> list[tuple[str, float, float]]:
+    """(kernel, device microseconds per replay, launches per replay) of the plan's graph,
+    as ``tools/bench/profile_replay.py`` reads them (torch.profiler, self device time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from cudagraph_rt.kernels.sampling import sample
+    device = torch.device("cuda")
+    logits = (torch.randn(rows, args.vocab, device=device) * args.scale).to(DTYPES[dtype])
+    settings, plan = _settings(rows, case, device), _plan(args, rows, args.vocab, device)
+    out = torch.empty(rows, dtype=torch.int64, device=device)
+    graph = _graph(lambda: sample(logits, settings, out=out, plan=plan))
+    graph.replay()
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in times)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    events = [ev for ev in prof.key_averages() if getattr(ev, "self_device_time_total", 0)]
+    return [(ev.key, ev.self_device_time_total / replays, ev.count / replays) for ev in events]
 
 
 def _measure(args, dtype: str, rows: int, case: str, flush) -> Row:
@@ -180,6 +199,16 @@ def main(argv=None) -> int:
             print("the bench needs CUDA (use --smoke on a CPU)", file=sys.stderr)
             return 2
         flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+        if args.kernels:
+            for n in args.rows.split(","):
+                times = _kernel_times(args, args.dtypes.split(",")[0], int(n), "top_p=0.9")
+                print(f"rows {n}, top_p=0.9, per replay: " + ", ".join(f"{k} {us:.1f} us x{c:g}" for k, us, c in times)
+                      + f"; sum {sum(us for _, us, _ in times):.1f} us")
+        if args.sweep:
+            for n in args.rows.split(","):
+                for over, r in _sweep(args, args.dtypes.split(",")[0], int(n), flush):
+                    print(f"sweep rows {n}: {over}: {r.ours_us:.1f} us ({r.ratio():.2f}x torch), "
+                          f"{r.launches} launches, tokens {'same' if r.same_tokens else 'DIFFER'}")
         results = [_measure(args, d, int(n), c, flush) for d in args.dtypes.split(",")
                    for n in args.rows.split(",") for c in CASES]
     print(f"vocab {args.vocab}, logits randn * {args.scale}, device time per graph replay (median of {args.iters})")
