@@ -16,6 +16,7 @@ EXTRAS = {
     "hf": ("transformers", "transformers"),
     "plot": ("matplotlib", "matplotlib"),
     "gpu": ("cuda.bindings", "cuda-python"),
+    "bench": ("flashinfer", "flashinfer-python"),
 }
 
 

@@ -35,6 +35,9 @@ def test_quick_writes_every_section(tmp_path, capsys):
     assert {t["plan"]["splits"] for t in tried} >= {1, 3}  # the one-split kernel and the merging one
     out = capsys.readouterr().out
     assert "cell attention, 16-layer loop" in out and "ceiling at 24 cells" in out
+    if not torch.cuda.is_available():  # FlashInfer's column: skipped with its reason, never fatal
+        assert res["flashinfer"] == {"status": "skipped", "reason": "FlashInfer needs a CUDA device"}
+        assert "against FlashInfer: skipped: FlashInfer needs a CUDA device" in out
     goals = out[out.index("== goals"):].splitlines()
     assert any(line.split()[0] == "w4@24" and ("pass" in line or "MISS" in line) for line in goals[2:]), goals
 
@@ -99,3 +102,31 @@ def test_kernel_versions_times_two_copies_of_the_kernel_side_by_side(tmp_path, m
         assert len(case["times_us"]["this"]) == len(case["times_us"]["other"]) == 2 and case["other_us"] > 0
     assert "this" in capsys.readouterr().out
     assert kv.main(["--quick"]) == 2
+
+
+def _cells(table, s, n, bs):
+    """Cells of positions 0..n-1 of sequence s, as the pool lays them (KVPool.cell_for)."""
+    return [int(table[s, p // bs]) * bs + p % bs for p in range(n)]
+
+
+def test_flashinfer_pages_are_the_pools_blocks():
+    """The FlashInfer baseline's page lists read exactly the cells the cell attention reads:
+    per row (decode variants) positions 0..pos of its sequence, per sequence (prefill) its
+    whole extent; a page is a block (NHD: [blocks, block_size, Hkv, D])."""
+    from cudagraph_rt.tools.bench.flashinfer_baseline import row_pages, sequence_pages
+
+    wl = Workload(Shape(1, 4, 2, 8, torch.float32), width=6, seqs=2, extent=11, max_seqs=3, max_len=16,
+                  block_size=4, device=torch.device("cpu"), seed=3)
+    indptr, indices, last = row_pages(wl.table, wl.seq, wl.pos, wl.bs)
+    for i, (s, p) in enumerate(zip(wl.seq.tolist(), wl.pos.tolist())):
+        pages = indices[indptr[i]:indptr[i + 1]].tolist()
+        cells = [b * wl.bs + o for b in pages[:-1] for o in range(wl.bs)] + \
+                [pages[-1] * wl.bs + o for o in range(int(last[i]))]
+        assert cells == _cells(wl.table, s, p + 1, wl.bs), (i, s, p)
+    qo, indptr, indices, last = sequence_pages(wl.table, wl.seqs, wl.per, wl.extent, wl.bs)
+    assert qo.tolist() == [0, 3, 6]
+    for s in range(wl.seqs):
+        pages = indices[indptr[s]:indptr[s + 1]].tolist()
+        cells = [b * wl.bs + o for b in pages[:-1] for o in range(wl.bs)] + \
+                [pages[-1] * wl.bs + o for o in range(int(last[s]))]
+        assert cells == _cells(wl.table, s, wl.extent, wl.bs)

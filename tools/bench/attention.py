@@ -20,6 +20,9 @@ Sections (all in the JSON; the tables last on stdout):
   arithmetic), in the same 16-layer loop and timer, at the goal extents (8k, 32k).
 * ``pool``: one sequence of 128 live cells in a 4,096-cell and a 262,144-cell pool
   (16 x 256 and 64 x 4,096), widths 1 and 8: the times should match.
+* ``flashinfer``: the issue-39 cases against FlashInfer's decode, tensor-core decode and
+  prefill wrappers over the same pool (the best of them), in graphs and eager per call;
+  skipped, with the reason, where FlashInfer does not import (``flashinfer_baseline.py``).
 * ``candidates``: the goal cases (widths 1 and 8 at 8k and 32k, width 64 at 1k), each
   with its default plan and a short list of single changes around it (splits, min
   chunk, tile of cells, warps, stages), then the faster changes together. A config that
@@ -379,6 +382,12 @@ class Bench:
             del wl, want
         return out
 
+    def flashinfer(self) -> dict:
+        """The goal cases against FlashInfer's wrappers, graphs and eager (skipped with the
+        reason where FlashInfer cannot run): ``flashinfer_baseline.py``."""
+        from .flashinfer_baseline import section
+        return section(self, sdpa_reference)
+
     def try_one(self, wl, knob, value, plan, want) -> dict:
         if time.monotonic() > self.deadline:
             return {"knob": knob, "value": value, "plan": asdict(plan), "status": "skipped (time budget)"}
@@ -481,8 +490,11 @@ def suggestions(res: dict) -> list[str]:
 
 
 def print_tables(res: dict) -> None:
+    from .flashinfer_baseline import print_section
+
     print_extents(res)
     print_goals(res)
+    print_section(res.get("flashinfer"))
     if res.get("suggested"):
         print("suggested (fastest measured per case; splits are plan_attention's rule, the config TUNED_CONFIGS'):")
         for line in res["suggested"]:
@@ -495,7 +507,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="write every number here")
     p.add_argument("--quick", action="store_true", help="tiny shapes (the interpreter without a GPU), for CI")
     p.add_argument("--budget", type=float, default=60.0, help="seconds for the candidates (from their start)")
-    p.add_argument("--sections", default="extents,many,batch,pool,ceiling,candidates")
+    p.add_argument("--sections", default="extents,many,batch,pool,ceiling,flashinfer,candidates")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         if not a.quick:
