@@ -166,13 +166,20 @@ class DeviceLoop:
 
     def run(self) -> list[LaunchReport]:
         """Serve until every request is done; the launches' reports. LoopError when a launch
-        stops on a bad token or a full pool (see :class:`LoopError`)."""
+        stops on a bad token or a full pool (see :class:`LoopError`), or when a waiting
+        request's worst case needs more KV blocks than the pool has free with nothing
+        served (it would wait for ever)."""
         start = len(self.launches)
         while self.waiting or self.sequences:
-            self._admit()
-            if not self.sequences:
-                break
-            self.launch()
+            admitted = self._admit()
+            if self.sequences:
+                self.launch()
+            elif self.waiting and not admitted:  # (a request that finished at its prefill frees its slot at once)
+                uid, (prompt, n, _) = self.waiting[0]
+                pool = self.model.pool
+                raise LoopError(f"device loop: request {uid} needs {self._blocks_for(len(prompt), n)} KV blocks "
+                                f"(prompt {len(prompt)}, max_new {n}), the pool has {pool.free_blocks} free of "
+                                f"{pool.num_blocks}; it stays queued")
         return self.launches[start:]
 
     def launch(self) -> LaunchReport:
@@ -207,10 +214,11 @@ class DeviceLoop:
     def _blocks_for(self, prompt: int, max_new: int) -> int:
         return cdiv(prompt + max_new - 1, self.model.pool.block_size)
 
-    def _admit(self) -> None:
+    def _admit(self) -> int:
         """Waiting requests join free slots while the pool's free blocks cover every served
         sequence's remaining worst case and theirs (as SpecRunner admits); then one prefill
-        step of their prompts, whose last rows give each its first token."""
+        step of their prompts, whose last rows give each its first token. Returns how many
+        joined."""
         pool, joined = self.model.pool, []
         free = [s for s in range(self.shape.slots) if s not in self.sequences]
         while self.waiting and free:
@@ -227,6 +235,7 @@ class DeviceLoop:
             joined.append(seq)
         if joined:
             self._prefill(joined)
+        return len(joined)
 
     def _prefill(self, seqs: list[LoopSequence]) -> None:
         cols = {name: [] for name in ("tokens", "positions", "seq_ids", "cells", "want", "next_tokens")}

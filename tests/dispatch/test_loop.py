@@ -201,3 +201,26 @@ def test_a_full_pool_stops_the_loop_with_the_committed_rows_intact():
             loop.launch()
     assert Stop.POOL in [r.stop for r in loop.launches]
     _intact(loop, want)
+
+
+def test_requests_that_finish_at_their_prefill_free_their_slot_for_the_next():
+    """max_new = 1: a request ends at its prompt's step; with one slot, the loop went
+    idle with the next request still queued (found by the property test)."""
+    MODEL.reset_cache()
+    loop = DeviceLoop(MODEL, CoinRounds(MODEL, 0.5, 0), k=2, slots=1)
+    reqs = [Request((0,), 1), Request((0,), 1), Request((5, 6), 3)]
+    assert loop.submit(reqs) == [0, 1, 2]
+    loop.run()
+    assert sorted(q.uid for q in loop.finished) == [0, 1, 2] and not loop.waiting
+    for q in loop.finished:
+        r = reqs[q.uid]
+        assert q.generated == MODEL.greedy_generate(list(r.prompt), r.max_new)
+
+
+def test_a_request_the_pool_can_never_hold_is_an_error_not_a_silent_stop():
+    small = ToyDecoder(ToyConfig.tiny(max_len=64, max_seqs=3, cells=32), "cpu")  # 2 blocks of 16
+    loop = DeviceLoop(small, CoinRounds(small, 0.5, 0), k=2)
+    loop.submit([Request((1, 2), 40)])  # 41 positions: 3 blocks
+    with pytest.raises(LoopError, match=r"request 0 needs 3 KV blocks .* 2 free of 2; it stays queued"):
+        loop.run()
+    assert len(loop.waiting) == 1 and small.pool.free_blocks == 2
