@@ -214,8 +214,6 @@ def _check_widths(rt, asked: tuple[int, ...] | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     if args.dispatch == "device":
         return _run_loop(args)
     try:
@@ -224,8 +222,7 @@ def run(args: argparse.Namespace) -> int:
     except options.UsageError as exc:
         print(f"cgrt inspect: {exc}", file=sys.stderr)
         return 2
-    cuda = torch.cuda.is_available()
-    dev = torch.device("cuda" if cuda else "cpu")
+    cuda, dev = _here()
     try:
         with options.threads(options.thread_count(args, dev, choice.tiny)), Activity.of("cgrt inspect", args) as activity:
             if choice.kind != "toy":
@@ -253,26 +250,28 @@ def run(args: argparse.Namespace) -> int:
 LOOP_K = 4  # drafts per sequence and round in the loop `--dispatch device` shows
 
 
+def _here() -> "tuple[bool, torch.device]":
+    """Whether CUDA is here, and the device the inspected runtime goes on."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    return cuda, torch.device("cuda" if cuda else "cpu")
+
+
 def _run_loop(args: argparse.Namespace) -> int:
     """``--dispatch device``: the device loop over ``--model`` (the toy by default), built
     as ``cgrt demo --dispatch device`` builds it, and its structure; exit 0 once built."""
-    import torch
-
-    try:
-        choice = options.model_choice(args)
-        for flag, given in (("--target", args.target is not None), ("--compile", bool(args.compile)),
-                            ("--widths", args.widths is not None), ("--dot", args.dot is not None)):
-            if given:
-                raise options.UsageError(expected(flag, "none with --dispatch device (the loop captures the widths "
-                                                        "its rows need)", repr(getattr(args, flag[2:]))))
-    except options.UsageError as exc:
-        print(f"cgrt inspect: {exc}", file=sys.stderr)
+    choice = options.model_choice(args)
+    given = [flag for flag, v in (("--target", args.target is not None), ("--compile", bool(args.compile)),
+                                  ("--widths", args.widths is not None), ("--dot", args.dot is not None)) if v]
+    if given:
+        print("cgrt inspect: " + expected(given[0], "none with --dispatch device (the loop captures the widths its "
+                                                     "rows need)", repr(getattr(args, given[0][2:]))), file=sys.stderr)
         return 2
     from cudagraph_rt.dispatch.loop import DeviceLoop
     from cudagraph_rt.tools.demo.serve_loop import loop_drafter
 
-    cuda = torch.cuda.is_available()
-    dev = torch.device("cuda" if cuda else "cpu")
+    cuda, dev = _here()
     try:
         with options.threads(options.thread_count(args, dev, choice.tiny)), Activity.of("cgrt inspect", args) as activity:
             with activity.phase(f"building {choice.label} and its device loop"):

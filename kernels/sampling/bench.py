@@ -131,6 +131,33 @@ def _kernel_times(args, dtype: str, rows: int, case: str, replays: int = 10) -> 
     return [(ev.key, ev.self_device_time_total / replays, ev.count / replays) for ev in events]
 
 
+def _graph(fn):
+    """Warm ``fn`` up on a side stream, capture it; returns the graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def _time(graph, iters: int, flush: torch.Tensor) -> float:
+    """Median device microseconds of one replay, L2 flushed before each."""
+    times = []
+    for _ in range(iters):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        times.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in times)
+
+
 def _measure(args, dtype: str, rows: int, case: str, flush) -> Row:
     from cudagraph_rt.kernels.sampling import sample
     from cudagraph_rt.kernels.sampling.reference import reference_sample
