@@ -3,7 +3,8 @@ promise that, on the ``test``-only install, the tests needing an extra skip and 
 
 The module of each extra is cudagraph_rt.extras' own (transformers: ``hf``, matplotlib:
 ``plot``, cuda.bindings: ``gpu``); triton has no extra of its own (the CUDA builds of
-torch bring it; ``dev`` brings it for the CPU, where the kernels run in its interpreter).
+torch bring it; ``dev`` brings it for the CPU, where the kernels run in its interpreter),
+nor has pyflakes (``dev``: the structure tests read the code with it).
 
 ``needs(module)`` is a skipif mark, ``require(module)`` imports the module or skips the
 calling test (``pytest.importorskip`` with the extra named), ``needs_kernel`` marks a test
@@ -19,7 +20,7 @@ import pytest
 
 from cudagraph_rt.extras import EXTRAS
 
-EXTRA_OF = {module: extra for extra, (module, _dist) in EXTRAS.items()} | {"triton": "dev"}
+EXTRA_OF = {module: extra for extra, (module, _dist) in EXTRAS.items()} | {"triton": "dev", "pyflakes": "dev"}
 
 
 def available(module: str) -> bool:

@@ -6,6 +6,7 @@ import pathlib
 import re
 
 from tests.support import ROOT
+from tests.support.extras import needs
 
 CORE = [p for p in sorted((ROOT / "cudagraph_rt").rglob("*.py"))
         if not {"models", "sweep"} & set(p.relative_to(ROOT / "cudagraph_rt").parts[:-1])]
@@ -366,3 +367,42 @@ def test_the_step_path_never_asks_whether_there_is_a_host_row_choice():
              for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert not found, found
     assert pattern.search("x = hr.ring if hr is not None else None") and pattern.search("if self._row_choice:")
+
+
+def _undefined_names(paths) -> list[str]:
+    """pyflakes' undefined-name findings in ``paths`` (files or folders), as text."""
+    from pyflakes import api, messages, reporter
+
+    found = []
+
+    class Keep(reporter.Reporter):
+        def __init__(self):
+            super().__init__(None, None)
+
+        def flake(self, message):
+            if isinstance(message, (messages.UndefinedName, messages.UndefinedLocal)):
+                found.append(f"{message.filename}:{message.lineno}: {message.message % message.message_args}")
+
+        def syntaxError(self, filename, msg, lineno, offset, text):  # noqa: N802 - pyflakes' name
+            found.append(f"{filename}:{lineno}: syntax error: {msg}")
+
+        def unexpectedError(self, filename, msg):  # noqa: N802
+            found.append(f"{filename}: {msg}")
+
+    api.checkRecursive([str(p) for p in paths], Keep())
+    return found
+
+
+@needs("pyflakes")
+def test_no_undefined_name_in_code_only_a_gpu_runs():
+    """The benches' timed paths, the outer graph and other CUDA branches never run on a CPU:
+    a name they use that is defined nowhere would first fail on the H200 (the sampler
+    bench's graph and timing helpers were once cut out that way). pyflakes reads every
+    module of the package, kernels/, tools/ and tests/."""
+    assert not _undefined_names([ROOT / d for d in ("cudagraph_rt", "kernels", "tools", "tests")])
+
+
+@needs("pyflakes")
+def test_the_undefined_name_check_sees_one(tmp_path):
+    (tmp_path / "m.py").write_text("def f():\n    return _graph(1)\n\n\ndef g(x):\n    return x\n")
+    assert [line.split(": ", 1)[1] for line in _undefined_names([tmp_path])] == ["undefined name '_graph'"]
