@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from cudagraph_rt.models import Decoder
 
 DEFAULT_TARGET = "cudagraph_rt.tools.inspect_cmd:toy_target"   # the embedded toy decoder
+REPLAYS = 20
 
 
 # The model last built per graph mode: the on/off comparison steps the graphs-off model
@@ -125,8 +126,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     options.add_model(p, model_note="; not toy: instead of --target")
     options.add_compile(p, "capture", " (inductor kernels in the graphs; the graphs-off reference stays eager)")
     options.add_widths(p, "inspect only these of the widths the target captures (default: all)")
-    p.add_argument("--replays", type=options.int_at_least(1), default=20, metavar="N",
-                   help="event-timed replays per width (median; default 20)")
+    p.add_argument("--replays", type=options.int_at_least(1), default=REPLAYS, metavar="N",
+                   help=f"event-timed replays per width (median; default {REPLAYS})")
     p.add_argument("--no-compare", action="store_true", help="skip graphs on vs off")
     p.add_argument("--dot", type=options.output_folder, metavar="DIR",
                    help="write one Graphviz file per width into DIR, an existing folder")
@@ -214,6 +215,10 @@ def _check_widths(rt, asked: tuple[int, ...] | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    options.check_dispatch(args, {"--target": args.target is not None, "--compile": bool(args.compile),
+                                  "--widths": args.widths is not None, "--dot": args.dot is not None,
+                                  "--replays": args.replays != REPLAYS, "--no-compare": args.no_compare},
+                           "the widths' own inspection; the loop captures the widths its rows need")
     if args.dispatch == "device":
         return _run_loop(args)
     try:
@@ -262,12 +267,6 @@ def _run_loop(args: argparse.Namespace) -> int:
     """``--dispatch device``: the device loop over ``--model`` (the toy by default), built
     as ``cgrt demo --dispatch device`` builds it, and its structure; exit 0 once built."""
     choice = options.model_choice(args)
-    given = [flag for flag, v in (("--target", args.target is not None), ("--compile", bool(args.compile)),
-                                  ("--widths", args.widths is not None), ("--dot", args.dot is not None)) if v]
-    if given:
-        print("cgrt inspect: " + expected(given[0], "none with --dispatch device (the loop captures the widths its "
-                                                     "rows need)", repr(getattr(args, given[0][2:]))), file=sys.stderr)
-        return 2
     from cudagraph_rt.dispatch.loop import DeviceLoop
     from cudagraph_rt.tools.demo.serve_loop import loop_drafter
 
@@ -277,7 +276,7 @@ def _run_loop(args: argparse.Namespace) -> int:
             with activity.phase(f"building {choice.label} and its device loop"):
                 if choice.kind == "toy":
                     from cudagraph_rt.models import ToyConfig, ToyDecoder
-                    model = ToyDecoder(ToyConfig.tiny(), dev)
+                    model = ToyDecoder(ToyConfig.bench() if choice.size == "bench" else ToyConfig.tiny(), dev)
                 else:
                     model = _hf_model(choice.family, "tiny" if choice.kind == "path" else choice.size, choice.path)
                 loop = DeviceLoop(model, loop_drafter(model, 0.7, 0), k=LOOP_K, graphs=True if cuda else "emulate",

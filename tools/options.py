@@ -83,17 +83,19 @@ def _bad(want: str, got: str) -> argparse.ArgumentTypeError:
 
 
 # --------------------------------------------------------------------------- value types
-def int_at_least(lo: int) -> Callable[[str], int]:
-    """``type=`` for an int >= ``lo``."""
+def int_at_least(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    """``type=`` for an int >= ``lo`` (and <= ``hi`` when given)."""
+    what = f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi}]"
+
     def parse(text: str) -> int:
         try:
             v = int(text)
         except ValueError:
             v = None
-        if v is None or v < lo:
-            raise _bad(f"an int >= {lo}", text)
+        if v is None or v < lo or (hi is not None and v > hi):
+            raise _bad(what, text)
         return v
-    parse.__name__ = f"int >= {lo}"
+    parse.__name__ = what.removeprefix("an ")
     return parse
 
 
@@ -243,17 +245,35 @@ def add_drafter(p: argparse.ArgumentParser, default: str = "coin", note: str = "
 
 
 DISPATCH_DEVICE_WANTS = "the coin drafter (--drafter coin: the device loop draws its drafts on the device) and one process"
+LAUNCH_ROUNDS, MAX_LAUNCH_ROUNDS = 64, 1 << 16  # cudagraph_rt.dispatch.loop.MAX_ROUNDS
 
 
 def add_dispatch(p: argparse.ArgumentParser, note: str = "") -> None:
-    """``--dispatch host|device`` and ``--launch-rounds N`` (the device loop's rounds per launch)."""
+    """``--dispatch host|device`` and ``--launch-rounds N`` (the device loop's rounds per launch;
+    :func:`check_dispatch` gives it its default, and refuses it without ``--dispatch device``)."""
     p.add_argument("--dispatch", type=one_of("host", "device"), default="host", metavar="WHERE",
                    help="host: the runner plans every speculative step on the host (default); device: the rounds "
                         "run on the device (cudagraph_rt.dispatch.DeviceLoop: one launch of conditional graph nodes "
                         "for up to --launch-rounds rounds where CUDA allows, else host-driven rounds with a message "
                         "saying why; emulated with graphs off). Device dispatch takes " + DISPATCH_DEVICE_WANTS + note)
-    p.add_argument("--launch-rounds", type=int_at_least(1), default=64, metavar="N",
-                   help="--dispatch device: rounds per launch of the loop (default 64)")
+    p.add_argument("--launch-rounds", type=int_at_least(1, MAX_LAUNCH_ROUNDS), default=None, metavar="N",
+                   help=f"--dispatch device: rounds per launch of the loop (default {LAUNCH_ROUNDS})")
+
+
+def check_dispatch(args: argparse.Namespace, host_only: dict[str, bool], why: str) -> None:
+    """``--dispatch`` with the flags beside it (UsageError naming the first that does not
+    apply): ``--launch-rounds`` only with ``--dispatch device`` (given its default here),
+    and with it none of ``host_only`` (flag -> whether it was given; ``why``: whose they are)."""
+    if args.dispatch != "device":
+        if args.launch_rounds is not None:
+            raise UsageError(expected("--launch-rounds", "--dispatch device with it", args.launch_rounds))
+        return
+    if args.launch_rounds is None:
+        args.launch_rounds = LAUNCH_ROUNDS
+    for flag, given in host_only.items():
+        if given:
+            value = getattr(args, flag[2:].replace("-", "_"), None)
+            raise UsageError(expected(flag, f"none with --dispatch device ({why})", value))
 
 
 # --------------------------------------------------------------------------- the arguments

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .rounds import outline
+from .rounds import EventSpans, outline
 
 SET_HANDLES = r"""
 typedef __device_builtin__ unsigned long long cudaGraphConditionalHandle;
@@ -220,7 +220,12 @@ class ConditionalRounds:
         self._exec = check(driver.cuGraphInstantiate(self.graph, 0), "cuGraphInstantiate")
         self.launches = 0
 
-    def run(self) -> None:
+    def run(self) -> float | None:
+        """One launch of the outer graph; its device time (events around it)."""
+        spans = EventSpans(self.device)
         stream = torch.cuda.current_stream(self.device).cuda_stream
+        t = spans.begin()
         check(self.driver.cuGraphLaunch(self._exec, stream), "cuGraphLaunch")
+        spans.end(t)
         self.launches += 1
+        return spans.seconds()

@@ -17,15 +17,20 @@ import torch
 
 from ..checks import as_bool, as_int, token_ids
 from ..errors import CapacityError, InputError, expected
+from ..graphs import Graphs, as_graphs
 from ..models.pool import cdiv
+from ..models.protocol import Decoder
 from ..runtime import GraphRuntime
 from ..sampling_params import SamplingParams
 from ..speculative.loop_drafter import LoopDrafter
 from ..widths import check_widths, default_widths
-from .rounds import HostRounds, RoundBody
+from .rounds import EventSpans, HostRounds, RoundBody
 from .state import SAMPLING, Finish, LoopRing, LoopShape, LoopState, RoundRows, Stop
 
 log = logging.getLogger(__name__)
+
+
+MAX_ROUNDS = 1 << 16  # rounds per launch and ring entries: the ring holds an entry of rows per round
 
 
 class LoopError(CapacityError):
@@ -95,19 +100,26 @@ class DeviceLoop:
     def __init__(self, model, drafter, *, k: int = 4, graphs="emulate", rounds: int = 64, depth: int | None = None,
                  stop_tokens=(), widths=None, record_rows: bool = False, conditional: bool = True,
                  slots: int | None = None, sampling: bool = False, seed: int = 0):
-        k, rounds = as_int("k", k, 0), as_int("rounds", rounds, 1)
-        S = model.config.max_seqs if slots is None else as_int("slots", slots, 1, model.config.max_seqs)
-        depth = rounds if depth is None else as_int("depth", depth, 1)
-        stops = token_ids("stop_tokens", list(stop_tokens), model.config.vocab)
-        if not isinstance(drafter, LoopDrafter):
-            raise InputError(expected("drafter", "a LoopDrafter (drafts drawn on the device: CoinRounds, PlanRounds)",
-                                      type(drafter).__name__))
-        if graphs is False:
+        if not isinstance(model, Decoder):
+            raise InputError(expected("model", "a Decoder (a model on a KV pool)", type(model).__name__))
+        cfg = model.config
+        k = as_int("k", k, 0, cfg.max_len - 1)
+        rounds = as_int("rounds", rounds, 1, MAX_ROUNDS)
+        S = cfg.max_seqs if slots is None else as_int("slots", slots, 1, cfg.max_seqs)
+        depth = rounds if depth is None else as_int("depth", depth, 1, MAX_ROUNDS)
+        stops = token_ids("stop_tokens", stop_tokens, cfg.vocab)
+        record_rows, conditional = as_bool("record_rows", record_rows), as_bool("conditional", conditional)
+        if not isinstance(drafter, LoopDrafter) or not drafter.fits(model):
+            raise InputError(expected("drafter", "a LoopDrafter built for this model (drafts drawn on the device: "
+                                                 "CoinRounds, PlanRounds)", type(drafter).__name__))
+        mode = as_graphs(graphs)
+        if mode is Graphs.OFF:
             raise InputError(expected("graphs", "True or 'emulate' (the loop replays captured widths)", graphs))
+        graphs = True if mode is Graphs.ON else "emulate"
         pool = model.pool
         ws = _loop_widths(widths, S * (k + 1))
         self.sampling, self.seed = as_bool("sampling", sampling), as_int("seed", seed, 0, 2**63 - 1)
-        self.model, self.k, self.rounds, self.record_rows = model, k, rounds, bool(record_rows)
+        self.model, self.k, self.rounds, self.record_rows = model, k, rounds, record_rows
         specs = model.inputs(verify=True, sampling=self.sampling)
         self.rt = GraphRuntime(_RowOutputs(model.verify_step), specs, widths=ws, graphs=graphs,
                                device=model.device, keep_graphs=graphs is True)
@@ -122,6 +134,8 @@ class DeviceLoop:
         self.sequences: dict[int, LoopSequence] = {}  # slot -> the sequence it serves
         self.finished: list[LoopSequence] = []
         self.launches: list[LaunchReport] = []
+        self.prefills = 0  # the prompts' steps (one per admission round)
+        self.prefill_device_seconds: float | None = None  # their device time (CUDA)
         self._next_uid = 0
 
     def _runner(self, graphs, conditional: bool):
@@ -146,13 +160,20 @@ class DeviceLoop:
         """Queue requests (``prompt``, ``max_new``, optional ``sampling``: a SamplingParams,
         greedy by default, its seed resolved here as ``SpecRunner`` resolves it); their uids.
         All or none (InputError)."""
-        cfg, reqs = self.model.config, []
+        cfg, pool, reqs = self.model.config, self.model.pool, []
+        if isinstance(requests, (str, bytes)) or not hasattr(requests, "__iter__"):
+            raise InputError(expected("requests", "an iterable of Requests", type(requests).__name__))
         for i, r in enumerate(list(requests)):
-            n = as_int(f"requests[{i}].max_new", getattr(r, "max_new", None), 1)
+            if not (hasattr(r, "prompt") and hasattr(r, "max_new")):
+                raise InputError(expected(f"requests[{i}]", "a Request (prompt, max_new, sampling)", type(r).__name__))
+            n = as_int(f"requests[{i}].max_new", r.max_new, 1)
             prompt = token_ids(f"requests[{i}].prompt", getattr(r, "prompt", None), cfg.vocab)
             if not prompt or len(prompt) + n - 1 > cfg.max_len:
                 raise InputError(expected(f"requests[{i}]", f"a prompt and max_new within {cfg.max_len} positions",
                                           (len(prompt), n)))
+            if self._blocks_for(len(prompt), n) > pool.num_blocks:
+                raise InputError(expected(f"requests[{i}]", f"a prompt and max_new whose positions fit the KV pool "
+                                          f"({pool.num_blocks} blocks of {pool.block_size})", (len(prompt), n)))
             sp = getattr(r, "sampling", SamplingParams())
             if not isinstance(sp, SamplingParams) or not (self.sampling or sp.greedy):
                 raise InputError(expected(f"requests[{i}].sampling", "a SamplingParams" + (
@@ -190,17 +211,16 @@ class DeviceLoop:
                      (st.stop_on_retire, int(bool(self.waiting))), (self.ring.head, 0), (st.error, -1)):
             t.fill_(v)
         self.body.unfeed()
-        timed = self.model.device.type == "cuda"
-        if timed:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        self.runner.run()
-        if timed:
-            end.record()
-        report = self._drain()
-        if timed:
-            end.synchronize()
-            report = replace(report, device_seconds=start.elapsed_time(end) / 1e3)
+        try:
+            device_seconds = self.runner.run()
+        except BaseException as e:
+            # what the rounds before the failure committed is read back (it stays intact)
+            self.launches.append(self._drain())
+            if not isinstance(e, Exception):  # KeyboardInterrupt and the like go on as they are
+                raise
+            raise LoopError(f"device loop: a round failed ({type(e).__name__}: {e}); the rounds before it were read "
+                            "back, every sequence's committed tokens are kept") from e
+        report = replace(self._drain(), device_seconds=device_seconds)
         self.launches.append(report)
         if report.stop == Stop.BAD_TOKEN:
             slot, tok, pos = st.error.tolist()
@@ -235,6 +255,7 @@ class DeviceLoop:
             joined.append(seq)
         if joined:
             self._prefill(joined)
+            self.prefills += 1
         return len(joined)
 
     def _prefill(self, seqs: list[LoopSequence]) -> None:
@@ -250,10 +271,15 @@ class DeviceLoop:
             if self.sampling:
                 for name, v in _settings(q.sampling).items():
                     cols.setdefault(name, []).extend([v] * n)
+        spans = EventSpans(self.model.device)
+        t = spans.begin()
         out = self.rt.step(**{name: torch.tensor(c, dtype=SAMPLING.get(name, (torch.int64,))[0])
                               for name, c in cols.items()}).outputs
+        spans.end(t)
         last = torch.tensor(list(_ends(len(q.prompt) for q in seqs)), device=self.model.device)
         first, rows = out["tokens"][last].tolist(), out["hidden"][last]
+        dev = spans.seconds()
+        self.prefill_device_seconds = None if dev is None else (self.prefill_device_seconds or 0.0) + dev
         st = self.state
         for i, (q, t) in enumerate(zip(seqs, first)):
             self.body.drafter.admit(q.slot, q.uid, q.prompt)

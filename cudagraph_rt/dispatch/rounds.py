@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from ..errors import InputError, expected
 from .commit import commit_round
 from .planner import plan_round
 from .state import LoopRing, LoopShape, LoopState, RoundRows
@@ -39,7 +40,15 @@ class RoundBody:
         self.arena = self.rt.static_inputs(self.shape.rows)
 
     def plan(self) -> None:
-        self.rows.drafts.copy_(self.drafter(self.state, self.shape.k))
+        drafts = self.drafter(self.state, self.shape.k)
+        want = self.rows.drafts
+        if not (isinstance(drafts, torch.Tensor) and drafts.shape == want.shape and drafts.dtype == torch.int64
+                and drafts.device == want.device):
+            got = (f"{drafts.dtype} {tuple(drafts.shape)} on {drafts.device}" if isinstance(drafts, torch.Tensor)
+                   else type(drafts).__name__)
+            raise InputError(expected(f"{type(self.drafter).__name__}(state, k)", f"an int64 tensor "
+                                      f"{tuple(want.shape)} on {want.device} (a row of k drafts per slot)", got))
+        want.copy_(drafts)
         plan_round(self.state, self.rows, self.arena, self.block_table, self.ring, self.shape, self.widths)
 
     def step(self, i: int) -> None:
@@ -64,6 +73,35 @@ def outline(widths, *, setter: bool) -> list[str]:
                    for i, w in enumerate(widths)]
 
 
+class EventSpans:
+    """Device time of spans of GPU work: CUDA events around each (``begin`` / ``end``), the
+    sum read once at ``seconds()``; nothing and None off CUDA. The host's gaps between
+    spans (its reads and launches) are not counted: what the GPU was busy with."""
+
+    def __init__(self, device: torch.device):
+        self.pairs: list | None = [] if device.type == "cuda" else None
+
+    def begin(self):
+        if self.pairs is None:
+            return None
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def end(self, start) -> None:
+        if self.pairs is not None:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.pairs.append((start, e))
+
+    def seconds(self) -> float | None:
+        if self.pairs is None:
+            return None
+        if self.pairs:
+            self.pairs[-1][1].synchronize()
+        return sum(a.elapsed_time(b) for a, b in self.pairs) / 1e3
+
+
 class HostRounds:
     """WHILE(go) { plan; SWITCH(width_index) { i: step(i); commit(i) } } with the host
     reading ``go`` and ``width_index`` (a value past the last branch runs none, as CUDA's
@@ -77,15 +115,22 @@ class HostRounds:
         self.launches = 0
         self.description = outline(body.shape.widths, setter=False)
 
-    def run(self) -> None:
+    def run(self) -> float | None:
+        """The rounds of one launch; their device time (the plans, steps and commits, not
+        the host's reads between them; None off CUDA)."""
         body, n = self.body, len(self.body.shape.widths)
+        spans = EventSpans(body.state.uid.device)
         while True:
             with torch.inference_mode():
+                t = spans.begin()
                 body.plan()
+                spans.end(t)
                 go, i = int(body.rows.go), int(body.rows.width_index)
                 if i < n:
+                    t = spans.begin()
                     body.step(i)
                     body.commit(i)
+                    spans.end(t)
             self.launches += 1 + 2 * (i < n)
             if not go:
-                return
+                return spans.seconds()

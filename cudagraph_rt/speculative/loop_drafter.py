@@ -12,9 +12,12 @@ right with a chosen probability per draft by the coin of ``(seed, uid, position)
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import Tensor
 
+from ..checks import token_ids
 from ..errors import InputError, expected
 from .drafting import DraftRule, check_drafter, coin_key, controlled_drafts, draft_coins
 
@@ -24,6 +27,10 @@ class LoopDrafter:
 
     def admit(self, slot: int, uid: int, prompt: tuple[int, ...]) -> None:
         """A sequence took ``slot`` (host, between launches): nothing to do by default."""
+
+    def fits(self, model) -> bool:
+        """Whether this drafter can draft for ``model`` (the loop refuses it otherwise)."""
+        return True
 
     def __call__(self, state, k: int) -> Tensor:
         raise NotImplementedError
@@ -41,6 +48,10 @@ class CoinRounds(LoopDrafter):
 
     def __init__(self, model, accept_prob: float, seed: int = 0):
         self.rule = DraftRule.for_toy(model, accept_prob, seed, device=model.device)
+        self.model = model
+
+    def fits(self, model) -> bool:
+        return model is self.model
 
     def __call__(self, state, k: int) -> Tensor:
         if k == 0:
@@ -68,8 +79,9 @@ class PlanRounds(LoopDrafter):
         cfg = model.config
         self.vocab, self.max_len = cfg.vocab, cfg.max_len
         self.threshold, self.seed_key = coin_key(accept_prob, seed)
+        self.model = model
         self.plans: dict[tuple[int, ...], list[int]] = {}
-        self._add(dict(plans or {}))
+        self._add({} if plans is None else plans)
         self.table = torch.zeros(cfg.max_seqs, cfg.max_len + 1, dtype=torch.int64, device=model.device)
 
     def prepare_from(self, sequences) -> None:
@@ -77,14 +89,21 @@ class PlanRounds(LoopDrafter):
         verify rounds as the timed one's) as the plans of their ``prompt``s."""
         self._add({tuple(q.prompt): list(q.tokens) for q in sequences})
 
-    def _add(self, plans: dict) -> None:
-        vocab, max_len = self.vocab, self.max_len
+    def _add(self, plans) -> None:
+        if not isinstance(plans, Mapping):
+            raise InputError(expected("plans", "a mapping of prompt -> its tokens", type(plans).__name__))
+        checked = {}
         for prompt, tokens in plans.items():
-            toks = [int(t) for t in tokens]
-            if list(prompt) != toks[:len(prompt)] or any(not 0 <= t < vocab for t in toks):
-                raise InputError(expected("plans", f"prompt -> its tokens (prompt first), ids in [0, {vocab})",
-                                          f"{tuple(prompt)[:8]}... -> {toks[:8]}..."))
-            self.plans[tuple(int(t) for t in prompt)] = toks[:max_len + 1]
+            prompt = token_ids("plans' prompts", prompt, self.vocab)
+            toks = list(token_ids(f"plans[{prompt[:8]}...]", tokens, self.vocab))
+            if not prompt or list(prompt) != toks[:len(prompt)]:
+                raise InputError(expected(f"plans[{prompt[:8]}...]", "the prompt's tokens then its continuation",
+                                          toks[:8]))
+            checked[prompt] = toks[:self.max_len + 1]
+        self.plans.update(checked)  # all or none
+
+    def fits(self, model) -> bool:
+        return model is self.model
 
     def admit(self, slot: int, uid: int, prompt: tuple[int, ...]) -> None:
         plan = self.plans.get(tuple(prompt), [])

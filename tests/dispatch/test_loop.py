@@ -217,10 +217,20 @@ def test_requests_that_finish_at_their_prefill_free_their_slot_for_the_next():
         assert q.generated == MODEL.greedy_generate(list(r.prompt), r.max_new)
 
 
-def test_a_request_the_pool_can_never_hold_is_an_error_not_a_silent_stop():
+def test_a_request_the_pool_can_never_hold_is_refused_at_submit():
     small = ToyDecoder(ToyConfig.tiny(max_len=64, max_seqs=3, cells=32), "cpu")  # 2 blocks of 16
     loop = DeviceLoop(small, CoinRounds(small, 0.5, 0), k=2)
-    loop.submit([Request((1, 2), 40)])  # 41 positions: 3 blocks
-    with pytest.raises(LoopError, match=r"request 0 needs 3 KV blocks .* 2 free of 2; it stays queued"):
+    with pytest.raises(InputError, match=r"requests\[1\]: expected a prompt and max_new whose positions fit the KV "
+                                         r"pool \(2 blocks of 16\), got \(2, 40\)"):
+        loop.submit([Request((1,), 4), Request((1, 2), 40)])  # 41 positions: 3 blocks
+    assert not loop.waiting and small.pool.free_blocks == 2
+
+
+def test_a_request_waiting_on_blocks_another_user_holds_is_an_error_not_a_silent_stop():
+    small = ToyDecoder(ToyConfig.tiny(max_len=64, max_seqs=3, cells=64), "cpu")  # 4 blocks of 16
+    loop = DeviceLoop(small, CoinRounds(small, 0.5, 0), k=2, slots=2)
+    small.cell_range(2, 0, 3 * 16)  # slot 2, outside the loop's, holds 3 blocks
+    loop.submit([Request((1, 2), 20)])  # 21 positions: 2 blocks
+    with pytest.raises(LoopError, match=r"request 0 needs 2 KV blocks .* 1 free of 4; it stays queued"):
         loop.run()
-    assert len(loop.waiting) == 1 and small.pool.free_blocks == 2
+    assert len(loop.waiting) == 1 and small.pool.free_blocks == 1

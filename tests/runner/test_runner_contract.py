@@ -185,7 +185,7 @@ def test_demo_serve_reports_replans_of_the_timed_run_only(monkeypatch):
              for r in reqs]
     plans[0].tokens[3] = (plans[0].tokens[3] + 1) % MODEL.config.vocab  # a near-tie's stand-in: output leaves it
     seen = {}
-    make, profiled = demo.make_drafter, demo._profiled
+    make, profiled = demo.make_drafter, demo.profiled
 
     def make_drafter(*a, **kw):
         seen["d"] = make(*a, **kw)
@@ -196,7 +196,7 @@ def test_demo_serve_reports_replans_of_the_timed_run_only(monkeypatch):
         return profiled(fn, path, title)
 
     monkeypatch.setattr(demo, "make_drafter", make_drafter)
-    monkeypatch.setattr(demo, "_profiled", timed)
+    monkeypatch.setattr(demo, "profiled", timed)
     args = SimpleNamespace(k=3, accept_prob=1.0, seed=0, slots=2, lanes=1, chunk=128, rounds=0, drafter="host")
     r = demo.serve(_NotAToy(MODEL), reqs, False, args, plans=plans)
     assert isinstance(seen["d"], ReferenceDrafter) and r["check"]["ok"]

@@ -495,10 +495,12 @@ def test_a_step_that_fails_leaves_its_prompt_chunks_to_be_fed_again():
     assert [got.get(u) for u in uids] == want
 
 
-def test_the_demos_sampled_tokens_do_not_depend_on_how_many_run_at_once(capsys):
+@pytest.mark.parametrize("drafter", ["ngram", "coin"])
+def test_the_demos_sampled_tokens_do_not_depend_on_how_many_run_at_once(capsys, drafter):
     """cgrt demo --json's tokens are for comparing runs: with the same --seed, a request's
     sampled tokens are the same whatever --slots (its warm-up requests take runner uids, so
-    a seed derived from the uid would move with it)."""
+    a seed derived from the uid would move with it; and the coin's drafts, keyed by uid,
+    moved with the warm-up's size, which followed --slots)."""
     import json
 
     from cudagraph_rt.cli import main
@@ -506,6 +508,6 @@ def test_the_demos_sampled_tokens_do_not_depend_on_how_many_run_at_once(capsys):
     got = []
     for slots in ("4", "2"):
         assert main(["demo", "--device", "cpu", "--sequences", "4", "--max-new", "6", "--temperature", "5",
-                     "--drafter", "ngram", "--seed", "1", "--slots", slots, "--graphs", "off", "--quiet", "--json"]) == 0
+                     "--drafter", drafter, "--seed", "1", "--slots", slots, "--graphs", "off", "--quiet", "--json"]) == 0
         got.append(json.loads(capsys.readouterr().out)["tokens"])
     assert got[0] == got[1] and len(got[0]) == 4

@@ -71,7 +71,14 @@ def test_bad_values_are_one_line_and_exit_2(capsys, argv, flag, want):
      "toy (the default) with --target"),
     (["demo", "--drafter", "gpu", "--model", "hf:llama"], "--drafter", "coin for transformers models"),
     (["demo", "--dispatch", "device", "--drafter", "ngram"], "--drafter", "with --dispatch device: the coin drafter"),
-    (["demo", "--dispatch", "device", "--rounds", "3"], "--rounds", "with --dispatch device"),
+    (["demo", "--dispatch", "device", "--rounds", "3"], "--rounds", "none with --dispatch device"),
+    (["demo", "--dispatch", "device", "--lanes", "3"], "--lanes", "none with --dispatch device (the host runner's"),
+    (["demo", "--dispatch", "device", "--chunk", "7"], "--chunk", "none with --dispatch device"),
+    (["demo", "--dispatch", "device", "--drafter", "gpu"], "--drafter", "with --dispatch device: the coin drafter"),
+    (["demo", "--launch-rounds", "3"], "--launch-rounds", "--dispatch device with it"),
+    (["bench", "--sections", "7", "--temperature", "0.8"], "--temperature", "the hf spec section with it"),
+    (["bench", "--model", "hf:llama", "--sections", "dispatch", "--top-p", "0.5"], "--top-p",
+     "the hf spec section with it"),
 ])
 def test_flags_that_conflict_are_a_usage_error_before_the_run(capsys, argv, flag, want):
     """Each flag parses, together they make no sense: these were accepted without a word
@@ -415,22 +422,23 @@ def test_on_a_terminal_the_display_shows_the_phase_and_the_latest_message():
     assert quiet.file.getvalue() == ""
 
 
-@pytest.mark.parametrize("extra", [[], ["--slots", "2", "--launch-rounds", "2", "--k", "2"],
-                                   ["--temperature", "4", "--top-k", "30", "--lanes", "1"]])
-def test_demo_with_device_dispatch_serves_the_host_runners_tokens(capsys, extra):
+@pytest.mark.parametrize("extra, loop_extra", [([], []), (["--slots", "2", "--k", "2"], ["--launch-rounds", "2"]),
+                                               (["--temperature", "4", "--top-k", "30"], [])])
+def test_demo_with_device_dispatch_serves_the_host_runners_tokens(capsys, extra, loop_extra):
     """`cgrt demo --dispatch device` on a CPU: the device loop, emulated (graphs off runs it
     so, and says so), every token and host row checked; greedy, so its tokens are the host
     runner's for the same requests, and sampled, the same seeds and drafts draw them too."""
     assert main(["demo", *QUICK_DEMO, "--max-new", "12", *extra, "--json"]) == 0
     host = json.loads(capsys.readouterr().out)
-    assert main(["demo", *QUICK_DEMO, "--max-new", "12", *extra, "--dispatch", "device", "--json"]) == 0
+    assert main(["demo", *QUICK_DEMO, "--max-new", "12", *extra, *loop_extra, "--dispatch", "device", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["ok"] and doc["config"]["dispatch"] == "device" and any("emulated" in n for n in doc["notes"])
     (run,) = doc["runs"]
     assert run["graphs"] == "emulate" and run["loop"]["rounds_ran"] == "host"
     assert run["loop"]["rounds"] == run["steps"] > 0 and run["check"]["rows_checked"] == run["tokens"] > 0
     assert doc["tokens"] == host["tokens"] and all(doc["tokens"])
-    if "--launch-rounds" in extra:  # two rounds a launch: the loop launched more than once
+    assert doc["config"]["lanes"] is None and doc["config"]["chunk"] is None  # the host runner's, not the loop's
+    if loop_extra:  # two rounds a launch: the loop launched more than once
         assert run["loop"]["loop_launches"] > 1 and set(run["loop"]["stops"]) <= {"ROUNDS", "FINISHED", "RETIRED"}
 
 

@@ -528,13 +528,27 @@ def test_dispatch_device_shows_the_loops_structure(capsys, model):
 
 
 @pytest.mark.parametrize("flag, value", [("--widths", "1,2"), ("--target", "cudagraph_rt.tools.inspect_cmd:toy_target"),
-                                         ("--compile", "default")])
+                                         ("--compile", "default"), ("--replays", "7"), ("--no-compare", None)])
 def test_dispatch_device_refuses_the_width_graph_flags(capsys, flag, value):
     from cudagraph_rt.cli import main
 
-    assert main(["inspect", "--dispatch", "device", flag, value]) == 2
+    assert main(["inspect", "--dispatch", "device", flag, *([value] if value else [])]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"cgrt inspect: {flag}: expected none with --dispatch device") and err.count("\n") == 1
+    assert main(["inspect", "--launch-rounds", "4"]) == 2  # the loop's flag without the loop
+    assert capsys.readouterr().err.startswith("cgrt inspect: --launch-rounds: expected --dispatch device with it")
+
+
+def test_dispatch_device_builds_the_size_it_names(capsys, monkeypatch):
+    """--size bench builds ToyConfig.bench() (it built the tiny toy and called it bench);
+    here a small stand-in for it, told apart by its 2 slots (the bench toy takes minutes on a CPU)."""
+    from cudagraph_rt.cli import main
+    from cudagraph_rt.models import ToyConfig
+
+    monkeypatch.setattr(ToyConfig, "bench", classmethod(lambda cls, **kw: ToyConfig.tiny(max_seqs=2)))
+    assert main(["inspect", "--dispatch", "device", "--size", "bench", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["model"] == "toy bench" and doc["slots"] == 2 and doc["widths"][-1] == 16
 
 
 def test_which_frames_count_as_user_code():

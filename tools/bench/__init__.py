@@ -107,7 +107,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     options.add_json(p)
     options.add_plot(p, "step_time.png and host_rows.png")
     p.add_argument("--sections", type=_sections, default=None, metavar="1,2,...",
-                   help="which sections to run (default: all): toy 1..6; hf models by name ("
+                   help="which sections to run (default: all): toy 1..7 (7: dispatch, by name too); hf models by name ("
                         + ",".join(HF_SECTIONS) + ")")
     p.add_argument("--all-widths", action="store_true", help="section 1 at every T in 1..64, not only 1,2,4..64")
     p.add_argument("--repeats", type=_count(1), metavar="N",
@@ -163,6 +163,13 @@ def _check_together(args: argparse.Namespace, choice: options.ModelChoice) -> No
         if args.drafter != "coin":
             raise options.UsageError(expected("--drafter", "an hf model (--model hf:... or a checkpoint folder; the "
                                               "toy's sections draft nothing)", repr(args.model)))
+    sp = options.sampling_params(args)
+    given = [(f, v) for f, v, default in (("--temperature", sp.temperature, 0.0), ("--top-k", sp.top_k, 0),
+                                          ("--top-p", sp.top_p, 1.0), ("--min-p", sp.min_p, 0.0)) if v != default]
+    spec = choice.kind != "toy" and (args.sections is None or "spec" in args.sections)
+    if given and not spec:
+        raise options.UsageError(expected(given[0][0], "the hf spec section with it (--model hf:..., --sections "
+                                          "including spec; the other sections decode greedy)", given[0][1]))
     if getattr(args, "tp", 1) > 1 and args.sections is not None:
         raise options.UsageError(expected("--sections", "none with --tp (the tensor-parallel bench has one table)",
                                           ",".join(map(str, args.sections))))

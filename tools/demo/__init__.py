@@ -24,7 +24,7 @@ from cudagraph_rt.sweep.graph_modes import mode_name
 
 from .. import options
 from ..progress import Activity
-from .arguments import add_arguments
+from .arguments import CHUNK, LANES, add_arguments
 
 if TYPE_CHECKING:
     import torch
@@ -50,12 +50,12 @@ def _check_together(args, choice: options.ModelChoice) -> None:
     if getattr(args, "tp", 1) > 1 and args.drafter not in ("coin", "host"):
         raise options.UsageError(expected("--drafter", "coin with --tp (the other drafters run on one GPU)",
                                           args.drafter))
-    if getattr(args, "dispatch", "host") == "device":
-        for flag, bad in (("--drafter", not options.is_coin(args.drafter)), ("--tp", getattr(args, "tp", 1) > 1),
-                          ("--rounds", args.rounds > 0)):
-            if bad:
-                raise options.UsageError(expected(flag, f"with --dispatch device: {options.DISPATCH_DEVICE_WANTS}"
-                                                         " (and no --rounds limit)", getattr(args, flag[2:])))
+    if getattr(args, "dispatch", "host") == "device" and args.drafter != "coin":
+        raise options.UsageError(expected("--drafter", f"with --dispatch device: {options.DISPATCH_DEVICE_WANTS}",
+                                          args.drafter))
+    options.check_dispatch(args, {"--tp": getattr(args, "tp", 1) > 1, "--rounds": args.rounds > 0,
+                                  "--lanes": args.lanes != LANES, "--chunk": args.chunk != CHUNK},
+                           "the host runner's options")
     if args.drafter == "gpu" and choice.kind != "toy":
         raise options.UsageError(expected("--drafter", "coin for transformers models (gpu drafts the toy)", "gpu"))
 
@@ -119,12 +119,13 @@ def run(args) -> int:
         except (RuntimeError, CgrtError) as e:  # the runner's own checks, capture, device rows
             print(f"cgrt demo: failed: {type(e).__name__}: {e}", file=sys.stderr)
             return 1
-    cfg = model.config
+    cfg, device_loop = model.config, args.dispatch == "device"
     doc = {"config": {"model": args.model, "size": choice.size, "dtype": str(cfg.dtype).replace("torch.", ""),
                       "hidden": cfg.hidden, "layers": cfg.layers, "device": str(device),
-                      "sequences": args.sequences, "slots": args.slots or cfg.max_seqs, "lanes": args.lanes,
-                      "k": args.k, "accept_prob": args.accept_prob, "max_new": args.max_new,
-                      "chunk": args.chunk, "rounds": args.rounds, "seed": args.seed,
+                      "sequences": args.sequences, "slots": args.slots or cfg.max_seqs,
+                      "lanes": None if device_loop else args.lanes, "k": args.k, "accept_prob": args.accept_prob,
+                      "max_new": args.max_new, "chunk": None if device_loop else args.chunk, "rounds": args.rounds,
+                      "launch_rounds": args.launch_rounds, "seed": args.seed,
                       "drafter": args.drafter, "dispatch": args.dispatch,
                       "drafter_label": serve.drafter_label(args.drafter, args.accept_prob),
                       "sampling": _sampling_text(args)},

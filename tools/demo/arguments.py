@@ -5,6 +5,8 @@ import argparse
 
 from .. import options
 
+LANES, CHUNK = 2, 128  # the host runner's defaults (--dispatch device has neither)
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sequences", type=options.int_at_least(1), default=12, metavar="N",
@@ -24,10 +26,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     options.add_dispatch(p)
     p.add_argument("--slots", type=options.int_at_least(1), default=None, metavar="N",
                    help="sequences served at once (default: the model's max_seqs)")
-    p.add_argument("--lanes", type=options.int_at_least(1), default=2, metavar="N",
-                   help="groups of sequences that take turns on the GPU (default 2)")
-    p.add_argument("--chunk", type=options.int_at_least(1), default=128, metavar="N",
-                   help="prompt rows per step and lane; wider than the dynamic limit (96) gets sliced (default 128)")
+    p.add_argument("--lanes", type=options.int_at_least(1), default=LANES, metavar="N",
+                   help=f"groups of sequences that take turns on the GPU (default {LANES})")
+    p.add_argument("--chunk", type=options.int_at_least(1), default=CHUNK, metavar="N",
+                   help=f"prompt rows per step and lane; wider than the dynamic limit (96) gets sliced (default {CHUNK})")
     options.add_seed(p, 0, "the toy's weights, the prompts, the limits, the drafter and the sampled tokens")
     options.add_sampling(p)
     options.add_tp(p)

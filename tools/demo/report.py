@@ -25,9 +25,12 @@ def _print(report: dict) -> None:
     from ..console import fit, make_console
 
     out, c = make_console(), report["config"]
+    how = (f"{c['lanes']} lanes" if c.get("lanes") is not None
+           else f"up to {c.get('launch_rounds')} rounds a launch")
+    chunk = f", chunk {c['chunk']}" if c.get("chunk") is not None else ""
     out.print(f"cgrt demo: {c.get('model', 'toy')} {c['size']} ({c['dtype']}, {c['hidden']} hidden, {c['layers']} layers) on "
-              f"{c['device']}; {c['sequences']} sequences ({c['slots']} at once, {c['lanes']} lanes), k={c['k']}, "
-              f"max-new {c['max_new']}, chunk {c['chunk']}, drafter {c.get('drafter_label', c.get('drafter', 'coin'))}, "
+              f"{c['device']}; {c['sequences']} sequences ({c['slots']} at once, {how}), k={c['k']}, "
+              f"max-new {c['max_new']}{chunk}, drafter {c.get('drafter_label', c.get('drafter', 'coin'))}, "
               f"sampling {c.get('sampling', 'greedy')}, dispatch {c.get('dispatch', 'host')}",
               markup=False)
     for note in report["notes"]:
@@ -57,11 +60,13 @@ def _print(report: dict) -> None:
         if loop:
             per = loop["launches_per_64_tokens"]
             lines.append(f"  device loop: {loop['rounds']} rounds in {loop['loop_launches']} loop launches, run by "
-                         f"{_RAN_BY.get(loop['rounds_ran'], loop['rounds_ran'])}; host launches {loop['launches']} (prompts' steps {loop['prefill_steps']}), "
+                         f"{_RAN_BY.get(loop['rounds_ran'], loop['rounds_ran'])}; host launches {loop['launches']} (the loop's and "
+                         f"{loop['prefill_slices']} slices of {loop['prefill_steps']} prompt steps), "
                          f"{'-' if per is None else f'{per:.2f}'} per 64 tokens; stops {', '.join(loop['stops'])}")
         w, ch = r["widths"], r["check"]
+        steps = loop["prefill_steps"] if loop else r["steps"]
         lines.append(f"  {'the prompts’ steps' if loop else 'widths'}: graph replays {w['graph_replays'] or '-'}; eager {w['eager_calls'] or '-'}; "
-                     f"dynamic {w['dynamic_calls'] or '-'}; {w['slices']} slices in {r['steps']} steps; "
+                     f"dynamic {w['dynamic_calls'] or '-'}; {w['slices']} slices in {steps} steps; "
                      f"padding rows {w['padding_rows']}")
         ties = f" (near-ties not counted: {ch['near_ties']})" if ch.get("near_ties") else ""
         tokens = ("tokens sampled (checked by their rows only)" if ch.get("sampled")

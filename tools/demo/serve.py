@@ -140,6 +140,14 @@ def timing(rep: RunReport) -> dict:
             "device_seconds": rep.device_seconds, "gpu_busy": rep.gpu_busy}
 
 
+def warm_requests(model: Decoder, requests: list[Request], sampling) -> list[Request]:
+    """The warm-up before a timed run: the first requests' own prompts (as many as the
+    model's sequence slots, whatever --slots: the timed requests' uids, which key the coin
+    drafters, then do not depend on it), a few tokens each, so the timed run meets no
+    first-time cost (the dynamic path's kernels, cuBLAS plans)."""
+    return [Request(r.prompt, min(4, r.max_new), sampling) for r in requests[:model.config.max_seqs]]
+
+
 def serve(model: Decoder, requests: list[Request], graphs: bool, args, plans=None) -> dict:
     """Capture, warm up on the first wave's prompts, then serve ``requests`` timed. ``plans``:
     served sequences whose tokens the reference drafter follows (``prepare_from``)."""
@@ -148,9 +156,7 @@ def serve(model: Decoder, requests: list[Request], graphs: bool, args, plans=Non
     # in the runner, which the warm-up's requests would shift)
     sampling = options.sampling_params(args)
     requests = [Request(r.prompt, r.max_new, sampling.seeded(args.seed, i)) for i, r in enumerate(requests)]
-    # Warm-up: the first wave's own prompts (as many as run at once), a few tokens each, so
-    # the timed run meets no first-time cost (the dynamic path's kernels, cuBLAS plans).
-    warm = [Request(r.prompt, min(4, r.max_new), sampling) for r in requests[:args.slots or model.config.max_seqs]]
+    warm = warm_requests(model, requests, sampling)
     kind = getattr(args, "drafter", "coin")
     drafter = make_drafter(model, args.accept_prob, args.seed, (requests + warm if args.k else []) if plans is None
                            else [], kind, args.k, graphs, args.lanes)
@@ -168,7 +174,7 @@ def serve(model: Decoder, requests: list[Request], graphs: bool, args, plans=Non
     uids = runner.submit(requests)
     if model.device.type == "cuda":
         torch.cuda.synchronize()
-    rep: RunReport = _profiled(lambda: runner.run(max_steps=args.rounds or None), getattr(args, "profile", None),
+    rep: RunReport = profiled(lambda: runner.run(max_steps=args.rounds or None), getattr(args, "profile", None),
                                f"{mode_name(graphs)}, drafter {kind}")
     st = runner.rt.stats()
     if hasattr(drafter, "close"):
@@ -193,7 +199,7 @@ def serve(model: Decoder, requests: list[Request], graphs: bool, args, plans=Non
     }
 
 
-def _profiled(fn, path: str | None, title: str):
+def profiled(fn, path: str | None, title: str):
     """``fn()``, under cProfile when ``path`` is given: its top 40 functions by own time
     are appended to ``path`` under ``title``."""
     if not path:

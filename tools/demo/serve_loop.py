@@ -18,6 +18,7 @@ from cudagraph_rt.dispatch.loop import DeviceLoop
 from cudagraph_rt.models import Decoder, ToyDecoder
 from cudagraph_rt.speculative.loop_drafter import CoinRounds, PlanRounds
 from cudagraph_rt.speculative.runner import Request
+from cudagraph_rt.sweep.graph_modes import mode_name
 
 from .. import options
 from . import serve
@@ -65,20 +66,22 @@ def serve_loop(model: Decoder, requests: list[Request], graphs, args, *, conditi
     loop = DeviceLoop(model, drafter, k=args.k, graphs=graphs, rounds=args.launch_rounds, record_rows=True,
                       conditional=conditional, slots=args.slots, sampling=not sampling.greedy, seed=args.seed)
     capture_s = time.perf_counter() - t0
-    # Untimed: every request once (the first-time costs, and PlanRounds' plans: the same
-    # loop's greedy tokens, rounded as the timed run's verify rounds them)
-    loop.submit(requests)
+    # Untimed first: the warm-up serve.serve runs (so the timed requests get the uids, hence
+    # the coin's drafts, of the host runner's timed run), or for PlanRounds every request
+    # once (its plans: this loop's greedy tokens, rounded as the timed run's verify rounds them)
+    plans = isinstance(drafter, PlanRounds)
+    loop.submit(requests if plans else serve.warm_requests(model, requests, sampling))
     loop.run()
-    if isinstance(drafter, PlanRounds):
+    if plans:
         drafter.prepare_from(loop.finished)
-    done, launched = len(loop.finished), len(loop.launches)
-    before = loop.runner.launches
+    done, launched, before, prefilled = len(loop.finished), len(loop.launches), loop.runner.launches, loop.prefills
+    prefill_dev = loop.prefill_device_seconds
     loop.rt.reset_stats()
     uids = loop.submit(requests)
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
-    loop.run()
+    serve.profiled(loop.run, getattr(args, "profile", None), f"{mode_name(graphs)}, dispatch device")
     sync()
     seconds = time.perf_counter() - t0
     seqs = loop.finished[done:]
@@ -86,10 +89,13 @@ def serve_loop(model: Decoder, requests: list[Request], graphs, args, *, conditi
     tokens = sum(len(q.generated) for q in seqs)
     rounds = sum(r.rounds for r in reports)
     st = loop.rt.stats()
-    prefills = sum(st.graph_replays.values()) + sum(st.eager_calls.values()) + sum(st.dynamic_calls.values())
-    launches = loop.runner.launches - before + prefills  # the host's launches: the loop's and the prompts' steps
+    slices = sum(st.graph_replays.values()) + sum(st.eager_calls.values()) + sum(st.dynamic_calls.values())
+    launches = loop.runner.launches - before + slices  # the host's launches: the loop's, the prompts' slices
     dev = [r.device_seconds for r in reports]
-    device_seconds = sum(dev) if dev and None not in dev else None
+    if dev and None not in dev and loop.prefill_device_seconds is not None:
+        device_seconds = sum(dev) + loop.prefill_device_seconds - (prefill_dev or 0.0)
+    else:
+        device_seconds = None
     served = {q.uid: q.generated for q in seqs}
     return {
         "graphs": graphs, "dispatch": "device", "drafter": "coin", "steps": rounds, "tokens": tokens,
@@ -105,8 +111,8 @@ def serve_loop(model: Decoder, requests: list[Request], graphs, args, *, conditi
                    "eager_calls": dict(sorted(st.eager_calls.items())),
                    "dynamic_calls": dict(sorted(st.dynamic_calls.items())),
                    "padding_rows": st.padding_rows, "slices": st.slices},
-        "loop": {"rounds_ran": loop.runner.name, "note": loop.note, "launches": launches, "prefill_steps": prefills,
-                 "loop_launches": len(reports),
+        "loop": {"rounds_ran": loop.runner.name, "note": loop.note, "launches": launches,
+                 "prefill_steps": loop.prefills - prefilled, "prefill_slices": slices, "loop_launches": len(reports),
                  "rounds": rounds, "launches_per_64_tokens": 64 * launches / tokens if tokens else None,
                  "stops": [r.stop.name for r in reports]},
         "check": serve.check(model, seqs, sampled=not sampling.greedy),
