@@ -81,9 +81,9 @@ def _loop_widths(widths, rows: int) -> tuple[int, ...]:
 
 class DeviceLoop:
     """Serves requests with ``k`` drafts per sequence and round on ``model`` (a Decoder on a
-    KV pool; ``slots`` of its sequence ids serve at once, default its ``max_seqs``), the drafts drawn on the device by ``drafter``
-    (a ``speculative.loop_drafter.LoopDrafter``: ``CoinRounds`` for the toy, ``PlanRounds``
-    for any model).
+    KV pool; ``slots`` of its sequence ids serve at once, default its ``max_seqs``), the
+    drafts drawn on the device by ``drafter`` (a ``speculative.loop_drafter.LoopDrafter``:
+    ``CoinRounds`` for the toy, ``PlanRounds`` for any model).
 
     ``graphs``: "emulate" (the loop's semantics on any device, a CPU included) or True (CUDA
     graphs; the outer graph of conditional nodes where :func:`.support.conditional_support`
@@ -93,8 +93,9 @@ class DeviceLoop:
     each committed hidden row. ``sampling``: the verify step samples each row with its
     request's ``SamplingParams`` (rejection sampling of the drafts, deterministic ones: q
     one-hot) and ``seed`` seeds the requests that give none, as ``SpecRunner`` does (the
-    same seed and drafts give its tokens); without it, requests must be greedy. The loop owns ``self.rt`` (its graphs, its pinned buffers);
-    ``self.note`` says how its rounds run (one outer graph, host-driven and why, emulated).
+    same seed and drafts give its tokens); without it, requests must be greedy. The loop
+    owns ``self.rt`` (its graphs, its pinned buffers); ``self.note`` says how its rounds
+    run (one outer graph, host-driven and why, emulated).
     Raises InputError for bad arguments, before the model's pool is touched."""
 
     def __init__(self, model, drafter, *, k: int = 4, graphs="emulate", rounds: int = 64, depth: int | None = None,
