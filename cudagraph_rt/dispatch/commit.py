@@ -14,7 +14,8 @@ def commit_round(st: LoopState, rows: RoundRows, out: dict[str, Tensor], ring: L
     ``hidden``, ``N`` rows) to the loop: per slot the committed rows (the verify's longest
     matching draft prefix plus one), cut after the first committed stop token; those rows
     into ring entry ``ring.head``; ``n_tok``, ``remaining``, ``prev``/``cur``,
-    ``last_accept`` and ``live``/``finish`` per slot; ``round`` and ``ring.head`` + 1."""
+    ``last_accept`` and ``live``/``finish`` per slot; ``round`` and ``ring.head`` + 1; then
+    the ring's mirror, where the loop streams rounds to the host."""
     S, N = shape.slots, out["tokens"].shape[0]
     slot, j = rows.slot[:N], rows.j[:N]
     tokens, committed = out["tokens"], out["committed"] & (slot < S)
@@ -27,6 +28,7 @@ def commit_round(st: LoopState, rows: RoundRows, out: dict[str, Tensor], ring: L
     keep = committed & (j < c[slot])
     _to_ring(ring, keep, out["hidden"], tokens, slot, rows.pos[:N])
     _advance(st, c[:S], (stop_j < count)[:S], tokens, slot, j, keep)
+    ring.mirror.publish(ring)
 
 
 def _to_ring(ring: LoopRing, keep: Tensor, hidden: Tensor, tokens: Tensor, slot: Tensor, pos: Tensor) -> None:

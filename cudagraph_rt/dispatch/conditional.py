@@ -14,6 +14,8 @@ none). Requirements and their detection: :mod:`.support`.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -31,6 +33,7 @@ extern "C" __global__ void cgrt_set_handles(cudaGraphConditionalHandle loop, cud
 }
 """
 KERNEL = b"cgrt_set_handles"
+POLL_S = 50e-6  # the host's pause between reads of the ring's mirror while a launch runs
 
 
 class CudaCallError(RuntimeError):
@@ -220,12 +223,18 @@ class ConditionalRounds:
         self._exec = check(driver.cuGraphInstantiate(self.graph, 0), "cuGraphInstantiate")
         self.launches = 0
 
-    def run(self) -> float | None:
-        """One launch of the outer graph; its device time (events around it)."""
+    def run(self, poll=None) -> float | None:
+        """One launch of the outer graph; its device time (events around it). ``poll``:
+        called while the launch runs, until it ends (the host reading the ring's mirror)."""
         spans = EventSpans(self.device)
         stream = torch.cuda.current_stream(self.device).cuda_stream
         t = spans.begin()
         check(self.driver.cuGraphLaunch(self._exec, stream), "cuGraphLaunch")
         spans.end(t)
         self.launches += 1
+        if poll is not None:
+            done = spans.pairs[-1][1]
+            while not done.query():
+                poll()
+                time.sleep(POLL_S)
         return spans.seconds()

@@ -25,7 +25,7 @@ from ..sampling_params import SamplingParams
 from ..speculative.loop_drafter import LoopDrafter
 from ..widths import check_widths, default_widths
 from .rounds import EventSpans, HostRounds, RoundBody
-from .state import SAMPLING, Finish, LoopRing, LoopShape, LoopState, RoundRows, Stop
+from .state import SAMPLING, Finish, LoopRing, LoopShape, LoopState, RingMirror, RoundRows, Stop
 
 log = logging.getLogger(__name__)
 
@@ -95,12 +95,16 @@ class DeviceLoop:
     one-hot) and ``seed`` seeds the requests that give none, as ``SpecRunner`` does (the
     same seed and drafts give its tokens); without it, requests must be greedy. The loop
     owns ``self.rt`` (its graphs, its pinned buffers); ``self.note`` says how its rounds
-    run (one outer graph, host-driven and why, emulated).
+    run (one outer graph, host-driven and why, emulated). ``on_tokens(uid, tokens)``: each
+    sequence's tokens as they are committed, in order, each once: the first at its prompt's
+    step, then each round's while the launch runs on (every round's commit copies the
+    ring's tokens to a pinned mirror the host polls; without it the host reads them after
+    the launch). Called on the host; an exception it raises stops the loop (LoopError).
     Raises InputError for bad arguments, before the model's pool is touched."""
 
     def __init__(self, model, drafter, *, k: int = 4, graphs="emulate", rounds: int = 64, depth: int | None = None,
                  stop_tokens=(), widths=None, record_rows: bool = False, conditional: bool = True,
-                 slots: int | None = None, sampling: bool = False, seed: int = 0):
+                 slots: int | None = None, sampling: bool = False, seed: int = 0, on_tokens=None):
         if not isinstance(model, Decoder):
             raise InputError(expected("model", "a Decoder (a model on a KV pool)", type(model).__name__))
         cfg = model.config
@@ -110,6 +114,8 @@ class DeviceLoop:
         depth = rounds if depth is None else as_int("depth", depth, 1, MAX_ROUNDS)
         stops = token_ids("stop_tokens", stop_tokens, cfg.vocab)
         record_rows, conditional = as_bool("record_rows", record_rows), as_bool("conditional", conditional)
+        if on_tokens is not None and not callable(on_tokens):
+            raise InputError(expected("on_tokens", "a callable (uid, tokens) or None", type(on_tokens).__name__))
         if not isinstance(drafter, LoopDrafter) or not drafter.fits(model):
             raise InputError(expected("drafter", "a LoopDrafter built for this model (drafts drawn on the device: "
                                                  "CoinRounds, PlanRounds)", type(drafter).__name__))
@@ -128,6 +134,10 @@ class DeviceLoop:
         self.state = LoopState(S, stops, model.device)
         self.rows = RoundRows(self.shape, model.device)
         self.ring = LoopRing(self.shape, model.hidden_width, model.config.dtype, model.device)
+        self.on_tokens = on_tokens
+        if on_tokens is not None:
+            self.ring.mirror = RingMirror(self.ring, model.device)
+        self._streamed = 0  # mirror entries of this launch already handed to on_tokens
         self.rt.capture()
         self.body = RoundBody(self.rt, self.state, self.rows, self.ring, self.shape, pool.block_table, drafter)
         self.runner = self._runner(graphs, conditional)
@@ -212,8 +222,12 @@ class DeviceLoop:
                      (st.stop_on_retire, int(bool(self.waiting))), (self.ring.head, 0), (st.error, -1)):
             t.fill_(v)
         self.body.unfeed()
+        streaming = self.on_tokens is not None
+        if streaming:
+            self.ring.mirror.reset()
+            self._streamed = 0
         try:
-            device_seconds = self.runner.run()
+            device_seconds = self.runner.run(self._stream) if streaming else self.runner.run()
         except BaseException as e:
             # what the rounds before the failure committed is read back (it stays intact)
             self.launches.append(self._drain())
@@ -223,6 +237,12 @@ class DeviceLoop:
                             "back, every sequence's committed tokens are kept") from e
         report = replace(self._drain(), device_seconds=device_seconds)
         self.launches.append(report)
+        if streaming:
+            try:
+                self._stream()  # what the last polls did not see (the launch has ended: all of it)
+            except Exception as e:
+                raise LoopError(f"device loop: on_tokens failed ({type(e).__name__}: {e}); every sequence's "
+                                "committed tokens are kept") from e
         if report.stop == Stop.BAD_TOKEN:
             slot, tok, pos = st.error.tolist()
             raise LoopError(f"device loop: sequence {self.sequences[slot].uid} (slot {slot}) would feed token id "
@@ -285,6 +305,8 @@ class DeviceLoop:
         for i, (q, t) in enumerate(zip(seqs, first)):
             self.body.drafter.admit(q.slot, q.uid, q.prompt)
             q.tokens.append(t)
+            if self.on_tokens is not None:
+                self.on_tokens(q.uid, [t])
             if self.record_rows:
                 q.rows.append(rows[i:i + 1].clone())
             live = q.max_new > 1
@@ -318,6 +340,21 @@ class DeviceLoop:
                 raise LoopError(f"device loop: sequence {q.uid} (slot {s}) needs KV blocks for positions "
                                 f"{have}..{min(last, fed + k + 1) - 1}, {pool.free_blocks} free of "
                                 f"{pool.num_blocks}; its committed tokens are kept") from err
+
+    def _stream(self) -> None:
+        """Hand ``on_tokens`` the mirror's entries it has not had, in round order."""
+        m, W = self.ring.mirror, self.shape.rows
+        head = int(m.head[0])
+        if head <= self._streamed:
+            return
+        counts, tokens, slots = m.counts[:head].tolist(), m.tokens.tolist(), m.slots.tolist()
+        for e in range(self._streamed, head):
+            per: dict[int, list[int]] = {}
+            for r in range(e * W, e * W + counts[e]):
+                per.setdefault(slots[r], []).append(tokens[r])
+            for s, toks in per.items():
+                self.on_tokens(self.sequences[s].uid, toks)
+        self._streamed = head
 
     def _drain(self) -> LaunchReport:
         """The ring's entries of this launch, appended to their sequences (round order)."""

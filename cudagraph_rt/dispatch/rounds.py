@@ -115,9 +115,9 @@ class HostRounds:
         self.launches = 0
         self.description = outline(body.shape.widths, setter=False)
 
-    def run(self) -> float | None:
+    def run(self, poll: Callable[[], None] = lambda: None) -> float | None:
         """The rounds of one launch; their device time (the plans, steps and commits, not
-        the host's reads between them; None off CUDA)."""
+        the host's reads between them; None off CUDA). ``poll()`` after each round."""
         body, n = self.body, len(self.body.shape.widths)
         spans = EventSpans(body.state.uid.device)
         while True:
@@ -132,5 +132,6 @@ class HostRounds:
                     body.commit(i)
                     spans.end(t)
             self.launches += 1 + 2 * (i < n)
+            poll()
             if not go:
                 return spans.seconds()

@@ -26,7 +26,7 @@ def _serve(loop, reqs):
 def run(k: int = 4, rounds: int = 32) -> int:
     from .support import conditional_support
     support = conditional_support()
-    print(f"[1/4] versions: {support}")
+    print(f"[1/5] versions: {support}")
     if not support.ok:
         print(f"SELFTEST FALLBACK: {support.message}")
         return 2
@@ -41,14 +41,14 @@ def run(k: int = 4, rounds: int = 32) -> int:
     stage = "nvrtc"
     try:
         ptx = compile_set_handles(nvrtc, "compute_%d%d" % torch.cuda.get_device_capability())
-        print(f"[2/4] NVRTC compiled the set-handles kernel: {len(ptx)} bytes of PTX")
+        print(f"[2/5] NVRTC compiled the set-handles kernel: {len(ptx)} bytes of PTX")
         stage = "build"
         model = ToyDecoder(ToyConfig.tiny(max_len=128, max_seqs=4), "cuda")
         reqs = [Request((1 + i, 2 + i, 3), 60 + 7 * i) for i in range(3)]
         loop = DeviceLoop(model, CoinRounds(model, 0.7, 1), k=k, graphs=True, rounds=rounds)
         if not isinstance(loop.runner, ConditionalRounds):
             raise RuntimeError(f"the loop chose {type(loop.runner).__name__}, not the outer graph")
-        print("[3/4] outer graph built and instantiated:\n      " + "\n      ".join(loop.runner.description))
+        print("[3/5] outer graph built and instantiated:\n      " + "\n      ".join(loop.runner.description))
         stage = "run"
         got, tokens, seconds = _serve(loop, reqs)
         model.reset_cache()
@@ -62,11 +62,30 @@ def run(k: int = 4, rounds: int = 32) -> int:
     except Exception as e:  # noqa: BLE001 - the self-test reports every failure as one line
         print(f"SELFTEST FAIL: {stage}: {type(e).__name__}: {e}")
         return 1
+    try:  # the ring streamed to the host while the launch runs (on_tokens)
+        model.reset_cache()
+        heard, during = {}, []
+
+        def on_tokens(uid, toks):
+            heard.setdefault(uid, []).extend(toks)
+            during.append(len(streaming.launches))
+
+        streaming = DeviceLoop(model, CoinRounds(model, 0.7, 1), k=k, graphs=True, rounds=rounds, on_tokens=on_tokens)
+        streamed, _, _ = _serve(streaming, reqs)
+        heard_all = all(heard.get(u) == toks[len(r.prompt):] for (u, toks), r in zip(sorted(streamed.items()), reqs))
+        early = sum(n == 0 for n in during) - len(reqs)  # the first tokens (the prompts' step) come before too
+        stream_line = (f"[5/5] streaming: tokens equal: {streamed == ref}; every token heard once, in order: "
+                       f"{heard_all}; {early} of {len(during) - len(reqs)} rounds' deliveries came before the "
+                       "first launch returned (read from the mirror while it ran)")
+    except Exception as e:  # noqa: BLE001
+        print(f"SELFTEST FAIL: stream: {type(e).__name__}: {e}")
+        return 1
     launches = loop.runner.launches
-    print(f"[4/4] device loop: {tokens} tokens in {launches} launches ({64 * launches / tokens:.2f} per 64 tokens), "
+    print(f"[4/5] device loop: {tokens} tokens in {launches} launches ({64 * launches / tokens:.2f} per 64 tokens), "
           f"{tokens / seconds:.0f} tokens/s; host-driven rounds: {host_loop.runner.launches} launches, "
           f"{tokens / host_seconds:.0f} tokens/s")
-    same = got == ref == spec
+    print(stream_line)
+    same = got == ref == spec == streamed and heard_all
     print(f"      tokens equal: device loop == host-driven rounds: {got == ref}; == SpecRunner: {got == spec}")
     print("SELFTEST PASS" if same else "SELFTEST FAIL: compare: the device loop's tokens differ")
     return 0 if same else 1

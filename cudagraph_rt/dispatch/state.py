@@ -127,7 +127,37 @@ class LoopRing:
         self.positions = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.counts = torch.zeros(shape.depth, dtype=torch.int64, device=device)
         self.head = torch.zeros(1, dtype=torch.int64, device=device)
+        self.mirror: NoMirror | RingMirror = NoMirror()  # the loop sets a RingMirror to stream rounds
 
     @property
     def dump(self) -> int:
         return self.depth * self.rows
+
+
+class NoMirror:
+    """The ring is read after each launch only: its commits publish nothing."""
+
+    def publish(self, ring: LoopRing) -> None:
+        pass
+
+
+class RingMirror:
+    """A host copy of the ring's tokens, slots, counts and head (pinned on CUDA), which every
+    round's commit refreshes, the head last: on CUDA as copies inside the launch, so the
+    host reads each round's tokens while the loop runs on. Entries below the mirrored head
+    are complete (an entry is written once a launch; the head is copied after it).
+    ``reset()`` before each launch."""
+
+    def __init__(self, ring: LoopRing, device: torch.device):
+        pin = device.type == "cuda"
+        host = lambda t: torch.zeros(t.shape, dtype=t.dtype, pin_memory=pin)  # noqa: E731
+        self.tokens, self.slots, self.counts, self.head = (host(ring.tokens), host(ring.slots), host(ring.counts),
+                                                           host(ring.head))
+
+    def publish(self, ring: LoopRing) -> None:
+        for mine, theirs in ((self.tokens, ring.tokens), (self.slots, ring.slots), (self.counts, ring.counts),
+                             (self.head, ring.head)):
+            mine.copy_(theirs, non_blocking=True)
+
+    def reset(self) -> None:
+        self.head.zero_()

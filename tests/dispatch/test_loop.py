@@ -234,3 +234,50 @@ def test_a_request_waiting_on_blocks_another_user_holds_is_an_error_not_a_silent
     with pytest.raises(LoopError, match=r"request 0 needs 2 KV blocks .* 1 free of 4; it stays queued"):
         loop.run()
     assert len(loop.waiting) == 1 and small.pool.free_blocks == 1
+
+
+def test_on_tokens_hears_every_token_once_in_order_while_the_launch_runs():
+    """Streaming: each round's commit copies the ring's tokens to a mirror the host reads
+    while the loop runs on (emulated: after each round), so on_tokens hears the rounds of
+    a launch before the launch returns; per request the tokens it hears are its generated
+    tokens, in order, each once, cut at a stop token."""
+    rng = seeded_rng("CGRT_LOOP_SEED")
+    reqs = _requests(rng, 3)
+    want, _ = _host(reqs, 3, 0.7, 4)
+    heard: dict[int, list[int]] = {}
+    calls: list[tuple[int, int]] = []  # (uid, launches finished when heard)
+
+    def on_tokens(uid, tokens):
+        heard.setdefault(uid, []).extend(tokens)
+        calls.append((uid, len(loop.launches)))
+
+    stop = want[0].generated[-1] if len(want[0].generated) > 2 else None
+    loop = _loop(3, 0.7, 4, rounds=64, on_tokens=on_tokens, stop_tokens=() if stop is None else (stop,))
+    loop.submit(reqs)
+    loop.run()
+    for q in loop.finished:
+        assert heard[q.uid] == q.generated
+        assert q.generated == want[q.uid].generated[:len(q.generated)]
+    first_launch = [u for u, n in calls if n == 0]
+    assert len(first_launch) > len(reqs)  # the first token of each, then rounds heard inside the launch
+
+
+def test_an_on_tokens_that_raises_stops_the_loop_and_it_serves_on():
+    reqs = [Request((1, 2), 20), Request((3,), 20)]
+    want, _ = _host(reqs, 2, 0.6, 3)
+    state = {"fail": True, "heard": {}}
+
+    def on_tokens(uid, tokens):
+        if state["fail"] and len(state["heard"].get(uid, [])) >= 5:
+            raise RuntimeError("the client went away")
+        state["heard"].setdefault(uid, []).extend(tokens)
+
+    loop = _loop(2, 0.6, 3, rounds=4, on_tokens=on_tokens)
+    loop.submit(reqs)
+    with pytest.raises(LoopError, match="the client went away"):
+        loop.run()
+    state["fail"] = False
+    loop.run()
+    assert {q.uid: q.tokens for q in loop.finished} == {u: s.tokens for u, s in want.items()}
+    with pytest.raises(InputError, match="^on_tokens: expected a callable"):
+        _loop(2, 0.6, 3, on_tokens="print")

@@ -2,7 +2,8 @@
 host runner: hypothesis draws the slots, k, rounds per launch, ring depth, stop tokens,
 the coin, and requests with their own sampling settings and seeds; the loop's tokens must
 be SpecRunner's (the same coin drafts the same tokens, the same seeds draw the same
-samples), cut after a request's first stop token, and its bookkeeping must add up."""
+samples), cut after a request's first stop token, its bookkeeping must add up, and where it
+streams (on_tokens) every token is heard once, in order."""
 from __future__ import annotations
 
 import pytest
@@ -36,7 +37,7 @@ def scenario(draw):
                 rounds=draw(st.integers(1, 6)), depth=draw(st.one_of(st.none(), st.integers(1, 4))),
                 stops=tuple(draw(st.lists(st.integers(0, V - 1), max_size=3))),
                 p=draw(st.sampled_from([0.0, 0.5, 0.9, 1.0])), coin=draw(st.integers(0, 2**31)),
-                seed=draw(st.integers(0, 2**62)))
+                seed=draw(st.integers(0, 2**62)), stream=draw(st.booleans()))
 
 
 def _cut(tokens, prompt_len, stops):
@@ -58,9 +59,11 @@ def test_the_loop_serves_the_host_runners_tokens(sc):
     runner.run()
     want = {s.uid: s.tokens for s in runner.finished}
     MODEL.reset_cache()
+    heard: dict[int, list[int]] = {}
+    on_tokens = (lambda uid, toks: heard.setdefault(uid, []).extend(toks)) if sc["stream"] else None
     loop = DeviceLoop(MODEL, CoinRounds(MODEL, sc["p"], sc["coin"]), k=sc["k"], rounds=sc["rounds"],
                       depth=sc["depth"], stop_tokens=sc["stops"], slots=sc["slots"], sampling=sampled,
-                      seed=sc["seed"])
+                      seed=sc["seed"], on_tokens=on_tokens)
     uids = loop.submit(sc["requests"])
     reports = loop.run()
     got = {q.uid: q for q in loop.finished}
@@ -74,6 +77,8 @@ def test_the_loop_serves_the_host_runners_tokens(sc):
         assert q.finish == (Finish.STOP_TOKEN if stopped else Finish.MAX_TOKENS)
         assert n == r.max_new or stopped
         assert all(1 <= a <= sc["k"] + 1 for a in q.accepts)
+        if sc["stream"]:  # streamed: every token heard once, in order
+            assert heard[uid] == q.generated
     depth = sc["depth"] or sc["rounds"]
     assert all(rep.rounds <= min(sc["rounds"], depth) for rep in reports)
     assert MODEL.pool.free_blocks == MODEL.pool.num_blocks  # every retired sequence gave its blocks back

@@ -38,6 +38,11 @@ def make_requests(cfg: ToyConfig, n: int, max_new: int, seed: int) -> list[Reque
                     rng.randint(max(1, max_new // 2), max_new)) for _ in range(n)]
 
 
+def served_sequences(runner: SpecRunner) -> list:
+    """The runner's finished sequences and those still decoding (a run cut by --rounds)."""
+    return runner.finished + [s for lane in runner.lanes for s in lane.seqs if s.decoding]
+
+
 def check(model: Decoder, seqs, sampled: bool = False) -> dict:
     """Generated tokens against greedy decoding and host rows against the reference.
 
@@ -191,8 +196,7 @@ def serve(model: Decoder, requests: list[Request], graphs: bool, args, plans=Non
                    "eager_calls": dict(sorted(st.eager_calls.items())),
                    "dynamic_calls": dict(sorted(st.dynamic_calls.items())),
                    "padding_rows": st.padding_rows, "slices": st.slices},
-        "check": check(model, runner.finished + [s for lane in runner.lanes for s in lane.seqs if s.decoding],
-                       sampled=not sampling.greedy),
+        "check": check(model, served_sequences(runner), sampled=not sampling.greedy),
         "generated": [served.get(u, []) for u in uids],  # one list per request, in submission order
         "replans": getattr(drafter, "replans", 0), "replan_seconds": getattr(drafter, "replan_seconds", 0.0),
         "finished_seqs": runner.finished,

@@ -19,7 +19,7 @@ from cudagraph_rt.models.tp import TPToyDecoder
 from cudagraph_rt.speculative.runner import Request, RunReport, SpecRunner, ToyDrafter
 from .. import options, tp_launch
 from .report import publish
-from .serve import check, make_requests, timing
+from .serve import check, make_requests, served_sequences, timing
 
 
 def _runtime(model: TPToyDecoder, runner: SpecRunner, graphs: bool) -> DistributedRuntime:
@@ -69,7 +69,7 @@ def serve_tp(model: TPToyDecoder, ref: ToyDecoder, requests: list[Request], grap
                        "eager_calls": dict(sorted(st.eager_calls.items())),
                        "dynamic_calls": dict(sorted(st.dynamic_calls.items())),
                        "padding_rows": st.padding_rows, "slices": st.slices},
-            "check": check(ref, runner),
+            "check": check(ref, served_sequences(runner)),
         }
     finally:
         rt.close()
