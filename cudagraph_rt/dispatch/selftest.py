@@ -23,6 +23,28 @@ def _serve(loop, reqs):
     return {q.uid: q.tokens for q in loop.finished}, tokens, seconds
 
 
+def _streaming(model, reqs, k: int, rounds: int, ref: dict):
+    """Stage 5: the ring streamed to the host while the launch runs (``on_tokens``): the
+    tokens served, whether every token was heard once and in order, and the stage's line."""
+    from ..speculative.loop_drafter import CoinRounds
+    from .loop import DeviceLoop
+
+    model.reset_cache()
+    heard, during = {}, []
+
+    def on_tokens(uid, toks):
+        heard.setdefault(uid, []).extend(toks)
+        during.append(len(streaming.launches))
+
+    streaming = DeviceLoop(model, CoinRounds(model, 0.7, 1), k=k, graphs=True, rounds=rounds, on_tokens=on_tokens)
+    streamed, _, _ = _serve(streaming, reqs)
+    heard_all = all(heard.get(u) == toks[len(r.prompt):] for (u, toks), r in zip(sorted(streamed.items()), reqs))
+    early = sum(n == 0 for n in during) - len(reqs)  # the first tokens (the prompts' step) come before too
+    return streamed, heard_all, (f"[5/5] streaming: tokens equal: {streamed == ref}; every token heard once, in "
+                                 f"order: {heard_all}; {early} of {len(during) - len(reqs)} rounds' deliveries came "
+                                 "before the first launch returned (read from the mirror while it ran)")
+
+
 def run(k: int = 4, rounds: int = 32) -> int:
     from .support import conditional_support
     support = conditional_support()
@@ -59,26 +81,10 @@ def run(k: int = 4, rounds: int = 32) -> int:
         runner.submit(reqs)
         runner.run()
         spec = {s.uid: s.tokens for s in runner.finished}
+        stage = "stream"
+        streamed, heard_all, stream_line = _streaming(model, reqs, k, rounds, ref)
     except Exception as e:  # noqa: BLE001 - the self-test reports every failure as one line
         print(f"SELFTEST FAIL: {stage}: {type(e).__name__}: {e}")
-        return 1
-    try:  # the ring streamed to the host while the launch runs (on_tokens)
-        model.reset_cache()
-        heard, during = {}, []
-
-        def on_tokens(uid, toks):
-            heard.setdefault(uid, []).extend(toks)
-            during.append(len(streaming.launches))
-
-        streaming = DeviceLoop(model, CoinRounds(model, 0.7, 1), k=k, graphs=True, rounds=rounds, on_tokens=on_tokens)
-        streamed, _, _ = _serve(streaming, reqs)
-        heard_all = all(heard.get(u) == toks[len(r.prompt):] for (u, toks), r in zip(sorted(streamed.items()), reqs))
-        early = sum(n == 0 for n in during) - len(reqs)  # the first tokens (the prompts' step) come before too
-        stream_line = (f"[5/5] streaming: tokens equal: {streamed == ref}; every token heard once, in order: "
-                       f"{heard_all}; {early} of {len(during) - len(reqs)} rounds' deliveries came before the "
-                       "first launch returned (read from the mirror while it ran)")
-    except Exception as e:  # noqa: BLE001
-        print(f"SELFTEST FAIL: stream: {type(e).__name__}: {e}")
         return 1
     launches = loop.runner.launches
     print(f"[4/5] device loop: {tokens} tokens in {launches} launches ({64 * launches / tokens:.2f} per 64 tokens), "
