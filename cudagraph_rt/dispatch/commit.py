@@ -14,8 +14,9 @@ def commit_round(st: LoopState, rows: RoundRows, out: dict[str, Tensor], ring: L
     ``hidden``, ``N`` rows) to the loop: per slot the committed rows (the verify's longest
     matching draft prefix plus one), cut after the first committed stop token; those rows
     into ring entry ``ring.head``; ``n_tok``, ``remaining``, ``prev``/``cur``,
-    ``last_accept`` and ``live``/``finish`` per slot; ``round`` and ``ring.head`` + 1; then
-    the ring's mirror, where the loop streams rounds to the host."""
+    ``last_accept`` and ``live``/``finish`` per slot; ``round`` and ``ring.head`` + 1.
+    ``out`` may hold more rows than the round's width: rows past it belong to slot ``slots``
+    (the plan's padding) and commit nothing."""
     S, N = shape.slots, out["tokens"].shape[0]
     slot, j = rows.slot[:N], rows.j[:N]
     tokens, committed = out["tokens"], out["committed"] & (slot < S)
@@ -28,7 +29,6 @@ def commit_round(st: LoopState, rows: RoundRows, out: dict[str, Tensor], ring: L
     keep = committed & (j < c[slot])
     _to_ring(ring, keep, out["hidden"], tokens, slot, rows.pos[:N])
     _advance(st, c[:S], (stop_j < count)[:S], tokens, slot, j, keep)
-    ring.mirror.publish(ring)
 
 
 def _to_ring(ring: LoopRing, keep: Tensor, hidden: Tensor, tokens: Tensor, slot: Tensor, pos: Tensor) -> None:
@@ -59,8 +59,8 @@ def _advance(st: LoopState, c: Tensor, stopped: Tensor, tokens: Tensor, slot: Te
     st.remaining.sub_(c)
     st.last_accept.copy_(c)
     done = st.live & ((st.remaining <= 0) | stopped)
-    st.finish.copy_(torch.where(done, torch.where(stopped, Finish.STOP_TOKEN, Finish.MAX_TOKENS), st.finish))
+    st.finish.copy_(torch.where(done, torch.where(stopped, int(Finish.STOP_TOKEN), int(Finish.MAX_TOKENS)), st.finish))
     st.live.copy_(st.live & ~done)
     st.round.add_(1)
-    retired = (st.stop_on_retire > 0) & done.any() & (st.status == Stop.RUNNING)
+    retired = (st.stop_on_retire > 0) & done.any() & (st.status == int(Stop.RUNNING))
     st.status.copy_(torch.where(retired, torch.full_like(st.status, int(Stop.RETIRED)), st.status))

@@ -23,13 +23,14 @@ from ..models.protocol import Decoder
 from ..runtime import GraphRuntime
 from ..sampling_params import SamplingParams
 from ..speculative.loop_drafter import LoopDrafter
-from ..widths import check_widths, default_widths
-from .rounds import EventSpans, HostRounds, RoundBody
+from ..widths import check_widths, default_dynamic_limit, default_widths
+from .rounds import EAGER_ROUNDS, EventSpans, HostRounds, RoundBody, RoundOps, compiled_rounds
 from .state import SAMPLING, Finish, LoopRing, LoopShape, LoopState, RingMirror, RoundRows, Stop
 
 log = logging.getLogger(__name__)
 
 
+PROMPT_ROWS = 512  # a prompt step up to this many rows runs as one step (the dynamic path), wider ones sliced
 MAX_ROUNDS = 1 << 16  # rounds per launch and ring entries: the ring holds an entry of rows per round
 
 
@@ -72,6 +73,17 @@ class LaunchReport:
     device_seconds: float | None = None
 
 
+def _check_parts(model, drafter, on_tokens, round_ops) -> None:
+    if on_tokens is not None and not callable(on_tokens):
+        raise InputError(expected("on_tokens", "a callable (uid, tokens) or None", type(on_tokens).__name__))
+    if not isinstance(drafter, LoopDrafter) or not drafter.fits(model):
+        raise InputError(expected("drafter", "a LoopDrafter built for this model (drafts drawn on the device: "
+                                             "CoinRounds, PlanRounds)", type(drafter).__name__))
+    if round_ops is not None and not isinstance(round_ops, RoundOps):
+        raise InputError(expected("round_ops", "a RoundOps (EAGER_ROUNDS, compiled_rounds()) or None",
+                                  type(round_ops).__name__))
+
+
 def _loop_widths(widths, rows: int) -> tuple[int, ...]:
     ws = default_widths(1 << max(0, rows - 1).bit_length()) if widths is None else check_widths(widths)
     if ws[-1] < rows:
@@ -90,21 +102,26 @@ class DeviceLoop:
     allows, else the host-driven rounds, with a log message naming what is missing).
     ``rounds``: rounds per launch; ``depth``: ring entries (default ``rounds``);
     ``stop_tokens``: ids that end a sequence (the stop token is kept); ``record_rows``: keep
-    each committed hidden row. ``sampling``: the verify step samples each row with its
-    request's ``SamplingParams`` (rejection sampling of the drafts, deterministic ones: q
-    one-hot) and ``seed`` seeds the requests that give none, as ``SpecRunner`` does (the
-    same seed and drafts give its tokens); without it, requests must be greedy. The loop
-    owns ``self.rt`` (its graphs, its pinned buffers); ``self.note`` says how its rounds
-    run (one outer graph, host-driven and why, emulated). ``on_tokens(uid, tokens)``: each
+    each committed hidden row, on the host (copied once a launch has ended). ``sampling``:
+    the verify step samples each row with its request's ``SamplingParams`` (rejection
+    sampling of the drafts, deterministic ones: q one-hot) and ``seed`` seeds the requests
+    that give none, as ``SpecRunner`` does (the same seed and drafts give its tokens);
+    without it, requests must be greedy. The loop owns ``self.rt`` (its graphs, its pinned
+    buffers); ``self.note`` says how its rounds run (one outer graph, host-driven and why,
+    emulated). ``on_tokens(uid, tokens)``: each
     sequence's tokens as they are committed, in order, each once: the first at its prompt's
     step, then each round's while the launch runs on (every round's commit copies the
     ring's tokens to a pinned mirror the host polls; without it the host reads them after
     the launch). Called on the host; an exception it raises stops the loop (LoopError).
+    ``round_ops``: how each round's plan and commit run (:class:`.rounds.RoundOps`; default:
+    compiled by torch.compile with CUDA graphs, eager when emulated). A prompt step of up to
+    ``PROMPT_ROWS`` rows runs as one step, wider ones in slices.
     Raises InputError for bad arguments, before the model's pool is touched."""
 
     def __init__(self, model, drafter, *, k: int = 4, graphs="emulate", rounds: int = 64, depth: int | None = None,
                  stop_tokens=(), widths=None, record_rows: bool = False, conditional: bool = True,
-                 slots: int | None = None, sampling: bool = False, seed: int = 0, on_tokens=None):
+                 slots: int | None = None, sampling: bool = False, seed: int = 0, on_tokens=None,
+                 round_ops: RoundOps | None = None):
         if not isinstance(model, Decoder):
             raise InputError(expected("model", "a Decoder (a model on a KV pool)", type(model).__name__))
         cfg = model.config
@@ -114,11 +131,7 @@ class DeviceLoop:
         depth = rounds if depth is None else as_int("depth", depth, 1, MAX_ROUNDS)
         stops = token_ids("stop_tokens", stop_tokens, cfg.vocab)
         record_rows, conditional = as_bool("record_rows", record_rows), as_bool("conditional", conditional)
-        if on_tokens is not None and not callable(on_tokens):
-            raise InputError(expected("on_tokens", "a callable (uid, tokens) or None", type(on_tokens).__name__))
-        if not isinstance(drafter, LoopDrafter) or not drafter.fits(model):
-            raise InputError(expected("drafter", "a LoopDrafter built for this model (drafts drawn on the device: "
-                                                 "CoinRounds, PlanRounds)", type(drafter).__name__))
+        _check_parts(model, drafter, on_tokens, round_ops)
         mode = as_graphs(graphs)
         if mode is Graphs.OFF:
             raise InputError(expected("graphs", "True or 'emulate' (the loop replays captured widths)", graphs))
@@ -129,7 +142,8 @@ class DeviceLoop:
         self.model, self.k, self.rounds, self.record_rows = model, k, rounds, record_rows
         specs = model.inputs(verify=True, sampling=self.sampling)
         self.rt = GraphRuntime(_RowOutputs(model.verify_step), specs, widths=ws, graphs=graphs,
-                               device=model.device, keep_graphs=graphs is True)
+                               device=model.device, keep_graphs=graphs is True,
+                               dynamic_limit=max(default_dynamic_limit(ws), min(S * cfg.max_len, PROMPT_ROWS)))
         self.shape = LoopShape(S, k, ws, model.config.vocab, pool.block_size, model.scratch_cell, depth)
         self.state = LoopState(S, stops, model.device)
         self.rows = RoundRows(self.shape, model.device)
@@ -139,7 +153,10 @@ class DeviceLoop:
             self.ring.mirror = RingMirror(self.ring, model.device)
         self._streamed = 0  # mirror entries of this launch already handed to on_tokens
         self.rt.capture()
-        self.body = RoundBody(self.rt, self.state, self.rows, self.ring, self.shape, pool.block_table, drafter)
+        if round_ops is None:
+            round_ops = compiled_rounds() if graphs is True else EAGER_ROUNDS
+        self.body = RoundBody(self.rt, self.state, self.rows, self.ring, self.shape, pool.block_table, drafter,
+                              round_ops)
         self.runner = self._runner(graphs, conditional)
         self.waiting: deque = deque()
         self.sequences: dict[int, LoopSequence] = {}  # slot -> the sequence it serves
@@ -298,7 +315,7 @@ class DeviceLoop:
                               for name, c in cols.items()}).outputs
         spans.end(t)
         last = torch.tensor(list(_ends(len(q.prompt) for q in seqs)), device=self.model.device)
-        first, rows = out["tokens"][last].tolist(), out["hidden"][last]
+        first, rows = out["tokens"][last].tolist(), out["hidden"][last].cpu()
         dev = spans.seconds()
         self.prefill_device_seconds = None if dev is None else (self.prefill_device_seconds or 0.0) + dev
         st = self.state
@@ -308,7 +325,7 @@ class DeviceLoop:
             if self.on_tokens is not None:
                 self.on_tokens(q.uid, [t])
             if self.record_rows:
-                q.rows.append(rows[i:i + 1].clone())
+                q.rows.append(rows[i:i + 1])
             live = q.max_new > 1
             s = q.slot
             for name, v in _settings(q.sampling).items():
@@ -362,6 +379,7 @@ class DeviceLoop:
         head = int(ring.head)
         counts = ring.counts[:head].tolist()
         tokens, slots = ring.tokens.tolist(), ring.slots.tolist()
+        hidden = ring.hidden[:head * W].to("cpu", copy=True) if self.record_rows else None  # one copy, not per row
         total = 0
         for e, c in enumerate(counts):
             per: dict[int, int] = {}
@@ -370,7 +388,7 @@ class DeviceLoop:
                 q.tokens.append(tokens[r])
                 per[q.slot] = per.get(q.slot, 0) + 1
                 if self.record_rows:
-                    q.rows.append(ring.hidden[r:r + 1].clone())
+                    q.rows.append(hidden[r:r + 1])
             for s, n in per.items():
                 self.sequences[s].accepts.append(n)
             total += c

@@ -80,12 +80,12 @@ def _decide(st: LoopState, rows: RoundRows, ring: LoopRing, shape: LoopShape, wi
                         (Stop.RING_FULL, ring.head >= ring.depth), (Stop.ROUNDS, st.round >= st.max_rounds),
                         (Stop.FINISHED, T == 0)):  # reversed priority: the last that holds wins
         verdict = torch.where(holds.reshape(1), one(stop), verdict)
-    status = torch.where(st.status == Stop.RUNNING, verdict, st.status)
+    status = torch.where(st.status == int(Stop.RUNNING), verdict, st.status)
     first = torch.argmax(bad.to(torch.int64)).reshape(1)
     error = torch.cat([s[first], tok[first], pos[first]])
-    st.error.copy_(torch.where((status == Stop.BAD_TOKEN) & (st.status == Stop.RUNNING), error, st.error))
+    st.error.copy_(torch.where((status == int(Stop.BAD_TOKEN)) & (st.status == int(Stop.RUNNING)), error, st.error))
     st.status.copy_(status)
-    go = status == Stop.RUNNING
+    go = status == int(Stop.RUNNING)
     index = torch.searchsorted(widths, T)  # the narrowest width >= T (T <= widths[-1] by construction)
     rows.width_index.copy_(torch.where(go, index, torch.full_like(index, len(shape.widths))).to(torch.int32))
     rows.go.copy_(go.to(torch.int32))

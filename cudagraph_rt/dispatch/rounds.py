@@ -10,6 +10,8 @@ CPU, and on a GPU without conditional nodes the host-driven fallback (one read p
 """
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -20,19 +22,75 @@ from .planner import plan_round
 from .state import LoopRing, LoopShape, LoopState, RoundRows
 
 
+def check_drafts(drafter, drafts, want: torch.Tensor) -> None:
+    """InputError unless ``drafts`` (``drafter``'s answer) is int64 ``want``-shaped on its device."""
+    if not (isinstance(drafts, torch.Tensor) and drafts.shape == want.shape and drafts.dtype == torch.int64
+            and drafts.device == want.device):
+        got = (f"{drafts.dtype} {tuple(drafts.shape)} on {drafts.device}" if isinstance(drafts, torch.Tensor)
+               else type(drafts).__name__)
+        raise InputError(expected(f"{type(drafter).__name__}(state, k)", f"an int64 tensor "
+                                  f"{tuple(want.shape)} on {want.device} (a row of k drafts per slot)", got))
+
+
+def _plan(drafter, st, rows, arena, block_table, ring, shape, widths) -> None:
+    drafts = drafter(st, shape.k)
+    check_drafts(drafter, drafts, rows.drafts)  # eager: each round's answer (a Python drafter may change)
+    rows.drafts.copy_(drafts)
+    plan_round(st, rows, arena, block_table, ring, shape, widths)
+
+
+def _plan_fused(drafter, st, rows, arena, block_table, ring, shape, widths) -> None:
+    rows.drafts.copy_(drafter(st, shape.k))  # checked once, by RoundBody; a replay repeats the same ops
+    plan_round(st, rows, arena, block_table, ring, shape, widths)
+
+
+@dataclass(frozen=True)
+class RoundOps:
+    """How a round's plan (drafts and :func:`~.planner.plan_round`) and commit
+    (:func:`~.commit.commit_round`) run: torch's ops one by one (``EAGER_ROUNDS``), or
+    fused by ``torch.compile`` into a few kernels (``compiled_rounds()``), which is what a
+    round costs on a GPU beside its step: each op is a kernel of a few microseconds, and a
+    plan and commit are about a hundred of them."""
+
+    name: str
+    plan: Callable
+    commit: Callable
+
+
+EAGER_ROUNDS = RoundOps("eager", _plan, commit_round)
+
+
+@functools.cache
+def compiled_rounds() -> RoundOps:
+    """The plan and commit compiled (fullgraph, static shapes; compiled at their first
+    call, which the loop makes before any capture)."""
+    fuse = functools.partial(torch.compile, fullgraph=True, dynamic=False)
+    return RoundOps("compiled", fuse(_plan_fused), fuse(commit_round))
+
+
 class RoundBody:
     """The pieces of one round over a captured runtime ``rt`` (its widths replayed by hand,
     its arena written by the plan). ``drafter(state, k)`` draws the round's drafts on the
-    device. Lifetime: the runtime's graphs (a ``recapture()`` needs a new body)."""
+    device; ``ops`` runs the plan and commit (:class:`RoundOps`). Each width's outputs are
+    copied into one buffer of the widest width's rows before the commit, so one commit
+    serves every width. Lifetime: the runtime's graphs (a ``recapture()`` needs a new body).
+    Raises InputError when the drafter's answer is not ``[slots, k]`` int64 drafts on the
+    loop's device (here, and at each eager plan)."""
 
     def __init__(self, rt, state: LoopState, rows: RoundRows, ring: LoopRing, shape: LoopShape, block_table,
-                 drafter: Callable):
+                 drafter: Callable, ops: RoundOps = EAGER_ROUNDS):
         self.rt, self.state, self.rows, self.ring, self.shape = rt, state, rows, ring, shape
-        self.block_table, self.drafter = block_table, drafter
+        self.block_table, self.drafter, self.ops = block_table, drafter, ops
         self.widths = torch.tensor(shape.widths, dtype=torch.int64, device=state.uid.device)
         self.arena = rt.static_inputs(shape.rows)  # every width reads a prefix of these rows
         self.graphs = [rt.graphs_captured[w] for w in shape.widths]
         self.outputs = [rt.static_outputs(w) for w in shape.widths]
+        widest = self.outputs[-1]
+        self.staged = {name: torch.zeros_like(widest[name]) for name in ("tokens", "committed", "hidden")}
+        self._check_drafter()
+
+    def _check_drafter(self) -> None:
+        check_drafts(self.drafter, self.drafter(self.state, self.shape.k), self.rows.drafts)
 
     def unfeed(self) -> None:
         """Graphs keep the arena's rows as the plan writes them (until the runtime's next
@@ -40,24 +98,21 @@ class RoundBody:
         self.arena = self.rt.static_inputs(self.shape.rows)
 
     def plan(self) -> None:
-        drafts = self.drafter(self.state, self.shape.k)
-        want = self.rows.drafts
-        if not (isinstance(drafts, torch.Tensor) and drafts.shape == want.shape and drafts.dtype == torch.int64
-                and drafts.device == want.device):
-            got = (f"{drafts.dtype} {tuple(drafts.shape)} on {drafts.device}" if isinstance(drafts, torch.Tensor)
-                   else type(drafts).__name__)
-            raise InputError(expected(f"{type(self.drafter).__name__}(state, k)", f"an int64 tensor "
-                                      f"{tuple(want.shape)} on {want.device} (a row of k drafts per slot)", got))
-        want.copy_(drafts)
-        plan_round(self.state, self.rows, self.arena, self.block_table, self.ring, self.shape, self.widths)
+        self.ops.plan(self.drafter, self.state, self.rows, self.arena, self.block_table, self.ring, self.shape,
+                      self.widths)
 
     def step(self, i: int) -> None:
         """Width ``i``'s graph (the SWITCH's branch ``i``, first half)."""
         self.graphs[i].replay()
 
     def commit(self, i: int) -> None:
-        """The commit of width ``i``'s outputs (branch ``i``, second half)."""
-        commit_round(self.state, self.rows, self.outputs[i], self.ring, self.shape)
+        """The commit of width ``i``'s outputs (branch ``i``, second half), then the ring's
+        mirror (where the loop streams rounds to the host)."""
+        out, n = self.outputs[i], self.shape.widths[i]
+        for name, buf in self.staged.items():
+            buf[:n].copy_(out[name])
+        self.ops.commit(self.state, self.rows, self.staged, self.ring, self.shape)
+        self.ring.mirror.publish(self.ring)
 
 
 def outline(widths, *, setter: bool) -> list[str]:

@@ -29,6 +29,7 @@ from cudagraph_rt.kernels.sampling.settings import SamplingSettings
 
 __all__ = ["SamplingPlan", "SamplingWorkspace", "launch_sampler", "plan_sampling"]
 
+MAX_CHUNK, FEW_ROWS = 4096, 4  # the default plan's widest chunk; rows searched in 2 passes, not 3
 _TILE_ELEMS = 4096  # search_block * candidates: the [tile, candidates] comparison of one search step
 
 
@@ -71,21 +72,18 @@ def _sm_count(device: torch.device) -> int:
 
 
 def plan_sampling(rows: int, vocab: int, device: torch.device, sm_count: int | None = None) -> SamplingPlan:
-    """The default plan: about two programs per multiprocessor over all rows (one row of a
-    128k vocabulary in ~128 chunks of 1024), more candidates per search step where there
-    are few rows (the steps cost launches there, the candidates cost arithmetic at many rows).
+    """The default plan: about two programs per multiprocessor over all rows, in chunks of at
+    most ``MAX_CHUNK`` entries (one row of a 128k vocabulary in ~128 chunks of 1024, 64 rows
+    in chunks of 4096), 16 candidates per search step, 2 search passes for a few rows and 3
+    for many (the fastest of the H200 sweep, ``kernels/sampling/bench.py --sweep``: the
+    last pass's reducer finishes a row's search alone, cheap for one row, a queue for 64).
     ``sm_count``: the device's multiprocessors (default: asked of the device)."""
     device = torch.device(device)
     block = 1024 if device.type == "cuda" else 64
     want = max(1, _cdiv(2 * (sm_count or _sm_count(device)), max(rows, 1)))
-    chunk = max(block, _cdiv(_cdiv(vocab, want), block) * block)
-    candidates = 64 if rows <= 4 else 32 if rows <= 16 else 16
-    if device.type != "cuda":
-        candidates = 8
-    # Passes a row of 128k randn * 3 logits needed (measured under the interpreter): top-k 50 or
-    # top-p 0.9 alone 2 at 64 candidates, 3 at 16; both 3 at 64, 5 at 16. Passes after the
-    # bracket has narrowed skip the candidate work and only read.
-    passes = {64: 3, 32: 4, 16: 5}.get(candidates, 3)
+    chunk = max(block, min(MAX_CHUNK, _cdiv(_cdiv(vocab, want), block) * block))
+    candidates = 16 if device.type == "cuda" else 8
+    passes = 2 if rows <= FEW_ROWS else 3
     return SamplingPlan(chunk, block, min(block, _TILE_ELEMS // candidates), candidates, search_passes=passes)
 
 

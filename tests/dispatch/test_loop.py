@@ -281,3 +281,31 @@ def test_an_on_tokens_that_raises_stops_the_loop_and_it_serves_on():
     assert {q.uid: q.tokens for q in loop.finished} == {u: s.tokens for u, s in want.items()}
     with pytest.raises(InputError, match="^on_tokens: expected a callable"):
         _loop(2, 0.6, 3, on_tokens="print")
+
+
+def test_compiled_rounds_equal_the_eager_rounds():
+    """The plan and commit fused by torch.compile (the default with CUDA graphs; inductor's
+    CPU code here) give the eager rounds' tokens, finishes and rows bit for bit, stop
+    tokens, retirements and several launches included."""
+    from cudagraph_rt.dispatch.rounds import EAGER_ROUNDS, compiled_rounds
+
+    rng = seeded_rng("CGRT_LOOP_SEED")
+    reqs = _requests(rng, 4)
+    p, seed, stop = rng.choice([0.4, 0.8]), rng.randrange(2**31), rng.randrange(MODEL.config.vocab)
+    got = {}
+    for ops in (EAGER_ROUNDS, compiled_rounds()):
+        loop = _loop(3, p, seed, rounds=rng.randint(2, 6), stop_tokens=(stop,), round_ops=ops)
+        loop.submit(reqs)
+        loop.run()
+        got[ops.name] = {q.uid: (q.tokens, q.finish, torch.cat(q.rows)) for q in loop.finished}
+        assert len(loop.launches) > 1
+    eager, fused = got["eager"], got["compiled"]
+    assert sorted(eager) == sorted(fused) == list(range(len(reqs)))
+    for uid, (tokens, finish, rows) in eager.items():
+        assert fused[uid][0] == tokens and fused[uid][1] == finish and torch.equal(fused[uid][2], rows)
+
+
+def test_round_ops_must_be_a_round_ops_object():
+    MODEL.reset_cache()
+    with pytest.raises(InputError, match="^round_ops: expected"):
+        DeviceLoop(MODEL, CoinRounds(MODEL, 0.5, 1), k=2, round_ops="compiled")

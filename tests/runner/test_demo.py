@@ -335,3 +335,13 @@ def test_cli_demo_on_cuda_both(capsys):
         assert 0 < r["device_seconds"] <= r["seconds"] * 1.01 and r["gpu_busy"] == pytest.approx(
             r["device_seconds"] / r["seconds"])
         assert sum(r["host_phases_s"].values()) == pytest.approx(r["seconds"], rel=1e-6)
+
+
+@pytest.mark.cuda
+def test_cli_demo_device_dispatch_on_cuda_both(capsys):
+    """``--dispatch device`` on the GPU: the outer graph of conditional nodes serves the
+    requests (graphs on) and the loop's tokens and host rows pass the demo's check."""
+    assert cli.main(["demo", "--device", "cuda", "--dispatch", "device", "--graphs", "both", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert [r["graphs"] for r in rep["runs"]] == [True, "emulate"] and rep["ok"]  # graphs off: the loop emulated
+    assert all(r["check"]["ok"] and r["check"]["rows_checked"] > 0 for r in rep["runs"])

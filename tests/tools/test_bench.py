@@ -56,7 +56,7 @@ def test_quick_writes_every_section(tmp_path, capsys):
     d = data["dispatch"]  # every variant on a CPU (the loop emulated): the same greedy tokens, checked
     assert d["status"] == "ok" and [r["sequences"] for r in d["rows"]] == [1, 2]
     for r in d["rows"]:
-        assert r["tokens_equal"] and r["checks_ok"] and r["rounds_ran"] == "host"
+        assert r["tokens_equal"] and r["runner_tokens_equal"] and r["checks_ok"] and r["rounds_ran"] == "host"
         assert r["device"]["tokens"] == r["host_rounds"]["tokens"] == r["host_runner"]["tokens"] > 0
     for key in ("host_overhead", "memory", "host_rows"):  # GPU-only, with the reason
         assert data[key]["status"] == "skipped" and data[key]["reason"]
