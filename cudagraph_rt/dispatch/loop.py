@@ -18,10 +18,10 @@ import torch
 from ..checks import as_bool, as_int, token_ids
 from ..errors import CapacityError, InputError, expected
 from ..graphs import Graphs, as_graphs
-from ..models.pool import cdiv
 from ..models.protocol import Decoder
 from ..runtime import GraphRuntime
 from ..sampling_params import SamplingParams
+from ..speculative.intake import blocks_for, check_request
 from ..speculative.loop_drafter import LoopDrafter
 from ..widths import check_widths, default_dynamic_limit, default_widths
 from .rounds import EAGER_ROUNDS, EventSpans, HostRounds, RoundBody, RoundOps, compiled_rounds
@@ -188,25 +188,12 @@ class DeviceLoop:
         """Queue requests (``prompt``, ``max_new``, optional ``sampling``: a SamplingParams,
         greedy by default, its seed resolved here as ``SpecRunner`` resolves it); their uids.
         All or none (InputError)."""
-        cfg, pool, reqs = self.model.config, self.model.pool, []
+        reqs = []
         if isinstance(requests, (str, bytes)) or not hasattr(requests, "__iter__"):
             raise InputError(expected("requests", "an iterable of Requests", type(requests).__name__))
         for i, r in enumerate(list(requests)):
-            if not (hasattr(r, "prompt") and hasattr(r, "max_new")):
-                raise InputError(expected(f"requests[{i}]", "a Request (prompt, max_new, sampling)", type(r).__name__))
-            n = as_int(f"requests[{i}].max_new", r.max_new, 1)
-            prompt = token_ids(f"requests[{i}].prompt", getattr(r, "prompt", None), cfg.vocab)
-            if not prompt or len(prompt) + n - 1 > cfg.max_len:
-                raise InputError(expected(f"requests[{i}]", f"a prompt and max_new within {cfg.max_len} positions",
-                                          (len(prompt), n)))
-            if self._blocks_for(len(prompt), n) > pool.num_blocks:
-                raise InputError(expected(f"requests[{i}]", f"a prompt and max_new whose positions fit the KV pool "
-                                          f"({pool.num_blocks} blocks of {pool.block_size})", (len(prompt), n)))
-            sp = getattr(r, "sampling", SamplingParams())
-            if not isinstance(sp, SamplingParams) or not (self.sampling or sp.greedy):
-                raise InputError(expected(f"requests[{i}].sampling", "a SamplingParams" + (
-                    "" if self.sampling else ", greedy (this loop has sampling=False)"), sp))
-            reqs.append((prompt, n, sp))
+            r = check_request(i, r, self.model, self.sampling, "loop")
+            reqs.append((r.prompt, r.max_new, r.sampling))
         uids = list(range(self._next_uid, self._next_uid + len(reqs)))
         reqs = [(prompt, n, sp.seeded(self.seed, uid)) for uid, (prompt, n, sp) in zip(uids, reqs)]
         self.waiting.extend(zip(uids, reqs))
@@ -226,7 +213,7 @@ class DeviceLoop:
             elif self.waiting and not admitted:  # (a request that finished at its prefill frees its slot at once)
                 uid, (prompt, n, _) = self.waiting[0]
                 pool = self.model.pool
-                raise LoopError(f"device loop: request {uid} needs {self._blocks_for(len(prompt), n)} KV blocks "
+                raise LoopError(f"device loop: request {uid} needs {blocks_for(self.model, len(prompt), n)} KV blocks "
                                 f"(prompt {len(prompt)}, max_new {n}), the pool has {pool.free_blocks} free of "
                                 f"{pool.num_blocks}; it stays queued")
         return self.launches[start:]
@@ -269,9 +256,6 @@ class DeviceLoop:
         return report
 
     # -- between launches (host) ----------------------------------------------------------
-    def _blocks_for(self, prompt: int, max_new: int) -> int:
-        return cdiv(prompt + max_new - 1, self.model.pool.block_size)
-
     def _admit(self) -> int:
         """Waiting requests join free slots while the pool's free blocks cover every served
         sequence's remaining worst case and theirs (as SpecRunner admits); then one prefill
@@ -283,9 +267,9 @@ class DeviceLoop:
             uid, (prompt, n, sp) = self.waiting[0]
             slot = free[0]
             self.model.free_seq(slot)
-            owed = sum(self._blocks_for(len(q.prompt), q.max_new) - sum(b is not None for b in pool.blocks(q.slot))
+            owed = sum(blocks_for(self.model, len(q.prompt), q.max_new) - sum(b is not None for b in pool.blocks(q.slot))
                        for q in self.sequences.values())
-            if owed + self._blocks_for(len(prompt), n) > pool.free_blocks:
+            if owed + blocks_for(self.model, len(prompt), n) > pool.free_blocks:
                 break
             self.waiting.popleft()
             free.pop(0)

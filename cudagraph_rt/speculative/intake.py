@@ -7,13 +7,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..checks import as_bool, as_int
+from ..checks import as_bool, as_int, token_ids
 from ..errors import InputError, expected
+from ..models.pool import cdiv
 from ..models.protocol import Decoder
 from ..sampling_params import MAX_SEED, SamplingParams
 from .proposal import Proposal
 
-__all__ = ["Request", "Sequence", "check_runner_args", "check_sampling_args", "read_proposal"]
+__all__ = ["Request", "Sequence", "blocks_for", "check_request", "check_runner_args", "check_sampling_args",
+           "read_proposal"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,36 @@ class Sequence:
     @property
     def done(self) -> bool:
         return len(self.tokens) - len(self.prompt) >= self.max_new
+
+
+def blocks_for(model: Decoder, prompt: int, max_new: int) -> int:
+    """KV blocks a request may hold at most: its fed positions (the last generated token is
+    never fed; drafts never pass the limit)."""
+    return cdiv(prompt + max_new - 1, model.pool.block_size)
+
+
+def check_request(i: int, r, model: Decoder, sampling: bool, owner: str) -> Request:
+    """``requests[i]`` of a runner or loop (``owner`` names it in the messages) checked, as a
+    Request of a tuple of ints, an int and a SamplingParams (greedy unless ``sampling``).
+    InputError naming ``requests[i]`` (or its field) otherwise, e.g. a request that does not
+    fit the model's positions or its whole KV pool."""
+    cfg, pool = model.config, model.pool
+    if not hasattr(r, "prompt") or not hasattr(r, "max_new"):
+        raise InputError(expected(f"requests[{i}]", "a Request(prompt, max_new)", type(r).__name__))
+    n = as_int(f"requests[{i}].max_new", r.max_new, 1)
+    prompt = token_ids(f"requests[{i}].prompt", r.prompt, cfg.vocab)
+    if not prompt or len(prompt) + n - 1 > cfg.max_len:
+        raise InputError(expected(f"requests[{i}]", f"a prompt and max_new >= 1 within {cfg.max_len} positions",
+                                  (len(prompt), n)))
+    if blocks_for(model, len(prompt), n) > pool.num_blocks:
+        raise InputError(expected(f"requests[{i}]", f"at most {pool.num_blocks * pool.block_size} positions "
+                                  "(the model's whole KV pool)", (len(prompt), n)))
+    sp = getattr(r, "sampling", SamplingParams())
+    if not isinstance(sp, SamplingParams):
+        raise InputError(expected(f"requests[{i}].sampling", "a SamplingParams", type(sp).__name__))
+    if not sampling and not sp.greedy:
+        raise InputError(expected(f"requests[{i}].sampling", f"greedy settings (this {owner} has sampling=False)", sp))
+    return Request(prompt, n, sp)
 
 
 def read_proposal(p, n: int, k: int, vocab: int, device: torch.device, takes_q: bool) -> tuple[list, torch.Tensor | None]:

@@ -45,15 +45,13 @@ import numpy as np
 import torch
 
 from .drafting import CommittedRows, ReferenceDrafter, ToyDrafter
-from .intake import Request, Sequence, check_runner_args, check_sampling_args, read_proposal
-from ..checks import as_int, token_ids
+from .intake import (Request, Sequence, blocks_for, check_request, check_runner_args, check_sampling_args,
+                     read_proposal)
 from ..errors import InputError, expected
 from ..host_rows import HostRows, HostRowsHandle
-from ..models.pool import cdiv
 from ..models.protocol import Decoder
 from .run_timing import PHASES, DeviceTimer, PhaseClock, RunReport
 from ..runtime import GraphRuntime
-from ..sampling_params import SamplingParams
 
 __all__ = ["CommittedRows", "DeviceTimer", "PHASES", "PhaseClock", "ReferenceDrafter", "Request", "RunReport",
            "Sequence", "SpecRunner", "ToyDrafter", "make_runtime"]
@@ -205,34 +203,12 @@ class SpecRunner:
         it is queued (and served, as ``Sequence.prompt``) as a tuple of ints. ``sampling``
         must be a SamplingParams (a greedy one when the runner has ``sampling=False``); its
         seed is resolved here (``Sequence.sampling``)."""
-        requests = [self._check_request(i, r) for i, r in enumerate(list(requests))]
+        requests = [check_request(i, r, self.model, self.sampling, "runner") for i, r in enumerate(list(requests))]
         uids = list(range(self._next_uid, self._next_uid + len(requests)))
         requests = [Request(r.prompt, r.max_new, r.sampling.seeded(self.seed, uid)) for uid, r in zip(uids, requests)]
         self.waiting.extend(zip(uids, requests))
         self._next_uid += len(requests)
         return uids
-
-    def _check_request(self, i: int, r) -> Request:
-        """``r`` checked, as a Request of a tuple of ints and an int."""
-        cfg = self.model.config
-        if not hasattr(r, "prompt") or not hasattr(r, "max_new"):
-            raise InputError(expected(f"requests[{i}]", "a Request(prompt, max_new)", type(r).__name__))
-        n = as_int(f"requests[{i}].max_new", r.max_new, 1)
-        prompt = token_ids(f"requests[{i}].prompt", r.prompt, cfg.vocab)
-        if not prompt or len(prompt) + n - 1 > cfg.max_len:
-            raise InputError(expected(f"requests[{i}]", f"a prompt and max_new >= 1 within {cfg.max_len} positions",
-                                      (len(prompt), n)))
-        pool = self.model.pool
-        if self._blocks_for(len(prompt), n) > pool.num_blocks:
-            raise InputError(expected(f"requests[{i}]", f"at most {pool.num_blocks * pool.block_size} positions "
-                                      "(the model's whole KV pool)", (len(prompt), n)))
-        sampling = getattr(r, "sampling", SamplingParams())
-        if not isinstance(sampling, SamplingParams):
-            raise InputError(expected(f"requests[{i}].sampling", "a SamplingParams", type(sampling).__name__))
-        if not self.sampling and not sampling.greedy:
-            raise InputError(expected(f"requests[{i}].sampling", "greedy settings (this runner has sampling=False)",
-                                      sampling))
-        return Request(prompt, n, sampling)
 
     def run(self, max_steps: int | None = None) -> RunReport:
         """Serve until every request is done (or ``max_steps`` more steps were launched;
@@ -295,11 +271,6 @@ class SpecRunner:
         self.finished = []
 
     # -- one step --------------------------------------------------------------------------
-    def _blocks_for(self, prompt: int, max_new: int) -> int:
-        """KV blocks a request may hold at most: its fed positions (the last generated token
-        is never fed; drafts never pass the limit)."""
-        return cdiv(prompt + max_new - 1, self.model.pool.block_size)
-
     def _admit(self, lane: _Lane) -> None:
         """Waiting prompts join while the lane has room and the pool's free blocks cover the
         admitted sequences' remaining worst case plus the newcomer's (a slot's leftover
@@ -309,9 +280,9 @@ class SpecRunner:
             uid, r = self.waiting[0]
             slot = self._free_slots[0]
             self.model.free_seq(slot)
-            owed = sum(self._blocks_for(len(s.prompt), s.max_new) - sum(b is not None for b in pool.blocks(s.slot))
+            owed = sum(blocks_for(self.model, len(s.prompt), s.max_new) - sum(b is not None for b in pool.blocks(s.slot))
                        for ln in self.lanes for s in ln.seqs)
-            if owed + self._blocks_for(len(r.prompt), r.max_new) > pool.free_blocks:
+            if owed + blocks_for(self.model, len(r.prompt), r.max_new) > pool.free_blocks:
                 return
             self.waiting.popleft()
             lane.seqs.append(Sequence(uid, self._free_slots.pop(0), r.prompt, r.max_new, list(r.prompt),

@@ -220,8 +220,8 @@ def test_requests_that_finish_at_their_prefill_free_their_slot_for_the_next():
 def test_a_request_the_pool_can_never_hold_is_refused_at_submit():
     small = ToyDecoder(ToyConfig.tiny(max_len=64, max_seqs=3, cells=32), "cpu")  # 2 blocks of 16
     loop = DeviceLoop(small, CoinRounds(small, 0.5, 0), k=2)
-    with pytest.raises(InputError, match=r"requests\[1\]: expected a prompt and max_new whose positions fit the KV "
-                                         r"pool \(2 blocks of 16\), got \(2, 40\)"):
+    with pytest.raises(InputError, match=r"requests\[1\]: expected at most 32 positions \(the model's whole KV "
+                                         r"pool\), got \(2, 40\)"):
         loop.submit([Request((1,), 4), Request((1, 2), 40)])  # 41 positions: 3 blocks
     assert not loop.waiting and small.pool.free_blocks == 2
 
