@@ -139,7 +139,7 @@ def run(args) -> int:
         if cuda:
             torch.cuda.synchronize()
     report.update({"train_s": rep.seconds, "wall_s": time.perf_counter() - t_all, "first_loss": rep.losses[0],
-                   "final_loss": rep.losses[-1], "k": rep.k,
+                   "final_loss": rep.losses[-1], "held_out_loss": rep.held_out_loss, "k": rep.k,
                    "acceptance_before": {"mean_accepted": rep.before[0], "by_position": list(rep.before[1])},
                    "acceptance_after": {"mean_accepted": rep.after[0], "by_position": list(rep.after[1])},
                    "draft_vocab_coverage": rep.coverage, "training_windows": rep.rows})
@@ -150,11 +150,12 @@ def run(args) -> int:
         options.write_json(args.json, report)
     out = sys.stderr if args.json == options.STDOUT else sys.stdout
     by = ", ".join(f"{a:.2f}" for a in rep.after[1])
+    held = "" if rep.held_out_loss is None else f" (held out: {rep.held_out_loss:.3f})"
     print(f"cgrt train-drafter: {args.kind} for {choice.label} -> {args.out}\n"
           f"  generated {report['rows']} rows in {corpus.seconds:.1f} s; trained {args.steps} steps in "
           f"{rep.seconds:.1f} s; wall {report['wall_s']:.1f} s\n"
-          f"  loss {rep.losses[0]:.3f} -> {rep.losses[-1]:.3f}; draft vocabulary covers {100 * rep.coverage:.1f}% "
-          f"of held-out next tokens\n"
+          f"  loss {rep.losses[0]:.3f} -> {rep.losses[-1]:.3f}{held}; draft vocabulary covers "
+          f"{100 * rep.coverage:.1f}% of held-out next tokens\n"
           f"  acceptance estimate (held out, greedy, k={rep.k}): mean accepted {rep.before[0]:.2f} -> "
           f"{rep.after[0]:.2f} of {rep.k}; by position {by}", file=out)
     return 0

@@ -267,8 +267,8 @@ class DeviceLoop:
             uid, (prompt, n, sp) = self.waiting[0]
             slot = free[0]
             self.model.free_seq(slot)
-            owed = sum(blocks_for(self.model, len(q.prompt), q.max_new) - sum(b is not None for b in pool.blocks(q.slot))
-                       for q in self.sequences.values())
+            owed = sum(blocks_for(self.model, len(q.prompt), q.max_new)
+                       - sum(b is not None for b in pool.blocks(q.slot)) for q in self.sequences.values())
             if owed + blocks_for(self.model, len(prompt), n) > pool.free_blocks:
                 break
             self.waiting.popleft()

@@ -137,8 +137,10 @@ def make_head(model, corpus: Corpus | None = None, *, hidden: int | None = None,
 class TrainReport:
     """What training did: ``losses`` per step, ``seconds`` of the loop, rows seen, the
     held-out acceptance estimates before and after (mean accepted of ``k`` and per
-    position, :func:`estimate_acceptance`), and how much of the held-out data's next
-    tokens lie in the draft vocabulary."""
+    position, :func:`estimate_acceptance`), how much of the held-out data's next tokens lie
+    in the draft vocabulary, and the training objective on held-out windows after training
+    (``held_out_loss``; None where not measured): far above the last training losses, the
+    drafter memorised its windows instead of learning the target."""
 
     losses: tuple[float, ...]
     seconds: float
@@ -147,6 +149,7 @@ class TrainReport:
     before: tuple[float, tuple[float, ...]]
     after: tuple[float, tuple[float, ...]]
     coverage: float
+    held_out_loss: float | None = None
 
 
 def _autocast(device: torch.device):
@@ -250,4 +253,20 @@ def train_head(head: DraftHead, model, corpus: Corpus, *, steps: int, batch: int
     seconds = time.perf_counter() - t0
     head.eval()
     after = estimate_acceptance(head, model, check, k)
-    return TrainReport(losses_f, seconds, int(idx_all.numel()), k, before, after, coverage)
+    held = _held_out_loss(head, parts, readout, check, unroll, to_draft, reg_weight, seed)
+    return TrainReport(losses_f, seconds, int(idx_all.numel()), k, before, after, coverage, held)
+
+
+@torch.no_grad()
+def _held_out_loss(head: DraftHead, parts, readout: Tensor, corpus: Corpus, unroll: int, to_draft: Tensor,
+                   reg_weight: float, seed: int, limit: int = 4096) -> float | None:
+    """The training objective on up to ``limit`` of ``corpus``'s windows (a seeded choice)."""
+    idx = corpus.windows(unroll)
+    if idx.numel() == 0:
+        return None
+    if idx.numel() > limit:
+        g = torch.Generator().manual_seed(seed)
+        idx = idx[torch.randperm(idx.numel(), generator=g)[:limit].to(idx.device)]
+    with _autocast(idx.device):
+        ce, reg, _ = _unrolled(head, parts, readout, corpus, idx, unroll, to_draft)
+    return float(ce + reg_weight * reg)
