@@ -280,8 +280,8 @@ class SpecRunner:
             uid, r = self.waiting[0]
             slot = self._free_slots[0]
             self.model.free_seq(slot)
-            owed = sum(blocks_for(self.model, len(s.prompt), s.max_new) - sum(b is not None for b in pool.blocks(s.slot))
-                       for ln in self.lanes for s in ln.seqs)
+            owed = sum(blocks_for(self.model, len(s.prompt), s.max_new)
+                       - sum(b is not None for b in pool.blocks(s.slot)) for ln in self.lanes for s in ln.seqs)
             if owed + blocks_for(self.model, len(r.prompt), r.max_new) > pool.free_blocks:
                 return
             self.waiting.popleft()
