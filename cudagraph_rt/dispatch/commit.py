@@ -1,6 +1,7 @@
 """The round's commit on the device: what the verify accepted, cut at a stop token, into
-the ring and the loop's state. One per captured width (it reads that width's static
-outputs); static shapes, no host read, as the plan."""
+the ring and the loop's state. It reads the widest width's rows (the round's width's
+outputs copied there, the rows past it the plan's padding); static shapes, no host read,
+as the plan."""
 from __future__ import annotations
 
 import torch

@@ -79,7 +79,8 @@ def _check_parts(model, drafter, on_tokens, round_ops) -> None:
     if not isinstance(drafter, LoopDrafter) or not drafter.fits(model):
         raise InputError(expected("drafter", "a LoopDrafter built for this model (drafts drawn on the device: "
                                              "CoinRounds, PlanRounds)", type(drafter).__name__))
-    if round_ops is not None and not isinstance(round_ops, RoundOps):
+    if round_ops is not None and not (isinstance(round_ops, RoundOps) and callable(round_ops.plan)
+                                      and callable(round_ops.commit)):
         raise InputError(expected("round_ops", "a RoundOps (EAGER_ROUNDS, compiled_rounds()) or None",
                                   type(round_ops).__name__))
 
@@ -299,7 +300,7 @@ class DeviceLoop:
                               for name, c in cols.items()}).outputs
         spans.end(t)
         last = torch.tensor(list(_ends(len(q.prompt) for q in seqs)), device=self.model.device)
-        first, rows = out["tokens"][last].tolist(), out["hidden"][last].cpu()
+        first, rows = out["tokens"][last].tolist(), out["hidden"][last].cpu() if self.record_rows else None
         dev = spans.seconds()
         self.prefill_device_seconds = None if dev is None else (self.prefill_device_seconds or 0.0) + dev
         st = self.state
@@ -309,7 +310,7 @@ class DeviceLoop:
             if self.on_tokens is not None:
                 self.on_tokens(q.uid, [t])
             if self.record_rows:
-                q.rows.append(rows[i:i + 1])
+                q.rows.append(rows[i:i + 1].clone())  # its own storage: a row keeps no other alive
             live = q.max_new > 1
             s = q.slot
             for name, v in _settings(q.sampling).items():
@@ -363,7 +364,7 @@ class DeviceLoop:
         head = int(ring.head)
         counts = ring.counts[:head].tolist()
         tokens, slots = ring.tokens.tolist(), ring.slots.tolist()
-        hidden = ring.hidden[:head * W].to("cpu", copy=True) if self.record_rows else None  # one copy, not per row
+        hidden = ring.hidden[:head * W].cpu() if self.record_rows else None  # one device read, not one per row
         total = 0
         for e, c in enumerate(counts):
             per: dict[int, int] = {}
@@ -372,7 +373,7 @@ class DeviceLoop:
                 q.tokens.append(tokens[r])
                 per[q.slot] = per.get(q.slot, 0) + 1
                 if self.record_rows:
-                    q.rows.append(hidden[r:r + 1])
+                    q.rows.append(hidden[r:r + 1].clone())  # on the host: a copy, no device read
             for s, n in per.items():
                 self.sequences[s].accepts.append(n)
             total += c

@@ -2,8 +2,8 @@
 
 :class:`RoundBody` is what the WHILE node's body holds: ``plan()`` (the round's drafts and
 :func:`~.planner.plan_round`), the SWITCH's value (``rows.width_index``) and the WHILE's
-(``rows.go``), and ``branch(i)``: width ``i``'s graph, then :func:`~.commit.commit_round`
-over that width's static outputs. :class:`HostRounds` runs those semantics with the host
+(``rows.go``), and ``step(i)`` / ``commit(i)``: width ``i``'s graph, then
+:func:`~.commit.commit_round` over its outputs (copied into the widest width's rows). :class:`HostRounds` runs those semantics with the host
 reading the two values between the pieces: under ``graphs="emulate"`` the graph path on a
 CPU, and on a GPU without conditional nodes the host-driven fallback (one read per round).
 :mod:`.conditional` puts the very same pieces into one CUDA graph.
@@ -11,6 +11,8 @@ CPU, and on a GPU without conditional nodes the host-driven fallback (one read p
 from __future__ import annotations
 
 import functools
+import logging
+import types
 from dataclasses import dataclass
 from typing import Callable
 
@@ -20,6 +22,14 @@ from ..errors import InputError, expected
 from .commit import commit_round
 from .planner import plan_round
 from .state import LoopRing, LoopShape, LoopState, RoundRows
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _compile_failures() -> tuple[type, ...]:
+    import torch._dynamo.exc as exc  # imported once compiled ops fail: dynamo is slow to import
+    return tuple(getattr(exc, n) for n in ("TorchDynamoException", "FailOnRecompileLimitHit") if hasattr(exc, n))
 
 
 def check_drafts(drafter, drafts, want: torch.Tensor) -> None:
@@ -60,12 +70,21 @@ class RoundOps:
 EAGER_ROUNDS = RoundOps("eager", _plan, commit_round)
 
 
-@functools.cache
+def _own_code(fn: Callable) -> Callable:
+    """``fn`` with a code object of its own: torch.compile keeps its compiled graphs (and
+    counts recompiles against its limit) per code object, so each loop's stay its own."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
 def compiled_rounds() -> RoundOps:
-    """The plan and commit compiled (fullgraph, static shapes; compiled at their first
-    call, which the loop makes before any capture)."""
+    """The plan and commit compiled (fullgraph, static shapes), new for each call: one
+    loop's shapes and drafter do not count against another's recompiles. They compile at
+    their first call, which the loop makes before any capture; inductor's cache makes a
+    second loop of the same shapes quick. Where compiling fails (a drafter torch.compile
+    cannot trace, a drafter whose Python attributes change between rounds), the loop's
+    :class:`RoundBody` runs its rounds eagerly from then on and logs why."""
     fuse = functools.partial(torch.compile, fullgraph=True, dynamic=False)
-    return RoundOps("compiled", fuse(_plan_fused), fuse(commit_round))
+    return RoundOps("compiled", fuse(_own_code(_plan_fused)), fuse(_own_code(commit_round)))
 
 
 class RoundBody:
@@ -98,8 +117,8 @@ class RoundBody:
         self.arena = self.rt.static_inputs(self.shape.rows)
 
     def plan(self) -> None:
-        self.ops.plan(self.drafter, self.state, self.rows, self.arena, self.block_table, self.ring, self.shape,
-                      self.widths)
+        args = (self.drafter, self.state, self.rows, self.arena, self.block_table, self.ring, self.shape, self.widths)
+        self._run(lambda ops: ops.plan(*args))
 
     def step(self, i: int) -> None:
         """Width ``i``'s graph (the SWITCH's branch ``i``, first half)."""
@@ -111,8 +130,23 @@ class RoundBody:
         out, n = self.outputs[i], self.shape.widths[i]
         for name, buf in self.staged.items():
             buf[:n].copy_(out[name])
-        self.ops.commit(self.state, self.rows, self.staged, self.ring, self.shape)
+        self._run(lambda ops: ops.commit(self.state, self.rows, self.staged, self.ring, self.shape))
         self.ring.mirror.publish(self.ring)
+
+    def _run(self, call: Callable[[RoundOps], None]) -> None:
+        """``call(self.ops)``; where compiled ops fail to compile (before any of their
+        kernels ran), the eager ops from then on, with a log message."""
+        if self.ops is EAGER_ROUNDS:
+            return call(self.ops)
+        try:
+            return call(self.ops)
+        except Exception as e:
+            if not isinstance(e, _compile_failures()):  # tracing, guards or inductor: none of its kernels ran
+                raise
+            log.warning("device loop: the rounds' %s ops failed to compile (%s: %s); they run eagerly from now on",
+                        self.ops.name, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            self.ops = EAGER_ROUNDS
+            return call(self.ops)
 
 
 def outline(widths, *, setter: bool) -> list[str]:

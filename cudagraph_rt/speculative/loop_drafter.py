@@ -5,7 +5,10 @@ A loop drafter is a :class:`LoopDrafter`: ``drafter(state, k) -> [slots, k] int6
 of static shape, the drafts continuing each slot's sequence, the first at position
 ``n_tok`` (slots not live draft anything; their rows are never laid out), and
 ``admit(slot, uid, prompt)``, which the loop calls on the host, between launches, when a
-sequence takes a slot.
+sequence takes a slot. Its drafts must follow from the state's tensors (and tensors of its
+own that ``admit`` writes in place): with CUDA graphs the round's plan is captured once,
+and compiled, so Python values it reads are taken as they were then (one that changes
+between rounds sends the loop's compiled rounds back to eager ones, with a log message).
 
 Both drafters here are coins (test doubles, as ``ToyDrafter`` and ``ReferenceDrafter``):
 right with a chosen probability per draft by the coin of ``(seed, uid, position)``.

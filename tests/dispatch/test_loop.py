@@ -309,3 +309,56 @@ def test_round_ops_must_be_a_round_ops_object():
     MODEL.reset_cache()
     with pytest.raises(InputError, match="^round_ops: expected"):
         DeviceLoop(MODEL, CoinRounds(MODEL, 0.5, 1), k=2, round_ops="compiled")
+    from cudagraph_rt.dispatch.rounds import RoundOps
+    with pytest.raises(InputError, match="^round_ops: expected"):
+        DeviceLoop(MODEL, CoinRounds(MODEL, 0.5, 1), k=2, round_ops=RoundOps("x", None, None))
+
+
+class _Restless(LoopDrafter):
+    """The coin, with a Python attribute that changes at each call (torch.compile guards on
+    it, so each round of compiled ops would compile again)."""
+
+    def __init__(self, p, seed):
+        self.inner, self.calls = CoinRounds(MODEL, p, seed), 0
+
+    def fits(self, model):
+        return self.inner.fits(model)
+
+    def __call__(self, state, k):
+        self.calls += 1
+        return self.inner(state, k) + 0 * self.calls
+
+
+def test_each_loop_compiles_its_own_rounds_and_falls_back_to_eager_where_compiling_fails(caplog):
+    """Loops do not share torch.compile's recompile budget (two loops of different coins
+    each run compiled under a limit of one graph), and compiled ops that cannot compile
+    any more (a drafter whose Python state changes every round) leave the loop eager, with
+    a log message, and the same tokens."""
+    from cudagraph_rt.dispatch.rounds import compiled_rounds
+
+    rng = seeded_rng("CGRT_LOOP_SEED")
+    reqs = _requests(rng, 3)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for seed in rng.sample(range(2**31), 2):
+            want, _ = _host(reqs, 2, 0.6, seed)
+            loop = _loop(2, 0.6, seed, rounds=4, round_ops=compiled_rounds())
+            loop.submit(reqs)
+            loop.run()
+            assert loop.body.ops.name == "compiled"
+            assert {q.uid: q.tokens for q in loop.finished} == {u: s.tokens for u, s in want.items()}
+        want, _ = _host(reqs, 2, 0.6, 5)
+        caplog.set_level("WARNING", logger="cudagraph_rt.dispatch.rounds")
+        loop = _loop(2, 0.6, 5, rounds=4, drafter=_Restless(0.6, 5), round_ops=compiled_rounds())
+        loop.submit(reqs)
+        loop.run()
+    assert loop.body.ops.name == "eager" and "run eagerly from now on" in caplog.text
+    assert {q.uid: q.tokens for q in loop.finished} == {u: s.tokens for u, s in want.items()}
+
+
+def test_kept_rows_hold_no_other_rows_storage():
+    rng = seeded_rng("CGRT_LOOP_SEED")
+    loop = _loop(3, 0.7, 1, rounds=5)
+    loop.submit(_requests(rng, 3))
+    loop.run()
+    rows = [r for q in loop.finished for r in q.rows]
+    assert rows and all(r.untyped_storage().nbytes() == r.numel() * r.element_size() for r in rows)

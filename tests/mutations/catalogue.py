@@ -670,8 +670,8 @@ CATALOGUE: tuple[Mutation, ...] = (
       "pairs = []",
       "an event node taken out with its edges: the feed's copy no longer precedes the arena's update", DISPATCH),
     M(127, "device dispatch loop", "cudagraph_rt/dispatch/loop.py",
-      'hidden = ring.hidden[:head * W].to("cpu", copy=True) if self.record_rows else None  # one copy, not per row',
-      "hidden = ring.hidden[:head * W].cpu() if self.record_rows else None  # one copy, not per row",
+      "q.rows.append(hidden[r:r + 1].clone())  # on the host: a copy, no device read",
+      "q.rows.append(hidden[r:r + 1])  # on the host: a copy, no device read",
       "the rows handed over alias the ring where it already lives on the host: the next launch overwrites them",
       DISPATCH),
     M(128, "device dispatch commit", "cudagraph_rt/dispatch/commit.py",
@@ -679,4 +679,9 @@ CATALOGUE: tuple[Mutation, ...] = (
       'tokens, committed = out["tokens"], out["committed"]',
       "rows past the round's width commit: the staged buffer's stale rows of a wider round land in the ring",
       DISPATCH),
+    M(129, "device dispatch rounds", "cudagraph_rt/dispatch/rounds.py",
+      'return RoundOps("compiled", fuse(_own_code(_plan_fused)), fuse(_own_code(commit_round)))',
+      'return RoundOps("compiled", fuse(_plan_fused), fuse(commit_round))',
+      "every loop's compiled rounds share one code object: their recompiles add up, and past torch.compile's "
+      "limit a new loop's rounds stop compiling", DISPATCH),
 )

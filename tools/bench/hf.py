@@ -262,7 +262,7 @@ def sec_sampling(ctx) -> dict:
 def sec_dispatch(ctx) -> dict:
     from .dispatch import run_section
     return run_section(ctx.model, graphs=ctx.graphs, seed=ctx.seed, sequences=(1, 2) if not ctx.graphs else (1, 4),
-                       requests=ctx.spec_sequences, new=ctx.new)
+                       requests=ctx.spec_sequences, new=ctx.new, near_ties=True)
 
 
 def sec_pieces(ctx) -> dict:
