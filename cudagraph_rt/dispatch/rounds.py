@@ -3,10 +3,11 @@
 :class:`RoundBody` is what the WHILE node's body holds: ``plan()`` (the round's drafts and
 :func:`~.planner.plan_round`), the SWITCH's value (``rows.width_index``) and the WHILE's
 (``rows.go``), and ``step(i)`` / ``commit(i)``: width ``i``'s graph, then
-:func:`~.commit.commit_round` over its outputs (copied into the widest width's rows). :class:`HostRounds` runs those semantics with the host
-reading the two values between the pieces: under ``graphs="emulate"`` the graph path on a
-CPU, and on a GPU without conditional nodes the host-driven fallback (one read per round).
-:mod:`.conditional` puts the very same pieces into one CUDA graph.
+:func:`~.commit.commit_round` over its outputs (copied into the widest width's rows).
+:class:`HostRounds` runs those semantics with the host reading the two values between the
+pieces: under ``graphs="emulate"`` the graph path on a CPU, and on a GPU without conditional
+nodes the host-driven fallback (one read per round). :mod:`.conditional` puts the very same
+pieces into one CUDA graph.
 """
 from __future__ import annotations
 

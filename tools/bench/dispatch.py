@@ -103,8 +103,10 @@ def table(sec: dict):
     t = Table(title=f"dispatch: k={sec['k']}, drafter {sec['drafter']}; tokens/s (mean accepted of k)",
               caption="device: the rounds in one launch per 64 (conditional nodes) or, where CUDA lacks them, "
                       "host-driven (rounds ran); host rounds: the same loop driven round by round; host runner: "
-                      "SpecRunner; equal: the loop's tokens and its host-driven twin's (runner: near ties: the "
-                      "runner's differ where a bf16 near-tie rounded another way, its tie-aware check passing)", caption_justify="left")
+                      "SpecRunner; equal: the loop's tokens, its host-driven twin's and SpecRunner's (runner: "
+                      "near ties: SpecRunner's differ where a bf16 near-tie rounded another way, its tie-aware "
+                      "check passing)",
+              caption_justify="left")
     for h in ("seqs", "device", "host rounds", "host runner", "x rounds", "x runner", "busy", "launches/64",
               "rounds ran", "equal"):
         t.add_column(h, justify="right")
