@@ -85,6 +85,16 @@ def _check_parts(model, drafter, on_tokens, round_ops) -> None:
                                   type(round_ops).__name__))
 
 
+def _entry_rows(counts: list[int], slots: list[int], W: int, first: int = 0):
+    """Each ring entry from ``first`` on (entry ``e`` holds rows ``e * W`` onwards, ``counts[e]``
+    of them) as ``{slot: its row indices}``, slots in order of their first row."""
+    for e in range(first, len(counts)):
+        per: dict[int, list[int]] = {}
+        for r in range(e * W, e * W + counts[e]):
+            per.setdefault(slots[r], []).append(r)
+        yield per
+
+
 def _loop_widths(widths, rows: int) -> tuple[int, ...]:
     ws = default_widths(1 << max(0, rows - 1).bit_length()) if widths is None else check_widths(widths)
     if ws[-1] < rows:
@@ -350,12 +360,9 @@ class DeviceLoop:
         if head <= self._streamed:
             return
         counts, tokens, slots = m.counts[:head].tolist(), m.tokens.tolist(), m.slots.tolist()
-        for e in range(self._streamed, head):
-            per: dict[int, list[int]] = {}
-            for r in range(e * W, e * W + counts[e]):
-                per.setdefault(slots[r], []).append(tokens[r])
-            for s, toks in per.items():
-                self.on_tokens(self.sequences[s].uid, toks)
+        for per in _entry_rows(counts, slots, W, self._streamed):
+            for s, rs in per.items():
+                self.on_tokens(self.sequences[s].uid, [tokens[r] for r in rs])
         self._streamed = head
 
     def _drain(self) -> LaunchReport:
@@ -365,18 +372,14 @@ class DeviceLoop:
         counts = ring.counts[:head].tolist()
         tokens, slots = ring.tokens.tolist(), ring.slots.tolist()
         hidden = ring.hidden[:head * W].cpu() if self.record_rows else None  # one device read, not one per row
-        total = 0
-        for e, c in enumerate(counts):
-            per: dict[int, int] = {}
-            for r in range(e * W, e * W + c):
-                q = self.sequences[slots[r]]
-                q.tokens.append(tokens[r])
-                per[q.slot] = per.get(q.slot, 0) + 1
+        for per in _entry_rows(counts, slots, W):
+            for s, rs in per.items():
+                q = self.sequences[s]
+                q.tokens.extend(tokens[r] for r in rs)
+                q.accepts.append(len(rs))
                 if self.record_rows:
-                    q.rows.append(hidden[r:r + 1].clone())  # on the host: a copy, no device read
-            for s, n in per.items():
-                self.sequences[s].accepts.append(n)
-            total += c
+                    q.rows.extend(hidden[r:r + 1].clone() for r in rs)  # on the host: a copy, no device read
+        total = sum(counts)
         n_tok = self.state.n_tok.tolist()
         for s, q in self.sequences.items():
             if len(q.tokens) != n_tok[s]:
