@@ -13,6 +13,7 @@ from cudagraph_rt.graphs import Graphs
 from cudagraph_rt.models import ToyConfig, ToyDecoder
 from cudagraph_rt.speculative.loop_drafter import CoinRounds, LoopDrafter, PlanRounds
 from cudagraph_rt.speculative.runner import Request
+from tests.support.refusals import refused_with_pool_untouched
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -70,11 +71,8 @@ def test_a_failing_drafter_stops_the_loop_with_the_committed_tokens_intact(bad, 
     (dict(depth=10**9), "depth"), (dict(slots=4), "slots"),
 ])
 def test_bad_arguments_are_refused_before_the_pool_is_touched(kw, named):
-    MODEL.reset_cache()
-    before = MODEL.pool.free_blocks
-    with pytest.raises(InputError, match=rf"^{named}: expected"):
-        DeviceLoop(MODEL, CoinRounds(MODEL, 0.5, 0), **kw)
-    assert MODEL.pool.free_blocks == before
+    refused_with_pool_untouched(MODEL, rf"^{named}: expected",
+                                lambda: DeviceLoop(MODEL, CoinRounds(MODEL, 0.5, 0), **kw))
 
 
 def test_a_tensor_of_stop_tokens_is_taken():

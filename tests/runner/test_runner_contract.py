@@ -20,6 +20,7 @@ from cudagraph_rt.speculative.drafting import CommittedRows, DraftRule, controll
 from cudagraph_rt.models import ToyConfig, ToyDecoder
 from cudagraph_rt.speculative.runner import ReferenceDrafter, Request, SpecRunner, ToyDrafter
 from cudagraph_rt.tools.demo import serve as demo
+from tests.support.refusals import refused_with_pool_untouched
 
 MODEL = ToyDecoder(ToyConfig.tiny(max_len=48, max_seqs=6), "cpu")
 
@@ -390,11 +391,8 @@ def test_bad_runner_arguments_are_refused_naming_them_before_any_block_is_taken(
     """SpecRunner(k=True) was taken as k=1 by the checks and failed raw in run() ('an integer
     is required') after the sequence took a KV block; lanes=1.0 and chunk=2.5 failed raw in
     the constructor (TypeError from range / torch.empty)."""
-    MODEL.reset_cache()
-    free = MODEL.pool.free_blocks
-    with pytest.raises(InputError, match=rf"^{name}\b.*: expected"):
-        SpecRunner(MODEL, ToyDrafter(MODEL, 0.5, 0), **kw)
-    assert MODEL.pool.free_blocks == free
+    refused_with_pool_untouched(MODEL, rf"^{name}\b.*: expected",
+                                lambda: SpecRunner(MODEL, ToyDrafter(MODEL, 0.5, 0), **kw))
 
 
 def test_numpy_integers_are_taken_as_ints_by_the_runner():
