@@ -25,7 +25,7 @@ from ..speculative.intake import blocks_for, check_request
 from ..speculative.loop_drafter import LoopDrafter
 from ..widths import check_widths, default_dynamic_limit, default_widths
 from .rounds import EAGER_ROUNDS, EventSpans, HostRounds, RoundBody, RoundOps, compiled_rounds
-from .state import SAMPLING, Finish, LoopRing, LoopShape, LoopState, RingMirror, RoundRows, Stop
+from .state import SAMPLING, Finish, LoopReadback, LoopRing, LoopShape, LoopState, RingMirror, RoundRows, Stop
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +52,29 @@ class LoopSequence:
     prompt: tuple[int, ...]
     max_new: int
     tokens: list[int]
-    rows: list[torch.Tensor] = field(default_factory=list)
     accepts: list[int] = field(default_factory=list)
     finish: Finish = Finish.NOT
     sampling: SamplingParams = SamplingParams()
+    _blocks: list[torch.Tensor] = field(default_factory=list, repr=False)  # [n, hidden] per read, not split yet
+    _rows: list[torch.Tensor] = field(default_factory=list, repr=False)
 
     @property
     def generated(self) -> list[int]:
         return self.tokens[len(self.prompt):]
+
+    @property
+    def rows(self) -> list[torch.Tensor]:
+        """Its committed hidden rows when recorded, in order: each ``[1, hidden]`` on the
+        host with storage of its own (split off the launches' copies at the first access
+        after them, not while the loop serves)."""
+        if self._blocks:
+            self._rows.extend(r.clone() for b in self._blocks for r in b.split(1))
+            self._blocks.clear()
+        return self._rows
+
+    def add_rows(self, block: torch.Tensor) -> None:
+        """Append committed rows ``[n, hidden]`` (a host tensor of its own, not a view)."""
+        self._blocks.append(block)
 
 
 @dataclass(frozen=True)
@@ -159,10 +174,13 @@ class DeviceLoop:
         self.state = LoopState(S, stops, model.device)
         self.rows = RoundRows(self.shape, model.device)
         self.ring = LoopRing(self.shape, model.hidden_width, model.config.dtype, model.device)
+        self.readback = LoopReadback(self.ring, self.state, model.device)
+        self._stop_tokens = frozenset(stops)
         self.on_tokens = on_tokens
         if on_tokens is not None:
             self.ring.mirror = RingMirror(self.ring, model.device)
         self._streamed = 0  # mirror entries of this launch already handed to on_tokens
+        self._got: dict[str, list[int]] = {}  # what the last drain read back
         self.rt.capture()
         if round_ops is None:
             round_ops = compiled_rounds() if graphs is True else EAGER_ROUNDS
@@ -311,6 +329,7 @@ class DeviceLoop:
         spans.end(t)
         last = torch.tensor(list(_ends(len(q.prompt) for q in seqs)), device=self.model.device)
         first, rows = out["tokens"][last].tolist(), out["hidden"][last].cpu() if self.record_rows else None
+        finish = {}
         dev = spans.seconds()
         self.prefill_device_seconds = None if dev is None else (self.prefill_device_seconds or 0.0) + dev
         st = self.state
@@ -320,17 +339,15 @@ class DeviceLoop:
             if self.on_tokens is not None:
                 self.on_tokens(q.uid, [t])
             if self.record_rows:
-                q.rows.append(rows[i:i + 1].clone())  # its own storage: a row keeps no other alive
-            live = q.max_new > 1
+                q.add_rows(rows[i:i + 1].clone())  # its own storage: a row keeps no other alive
             s = q.slot
+            done = Finish.STOP_TOKEN if t in self._stop_tokens else Finish.MAX_TOKENS if q.max_new <= 1 else Finish.NOT
             for name, v in _settings(q.sampling).items():
                 st.settings[name][s] = v
-            st.live[s], st.uid[s], st.n_tok[s], st.remaining[s] = live, q.uid, len(q.tokens), q.max_new - 1
-            st.prev[s], st.cur[s], st.reserved[s], st.finish[s] = q.tokens[-2], t, len(q.prompt), 0
-            if t in st.stop_tokens.tolist() or not live:
-                st.live[s] = False
-                st.finish[s] = Finish.STOP_TOKEN if t in st.stop_tokens.tolist() else Finish.MAX_TOKENS
-        self._retire()
+            st.live[s], st.uid[s], st.n_tok[s], st.remaining[s] = done == Finish.NOT, q.uid, len(q.tokens), q.max_new - 1
+            st.prev[s], st.cur[s], st.reserved[s], st.finish[s] = q.tokens[-2], t, len(q.prompt), done
+            finish[s] = done
+        self._retire(finish)
 
     def _reserve(self) -> None:
         """KV blocks for every live sequence's next ``rounds`` rounds (at least its next
@@ -367,29 +384,32 @@ class DeviceLoop:
 
     def _drain(self) -> LaunchReport:
         """The ring's entries of this launch, appended to their sequences (round order)."""
-        ring, W = self.ring, self.shape.rows
-        head = int(ring.head)
-        counts = ring.counts[:head].tolist()
-        tokens, slots = ring.tokens.tolist(), ring.slots.tolist()
-        hidden = ring.hidden[:head * W].cpu() if self.record_rows else None  # one device read, not one per row
+        W = self.shape.rows
+        got = self._got = self.readback.fetch()
+        head = got["head"][0]
+        counts, tokens, slots = got["counts"][:head], got["tokens"], got["slots"]
+        kept: dict[int, list[int]] = {}
         for per in _entry_rows(counts, slots, W):
             for s, rs in per.items():
                 q = self.sequences[s]
                 q.tokens.extend(tokens[r] for r in rs)
                 q.accepts.append(len(rs))
-                if self.record_rows:
-                    q.rows.extend(hidden[r:r + 1].clone() for r in rs)  # on the host: a copy, no device read
-        total = sum(counts)
-        n_tok = self.state.n_tok.tolist()
+                kept.setdefault(s, []).extend(rs)
+        if self.record_rows and kept:
+            hidden = self.readback.hidden(head * W)  # one device read for every row
+            for s, rs in kept.items():
+                self.sequences[s].add_rows(hidden[torch.tensor(rs)])  # a copy: no view of the reused buffer
+        total, n_tok = sum(counts), got["n_tok"]
         for s, q in self.sequences.items():
             if len(q.tokens) != n_tok[s]:
                 raise RuntimeError(f"device loop: sequence {q.uid} has {len(q.tokens)} tokens on the host, "
                                    f"{n_tok[s]} on the device")
-        return LaunchReport(int(self.state.round), total, Stop(int(self.state.status)))
+        return LaunchReport(got["round"][0], total, Stop(got["status"][0]))
 
-    def _retire(self) -> None:
-        finish = self.state.finish.tolist()
-        for s in [s for s, q in self.sequences.items() if finish[s] != Finish.NOT]:
+    def _retire(self, finish: dict[int, int] | None = None) -> None:
+        """The sequences whose ``finish`` (by slot; default: what the last drain read) is set leave."""
+        finish = dict(enumerate(self._got["finish"])) if finish is None else finish
+        for s in [s for s in self.sequences if finish.get(s, Finish.NOT) != Finish.NOT]:
             q = self.sequences.pop(s)
             q.finish = Finish(finish[s])
             self.state.live[s] = False

@@ -161,3 +161,40 @@ class RingMirror:
 
     def reset(self) -> None:
         self.head.zero_()
+
+
+class LoopReadback:
+    """Host copies (pinned on CUDA) of what the host reads after a launch: the ring's head,
+    counts, tokens and slots and the state's ``n_tok``, ``round``, ``status`` and ``finish``,
+    copied together and waited for once (:meth:`fetch`); the hidden rows of the entries
+    read, in a second copy (:meth:`hidden`). What either returns is valid until the next
+    call (the buffers are reused)."""
+
+    def __init__(self, ring: LoopRing, state: LoopState, device: torch.device):
+        pin = device.type == "cuda"
+        host = lambda t: torch.zeros(t.shape, dtype=t.dtype, pin_memory=pin)  # noqa: E731
+        self._device = device
+        self._ring = ring
+        names = ("head", "counts", "tokens", "slots")
+        self._pairs = {**{n: getattr(ring, n) for n in names},
+                       **{n: getattr(state, n) for n in ("n_tok", "round", "status", "finish")}}
+        self._host = {n: host(t) for n, t in self._pairs.items()}
+        self._hidden = host(ring.hidden)
+
+    def _wait(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.current_stream(self._device).synchronize()
+
+    def fetch(self) -> dict[str, list[int]]:
+        """Every small value as a list of ints (``head``, ``round``, ``status``: one item)."""
+        for name, t in self._pairs.items():
+            self._host[name].copy_(t, non_blocking=True)
+        self._wait()
+        return {name: t.tolist() for name, t in self._host.items()}
+
+    def hidden(self, n: int) -> torch.Tensor:
+        """The ring's first ``n`` hidden rows on the host (a view of the reused buffer)."""
+        self._hidden[:n].copy_(self._ring.hidden[:n], non_blocking=True)
+        self._wait()
+        return self._hidden[:n]
+
