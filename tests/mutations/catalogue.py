@@ -571,7 +571,7 @@ CATALOGUE: tuple[Mutation, ...] = (
       "accept = valid & (u < p_d)",
       "the acceptance test written for one-hot drafts only: with a draft model's q, min(1, p/q) becomes "
       "p, and the emitted tokens follow a mixture of p and q", SAMPLING),
-    M(106, "sampling kernel", "kernels/sampling/triton_path.py",
+    M(106, "sampling kernel", "kernels/sampling/search_kernels.py",
       "ok = tl.where(phase == _SEARCH_K, cnt >= keff, mass >= target) | (j == 0)",
       "ok = tl.where(phase == _SEARCH_K, cnt > keff, mass >= target) | (j == 0)",
       "`>` for `>=` in the top-k search: the threshold lands one distinct value too high, k - 1 tokens kept",
@@ -670,9 +670,10 @@ CATALOGUE: tuple[Mutation, ...] = (
       "pairs = []",
       "an event node taken out with its edges: the feed's copy no longer precedes the arena's update", DISPATCH),
     M(127, "device dispatch loop", "cudagraph_rt/dispatch/loop.py",
-      "q.rows.extend(hidden[r:r + 1].clone() for r in rs)  # on the host: a copy, no device read",
-      "q.rows.extend(hidden[r:r + 1] for r in rs)  # on the host: a copy, no device read",
-      "the rows handed over alias the ring where it already lives on the host: the next launch overwrites them",
+      "self.sequences[s].add_rows(hidden[torch.tensor(rs)])  # a copy: no view of the reused buffer",
+      "self.sequences[s].add_rows(hidden[rs[0]:rs[0] + len(rs)])  # a copy: no view of the reused buffer",
+      "the rows handed over are a view of the reused readback buffer (and, with several slots, of other "
+      "sequences' rows): the next launch's read overwrites them",
       DISPATCH),
     M(128, "device dispatch commit", "cudagraph_rt/dispatch/commit.py",
       'tokens, committed = out["tokens"], out["committed"] & (slot < S)',
