@@ -73,7 +73,8 @@ class LoopSequence:
         return self._rows
 
     def add_rows(self, block: torch.Tensor) -> None:
-        """Append committed rows ``[n, hidden]`` (a host tensor of its own, not a view)."""
+        """Append committed rows ``[n, hidden]``: a host tensor (or a view of one) that
+        nothing writes again."""
         self._blocks.append(block)
 
 
@@ -328,7 +329,8 @@ class DeviceLoop:
                               for name, c in cols.items()}).outputs
         spans.end(t)
         last = torch.tensor(list(_ends(len(q.prompt) for q in seqs)), device=self.model.device)
-        first, rows = out["tokens"][last].tolist(), out["hidden"][last].cpu() if self.record_rows else None
+        first = out["tokens"][last].tolist()
+        rows = self.readback.to_host(out["hidden"][last]) if self.record_rows else None
         finish = {}
         dev = spans.seconds()
         self.prefill_device_seconds = None if dev is None else (self.prefill_device_seconds or 0.0) + dev
@@ -339,7 +341,7 @@ class DeviceLoop:
             if self.on_tokens is not None:
                 self.on_tokens(q.uid, [t])
             if self.record_rows:
-                q.add_rows(rows[i:i + 1].clone())  # its own storage: a row keeps no other alive
+                q.add_rows(rows[i:i + 1])
             s = q.slot
             done = Finish.STOP_TOKEN if t in self._stop_tokens else Finish.MAX_TOKENS if q.max_new <= 1 else Finish.NOT
             for name, v in _settings(q.sampling).items():
@@ -396,9 +398,10 @@ class DeviceLoop:
                 q.accepts.append(len(rs))
                 kept.setdefault(s, []).extend(rs)
         if self.record_rows and kept:
-            hidden = self.readback.hidden(head * W)  # one device read for every row
-            for s, rs in kept.items():
-                self.sequences[s].add_rows(hidden[torch.tensor(rs)])  # a copy: no view of the reused buffer
+            order = [r for rs in kept.values() for r in rs]  # grouped by sequence
+            block = self.readback.rows(order)
+            for s, part in zip(kept, block.split([len(rs) for rs in kept.values()])):
+                self.sequences[s].add_rows(part)
         total, n_tok = sum(counts), got["n_tok"]
         for s, q in self.sequences.items():
             if len(q.tokens) != n_tok[s]:

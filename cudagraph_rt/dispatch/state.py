@@ -164,22 +164,19 @@ class RingMirror:
 
 
 class LoopReadback:
-    """Host copies (pinned on CUDA) of what the host reads after a launch: the ring's head,
-    counts, tokens and slots and the state's ``n_tok``, ``round``, ``status`` and ``finish``,
-    copied together and waited for once (:meth:`fetch`); the hidden rows of the entries
-    read, in a second copy (:meth:`hidden`). What either returns is valid until the next
-    call (the buffers are reused)."""
+    """What the host reads after a launch: the ring's head, counts, tokens and slots and the
+    state's ``n_tok``, ``round``, ``status`` and ``finish``, copied together into host
+    buffers (pinned on CUDA) and waited for once (:meth:`fetch`: valid until the next
+    fetch); the hidden rows the host keeps, gathered on the device and copied once
+    (:meth:`rows`: a fresh host tensor of the caller's)."""
 
     def __init__(self, ring: LoopRing, state: LoopState, device: torch.device):
-        pin = device.type == "cuda"
-        host = lambda t: torch.zeros(t.shape, dtype=t.dtype, pin_memory=pin)  # noqa: E731
-        self._device = device
-        self._ring = ring
-        names = ("head", "counts", "tokens", "slots")
-        self._pairs = {**{n: getattr(ring, n) for n in names},
+        self._pin = device.type == "cuda"
+        host = lambda t: torch.zeros(t.shape, dtype=t.dtype, pin_memory=self._pin)  # noqa: E731
+        self._device, self._ring = device, ring
+        self._pairs = {**{n: getattr(ring, n) for n in ("head", "counts", "tokens", "slots")},
                        **{n: getattr(state, n) for n in ("n_tok", "round", "status", "finish")}}
         self._host = {n: host(t) for n, t in self._pairs.items()}
-        self._hidden = host(ring.hidden)
 
     def _wait(self) -> None:
         if self._device.type == "cuda":
@@ -192,9 +189,14 @@ class LoopReadback:
         self._wait()
         return {name: t.tolist() for name, t in self._host.items()}
 
-    def hidden(self, n: int) -> torch.Tensor:
-        """The ring's first ``n`` hidden rows on the host (a view of the reused buffer)."""
-        self._hidden[:n].copy_(self._ring.hidden[:n], non_blocking=True)
-        self._wait()
-        return self._hidden[:n]
+    def rows(self, order: list[int]) -> torch.Tensor:
+        """The ring's hidden rows ``order`` (indices), in that order, on the host: one gather
+        on the device and one copy (no host-side indexing of a large tensor)."""
+        return self.to_host(self._ring.hidden.index_select(0, torch.tensor(order, device=self._device)))
 
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A fresh host copy of ``t`` (through pinned memory on CUDA: one copy, one wait)."""
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=self._pin)
+        out.copy_(t, non_blocking=True)
+        self._wait()
+        return out

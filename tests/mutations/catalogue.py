@@ -670,10 +670,10 @@ CATALOGUE: tuple[Mutation, ...] = (
       "pairs = []",
       "an event node taken out with its edges: the feed's copy no longer precedes the arena's update", DISPATCH),
     M(127, "device dispatch loop", "cudagraph_rt/dispatch/loop.py",
-      "self.sequences[s].add_rows(hidden[torch.tensor(rs)])  # a copy: no view of the reused buffer",
-      "self.sequences[s].add_rows(hidden[rs[0]:rs[0] + len(rs)])  # a copy: no view of the reused buffer",
-      "the rows handed over are a view of the reused readback buffer (and, with several slots, of other "
-      "sequences' rows): the next launch's read overwrites them",
+      "order = [r for rs in kept.values() for r in rs]  # grouped by sequence",
+      "order = sorted(r for rs in kept.values() for r in rs)  # grouped by sequence",
+      "the rows read back in ring order, not grouped by sequence: with several slots each sequence is "
+      "handed its batch-mates' hidden rows",
       DISPATCH),
     M(128, "device dispatch commit", "cudagraph_rt/dispatch/commit.py",
       'tokens, committed = out["tokens"], out["committed"] & (slot < S)',
