@@ -10,18 +10,18 @@ The modules, one idea each:
   and vocabulary index), the same bits in torch and Triton; :class:`Stream`.
 * ``api``: :func:`sample`, :func:`sample_with_probs`, :func:`verify`, dispatched by device.
 * ``torch_path``: the contract in torch ops (the CPU path, the kernels' oracle).
-* ``triton_path``, ``search_kernels`` (the threshold search: passes, or one grid launch) and
-  ``launch``: the sorting-free kernels, their plan and workspace.
+* ``triton_path``, ``search_kernels`` (the threshold search) and ``launch``: the
+  sorting-free kernels, their plan and workspace.
 * ``reference``: sort-based sampling as torch users and vLLM write it (the tests'
   distribution oracle, the benchmark's baseline).
 * ``bench``: ``python -m cudagraph_rt.kernels.sampling.bench`` (``--smoke`` on a CPU).
 """
 from cudagraph_rt.kernels.sampling.api import sample, sample_with_probs, uses_kernel, verify
-from cudagraph_rt.kernels.sampling.launch import SamplingPlan, SamplingWorkspace, SearchLaunch, plan_sampling
+from cudagraph_rt.kernels.sampling.launch import SamplingPlan, SamplingWorkspace, plan_sampling
 from cudagraph_rt.kernels.sampling.philox import Stream
 from cudagraph_rt.kernels.sampling.settings import (MIN_TEMPERATURE, SamplingSettings, check_sampling_args,
                                                     check_setting_values)
 
-__all__ = ["MIN_TEMPERATURE", "SamplingPlan", "SamplingSettings", "SamplingWorkspace", "SearchLaunch", "Stream",
+__all__ = ["MIN_TEMPERATURE", "SamplingPlan", "SamplingSettings", "SamplingWorkspace", "Stream",
            "check_sampling_args", "check_setting_values", "plan_sampling", "sample",
            "sample_with_probs", "uses_kernel", "verify"]

@@ -65,8 +65,6 @@ def _parse(argv) -> argparse.Namespace:
     p.add_argument("--passes", type=int, default=None, help="override the plan's search passes")
     p.add_argument("--candidates", type=int, default=None, help="override the plan's candidates per pass")
     p.add_argument("--chunk", type=int, default=None, help="override the plan's vocabulary entries per program")
-    p.add_argument("--search", choices=("passes", "grid"), default=None,
-                   help="override how the plan's threshold search launches")
     p.add_argument("--sweep", action="store_true",
                    help="time top_p=0.9 under each plan of SWEEP (chunk x candidates x passes) at each row count, "
                         "fastest first, tokens checked against the torch path")
@@ -86,7 +84,7 @@ def _settings(rows: int, case: str, device):
 def _plan(args, rows: int, vocab: int, device):
     from dataclasses import replace
 
-    from cudagraph_rt.kernels.sampling.launch import _TILE_ELEMS, SearchLaunch, plan_sampling
+    from cudagraph_rt.kernels.sampling.launch import _TILE_ELEMS, plan_sampling
     plan = plan_sampling(rows, vocab, device)
     if args.passes is not None:
         plan = replace(plan, search_passes=args.passes)
@@ -94,31 +92,21 @@ def _plan(args, rows: int, vocab: int, device):
         plan = replace(plan, candidates=args.candidates, search_block=min(plan.block, _TILE_ELEMS // args.candidates))
     if args.chunk is not None:
         plan = replace(plan, chunk=args.chunk)
-    if args.search is not None:
-        plan = replace(plan, search=SearchLaunch(args.search))
     return plan
 
 
 # The plans --sweep times: the default plan spreads a row over ~2 programs per SM, which at
 # one row of 128k logits makes each program read one tile and each reducer walk ~128
 # partials; fewer, longer chunks trade read parallelism for shorter reductions.
-# The grid search runs every step in one launch over at most one program per multiprocessor.
-SWEEP = ([dict(chunk=c, candidates=k, passes=p, search="passes") for c in (1024, 4096, 16384) for k in (16, 64)
-          for p in (2, 3)]
-         + [dict(chunk=c, candidates=k, search="grid") for c in (1024, 2048, 4096) for k in (16, 32, 64)])
+SWEEP = [dict(chunk=c, candidates=k, passes=p) for c in (1024, 4096, 16384) for k in (16, 64) for p in (2, 3)]
 
 
 def _sweep(args, dtype: str, rows: int, flush) -> list[tuple[dict, Row]]:
-    """(plan overrides, its row) for each plan of SWEEP the launcher takes at this row
-    count (a grid search wider than the device is refused), fastest first."""
-    from cudagraph_rt.errors import InputError
+    """(plan overrides, its row) for each plan of SWEEP, fastest first."""
     out = []
     for over in SWEEP:
         a = argparse.Namespace(**{**vars(args), **over})
-        try:
-            out.append((over, _measure(a, dtype, rows, "top_p=0.9", flush)))
-        except InputError:
-            continue
+        out.append((over, _measure(a, dtype, rows, "top_p=0.9", flush)))
     return sorted(out, key=lambda x: x[1].ours_us)
 
 

@@ -1,4 +1,5 @@
-"""Plans, workspaces and launches of the sampler's Triton kernels (``triton_path.py``).
+"""Plans, workspaces and launches of the sampler's Triton kernels (``triton_path.py``,
+``search_kernels.py``).
 
 A plan is a pure function of (rows, vocabulary, device): no device value and no call-time
 autotune, so the launches are capturable in a CUDA graph once compiled (the first launch
@@ -16,7 +17,6 @@ once on two streams would mix their partials (give each stream its own
 from __future__ import annotations
 
 import contextlib
-import enum
 from dataclasses import dataclass
 
 import torch
@@ -29,10 +29,9 @@ from cudagraph_rt.kernels.sampling import triton_path as tp
 from cudagraph_rt.kernels.sampling.philox import Stream
 from cudagraph_rt.kernels.sampling.settings import SamplingSettings
 
-__all__ = ["SamplingPlan", "SamplingWorkspace", "SearchLaunch", "launch_sampler", "plan_sampling"]
+__all__ = ["SamplingPlan", "SamplingWorkspace", "launch_sampler", "plan_sampling"]
 
-MAX_CHUNK, FEW_ROWS = 4096, 4  # the default plan's widest chunk; rows searched in one grid launch, not passes
-GRID_STEPS = 40  # the grid search's steps before its last program finishes alone (resolving takes ~5-10)
+MAX_CHUNK, FEW_ROWS = 4096, 4  # the default plan's widest chunk; rows searched in 2 passes, not 3
 _TILE_ELEMS = 4096  # search_block * candidates: the [tile, candidates] comparison of one search step
 
 
@@ -44,23 +43,13 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-class SearchLaunch(enum.Enum):
-    """How the threshold search launches (``search_kernels.py``)."""
-
-    PASSES = "passes"  # search_passes launches of one step each; the last one's reducer finishes alone
-    GRID = "grid"  # one launch of every step, its programs waiting for each other between steps (a
-    # barrier in global memory): the grid must fit the GPU at once (chunks * rows <= multiprocessors
-    # on CUDA; one chunk per row under the interpreter, which runs programs one after another)
-
-
 @dataclass(frozen=True)
 class SamplingPlan:
     """Where a launch does its work: ``chunk`` vocabulary entries per program (a multiple
     of ``block``), tiles of ``block`` entries (``search_block`` in the search launches),
     ``candidates`` thresholds tested per search step (a power of two), ``search_passes``
-    search launches over all programs with ``SearchLaunch.PASSES`` (>= 1; the last one's
-    reducer finishes any row still searching on its own), ``search`` (one launch of every
-    step with ``SearchLaunch.GRID``), ``num_warps`` per program."""
+    search launches over all programs (>= 1; the last one's reducer finishes any row still
+    searching on its own), ``num_warps`` per program."""
 
     chunk: int
     block: int
@@ -68,16 +57,14 @@ class SamplingPlan:
     candidates: int
     search_passes: int
     num_warps: int = 4
-    search: SearchLaunch = SearchLaunch.PASSES
 
     def chunks(self, vocab: int) -> int:
         """Programs per row."""
         return _cdiv(vocab, self.chunk)
 
     def launches(self, full_q: bool = False, probs: bool = False) -> int:
-        """Kernel launches of one call: stats, the search, final (+ residual, probs)."""
-        search = 1 if self.search is SearchLaunch.GRID else self.search_passes
-        return 2 + search + int(full_q) + int(probs)
+        """Kernel launches of one call: stats, the search passes, final (+ residual, probs)."""
+        return 2 + self.search_passes + int(full_q) + int(probs)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -87,26 +74,19 @@ def _sm_count(device: torch.device) -> int:
 
 
 def plan_sampling(rows: int, vocab: int, device: torch.device, sm_count: int | None = None) -> SamplingPlan:
-    """The default plan. On CUDA, up to ``FEW_ROWS`` rows: one grid search launch over at
-    most one program per multiprocessor (one row of a 128k vocabulary in ~126 chunks of
-    1024); more rows: about two programs per multiprocessor over all rows, in chunks of at
-    most ``MAX_CHUNK`` entries (64 rows in chunks of 4096), 3 search passes (the fastest of
-    the H200 sweep, ``kernels/sampling/bench.py --sweep``). 16 candidates per search step.
-    Elsewhere (the interpreter): passes, 2 for a few rows. ``sm_count``: the device's
-    multiprocessors (default: asked of the device)."""
+    """The default plan: about two programs per multiprocessor over all rows, in chunks of at
+    most ``MAX_CHUNK`` entries (one row of a 128k vocabulary in ~128 chunks of 1024, 64 rows
+    in chunks of 4096), 16 candidates per search step, 2 search passes for a few rows and 3
+    for many (the fastest of the H200 sweep, ``kernels/sampling/bench.py --sweep``: the
+    last pass's reducer finishes a row's search alone, cheap for one row, a queue for 64).
+    ``sm_count``: the device's multiprocessors (default: asked of the device)."""
     device = torch.device(device)
-    cuda = device.type == "cuda"
-    block = 1024 if cuda else 64
-    sms = sm_count or _sm_count(device)
-    candidates = 16 if cuda else 8
-    search_block = min(block, _TILE_ELEMS // candidates)
-    if cuda and rows <= FEW_ROWS and rows <= sms:
-        chunk = _cdiv(_cdiv(vocab, sms // max(rows, 1)), block) * block
-        return SamplingPlan(chunk, block, search_block, candidates, search_passes=1, search=SearchLaunch.GRID)
-    want = max(1, _cdiv(2 * sms, max(rows, 1)))
+    block = 1024 if device.type == "cuda" else 64
+    want = max(1, _cdiv(2 * (sm_count or _sm_count(device)), max(rows, 1)))
     chunk = max(block, min(MAX_CHUNK, _cdiv(_cdiv(vocab, want), block) * block))
+    candidates = 16 if device.type == "cuda" else 8
     passes = 2 if rows <= FEW_ROWS else 3
-    return SamplingPlan(chunk, block, search_block, candidates, search_passes=passes)
+    return SamplingPlan(chunk, block, min(block, _TILE_ELEMS // candidates), candidates, search_passes=passes)
 
 
 def _check_plan(plan: SamplingPlan) -> None:
@@ -118,22 +98,6 @@ def _check_plan(plan: SamplingPlan) -> None:
         raise InputError(expected("plan", "chunk a multiple of block, block a multiple of search_block", plan))
     if plan.search_passes < 1:
         raise InputError(expected("plan.search_passes", ">= 1", plan.search_passes))
-    if not isinstance(plan.search, SearchLaunch):
-        raise InputError(expected("plan.search", "a SearchLaunch", plan.search))
-
-
-def _check_grid(plan: SamplingPlan, rows: int, vocab: int, device: torch.device) -> None:
-    """A grid search must fit the device at once: its programs wait for each other."""
-    if plan.search is not SearchLaunch.GRID:
-        return
-    programs = plan.chunks(vocab) * rows
-    if device.type == "cuda" and programs > _sm_count(device):
-        raise InputError(expected("plan", f"a grid search of at most {_sm_count(device)} programs (the device's "
-                                          f"multiprocessors: they must all run at once)",
-                                  f"{programs} ({rows} rows x {plan.chunks(vocab)} chunks)"))
-    if device.type != "cuda" and plan.chunks(vocab) > 1:
-        raise InputError(expected("plan", "a grid search of one chunk per row off CUDA (the interpreter runs "
-                                          "programs one after another)", f"{plan.chunks(vocab)} chunks"))
 
 
 def partial_words(candidates: int) -> tuple[int, int]:
@@ -150,8 +114,8 @@ def launch_constants(plan: SamplingPlan, vocab: int) -> dict:
 
 
 class SamplingWorkspace:
-    """Row states (int32 / float32 [N, 8]), per-chunk partials, tickets and barriers (int32
-    [N], 0 between launches) of one (device, rows, chunks, candidates); kept for as long as any
+    """Row states (int32 / float32 [N, 8]), per-chunk partials and tickets (int32 [N], 0
+    between launches) of one (device, rows, chunks, candidates); kept for as long as any
     graph captured over it may replay. :meth:`get` of the module's :data:`WORKSPACES`
     raises CaptureError when a new shape would be allocated during a capture."""
 
@@ -160,11 +124,9 @@ class SamplingWorkspace:
         self.iw, self.fw = partial_words(candidates)
         self.istate = torch.zeros(rows, tp.I_WORDS, dtype=torch.int32, device=device)
         self.fstate = torch.zeros(rows, tp.F_WORDS, dtype=torch.float32, device=device)
-        # two buffers of partials: the grid search alternates between them by step
-        self.ipart = torch.zeros(2 * rows * chunks * self.iw, dtype=torch.int32, device=device)
-        self.fpart = torch.zeros(2 * rows * chunks * self.fw, dtype=torch.float32, device=device)
+        self.ipart = torch.zeros(rows * chunks * self.iw, dtype=torch.int32, device=device)
+        self.fpart = torch.zeros(rows * chunks * self.fw, dtype=torch.float32, device=device)
         self.tickets = torch.zeros(rows, dtype=torch.int32, device=device)
-        self.barriers = torch.zeros(rows, dtype=torch.int32, device=device)  # the grid search's, 0 between
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the zeroed tickets, before any stream's launch
 
@@ -227,7 +189,6 @@ def launch_sampler(logits: Tensor, settings: SamplingSettings, tokens: Tensor, p
     n, v = logits.shape
     plan = plan or plan_sampling(n, v, logits.device)
     _check_plan(plan)
-    _check_grid(plan, n, v, logits.device)
     if workspace is None:
         workspace = WORKSPACES.get(logits.device, n, plan.chunks(v), plan.candidates)
     elif workspace.key != (logits.device, n, plan.chunks(v), plan.candidates):
@@ -254,15 +215,9 @@ def _launch_all(call: _Call, probs: Tensor | None, opts: dict) -> None:
     tp._stats_kernel[grid](*head, s.temperature, s.top_k, s.top_p, s.min_p, s.seed, s.position, draft, q, stride_q,
                            call.tokens, call.p_draft, ws.istate, ws.fstate, *tail, call.stream,
                            BLOCK=plan.block, **call.common(), **flags, **opts)
-    if plan.search is SearchLaunch.GRID:
-        sk._grid_search_kernel[grid](*head, s.temperature, s.top_p, ws.istate, ws.fstate, ws.ipart, ws.fpart,
-                                     ws.tickets, ws.barriers, plan.chunk, grid[0], BLOCK=plan.search_block,
-                                     MC=plan.candidates, STEPS=GRID_STEPS, **call.common(), **opts)
-    else:
-        for i in range(plan.search_passes):
-            sk._search_kernel[grid](*head, s.temperature, s.top_p, ws.istate, ws.fstate, *tail,
-                                    BLOCK=plan.search_block, MC=plan.candidates, LAST=i == plan.search_passes - 1,
-                                    **call.common(), **opts)
+    for i in range(plan.search_passes):
+        sk._search_kernel[grid](*head, s.temperature, s.top_p, ws.istate, ws.fstate, *tail, BLOCK=plan.search_block,
+                                MC=plan.candidates, LAST=i == plan.search_passes - 1, **call.common(), **opts)
     tp._final_kernel[grid](*head, s.temperature, s.seed, s.position, draft, q, stride_q, call.tokens, call.p_draft,
                            ws.istate, ws.fstate, *tail, call.stream, BLOCK=plan.block, **call.common(), **flags,
                            **opts)

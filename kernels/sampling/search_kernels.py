@@ -1,12 +1,11 @@
-"""The sampler's threshold search (top-k, then top-p, min-p folded in): the search steps
-every launch shares, the launch of one step per pass, and the launch that runs every step
-in one grid that waits for itself between steps.
+"""The sampler's threshold search (top-k, then top-p, min-p folded in): the steps, and the
+launch of one step per pass whose last reducer finishes a search alone.
 
 A step tests ``MC`` candidate thresholds in the row's bracket ``[lo, hi)`` (order-preserving
 int32 keys of the scaled logits): each program counts (top-k) or sums the mass (top-p) of
 its chunk at or above each candidate; the row's totals, summed in chunk order, keep the
 last candidate where the predicate holds, narrowed to the data. The threshold found is
-exact, whatever the candidates tested were, so every schedule of steps gives the same
+exact, whatever the candidates tested were, so every number of passes gives the same
 tokens for the same chunks. How: ARCHITECTURE.md, "The sampler".
 """
 from __future__ import annotations
@@ -196,66 +195,4 @@ if triton is not None:
                                               top_p, V, ist, fst, MC)
                 if LAST:
                     _search_alone(row_ptr, V, inv_t, m, t_min, phase, lo, hi, keff, target, top_p, ist, fst, MC, BLOCK)
-                _reset_ticket(ticket_ptr + r)
-
-
-    @triton.jit
-    def _grid_wait(bar_ptr, target):
-        """Arrive at the row's barrier, then wait for ``target`` arrivals (every program of
-        the row, this step): this program's partials are released before it arrives, and
-        every other program's acquired before it reads them."""
-        tl.debug_barrier()
-        # the atomics' values are used: the compiler drops an atomic whose value is not
-        seen = tl.atomic_add(bar_ptr, 1, sem="acq_rel", scope="gpu") + 1
-        while seen < target:
-            seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
-        tl.debug_barrier()
-
-    @triton.jit
-    def _grid_search_kernel(logits_ptr, stride_l, V, temp_ptr, topp_ptr, ist_ptr, fst_ptr, ipart_ptr, fpart_ptr,
-                            ticket_ptr, barrier_ptr, chunk, n_chunks, IW: tl.constexpr, FW: tl.constexpr,
-                            BLOCK: tl.constexpr, CB: tl.constexpr, MC: tl.constexpr, STEPS: tl.constexpr):
-        """Every step of the search in one launch. Each step's partials go to one of two
-        buffers by the step's parity (a program writes a buffer again two steps later, after
-        every reader of it has arrived at the step between); after the row's barrier every
-        program sums them itself, in chunk order, so each takes the same step. Every program
-        of the grid must be resident at once (the plan keeps the grid within one program per
-        multiprocessor); the barrier counts up and is put back to 0 by the row's last
-        program out, which also finishes a search that ``STEPS`` steps left open alone.
-        Candidates are spaced by value, then from the 6th step on by key every other step
-        (the fallback's guarantee of progress on clustered logits)."""
-        c, r = tl.program_id(0), tl.program_id(1).to(tl.int64)
-        ist, fst = ist_ptr + r * _I_WORDS, fst_ptr + r * _F_WORDS
-        phase = tl.load(ist + _I_PHASE)
-        if (phase == _SEARCH_K) | (phase == _SEARCH_P):
-            lo, hi, m = tl.load(ist + _I_LO), tl.load(ist + _I_HI), tl.load(fst + _F_M)
-            keff, target, top_p = tl.load(ist + _I_KEFF), tl.load(fst + _F_TARGET), tl.load(topp_ptr + r)
-            t_min = tl.load(fst + _F_TMIN)
-            inv_t, _ = _inv_temperature(temp_ptr, r)
-            row_ptr = logits_ptr + r * stride_l
-            start = c * chunk
-            end = tl.minimum(start + chunk, V)
-            j = tl.arange(0, MC)
-            rows = tl.num_programs(1).to(tl.int64)
-            step = 0
-            while ((phase == _SEARCH_K) | (phase == _SEARCH_P)) & (step < STEPS):
-                half = (step % 2).to(tl.int64) * rows
-                ipart, fpart = ipart_ptr + (half + r) * n_chunks * IW, fpart_ptr + (half + r) * n_chunks * FW
-                cand_f, lo_f, hi_f = _candidates(lo, hi, ((step >= 6) & (step % 2 == 1)).to(tl.int32), MC)
-                cnt, mass, succ, pred, top = _scan(row_ptr, start, end, inv_t, m, cand_f, lo_f, hi_f,
-                                                   phase == _SEARCH_P, MC, BLOCK)
-                tl.store(ipart + c * IW + j, cnt)
-                tl.store(fpart + c * FW + j, mass)
-                tl.store(fpart + c * FW + MC + j, succ)
-                tl.store(fpart + c * FW + 2 * MC + j, pred)
-                tl.store(fpart + c * FW + 3 * MC, top)
-                _grid_wait(barrier_ptr + r, (step + 1) * n_chunks)
-                cnt, mass, succ, pred, top = _search_reduce(ipart, fpart, n_chunks, IW, FW, CB, MC)
-                phase, lo, hi, target = _step(phase, lo, hi, keff, target, cnt, mass, succ, pred, top, m, t_min,
-                                              top_p, V, ist, fst, MC)
-                step += 1
-            if _last_to_arrive(ticket_ptr + r, n_chunks):
-                if (phase == _SEARCH_K) | (phase == _SEARCH_P):
-                    _search_alone(row_ptr, V, inv_t, m, t_min, phase, lo, hi, keff, target, top_p, ist, fst, MC, BLOCK)
-                tl.atomic_xchg(barrier_ptr + r, 0, sem="relaxed", scope="gpu")
                 _reset_ticket(ticket_ptr + r)

@@ -10,14 +10,13 @@ significance, so a fixed seed makes them stable, and a changed seed tests again)
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
 import torch
 
 from cudagraph_rt.errors import CaptureError, InputError
-from cudagraph_rt.kernels.sampling import (SamplingPlan, SamplingSettings, SamplingWorkspace, SearchLaunch, Stream,
+from cudagraph_rt.kernels.sampling import (SamplingPlan, SamplingSettings, SamplingWorkspace, Stream,
                                            check_setting_values, sample, sample_with_probs, verify)
 from cudagraph_rt.kernels.sampling import launch, philox
 from cudagraph_rt.kernels.sampling.reference import reference_probs, reference_sample
@@ -40,10 +39,6 @@ TRIALS = 100_000
 PLANS = {  # small programs, so the interpreter has few to run; every phase of the kernels on each
     "one-pass": SamplingPlan(chunk=64, block=64, search_block=64, candidates=8, search_passes=1),
     "two-pass": SamplingPlan(chunk=128, block=64, search_block=32, candidates=16, search_passes=2),
-    # one program per row here: the interpreter runs programs one after another (the CUDA tests
-    # run the grid search over many)
-    "grid": SamplingPlan(chunk=512, block=64, search_block=32, candidates=8, search_passes=1,
-                         search=SearchLaunch.GRID),
     "default": None,
 }
 TILED = SamplingPlan(chunk=64, block=16, search_block=16, candidates=4, search_passes=1)  # 4 tiles a program
@@ -57,7 +52,6 @@ def rng():
 def tickets_back_at_zero():
     for ws in launch.WORKSPACES.all():
         assert int(ws.tickets.abs().sum()) == 0, f"workspace {ws.key}: a ticket was left raised"
-        assert int(ws.barriers.abs().sum()) == 0, f"workspace {ws.key}: a grid barrier was left raised"
 
 
 def on(device, settings: SamplingSettings) -> SamplingSettings:
@@ -159,7 +153,7 @@ def test_kernels_match_the_torch_path(plan, rng):
 
 
 @needs_kernel
-@pytest.mark.parametrize("plan", ["one-pass", "two-pass", "grid"])
+@pytest.mark.parametrize("plan", ["one-pass", "two-pass"])
 def test_kernels_match_the_torch_path_with_a_draft_models_q(plan, rng):
     plan = PLANS[plan]
     n, v = 6, rng.randrange(60, 260)
@@ -452,22 +446,6 @@ def test_a_plan_out_of_shape_is_refused():
         sample(torch.randn(2, 8, device=DEV), SamplingSettings.full(2, device=DEV), use_kernel=True, plan=plan)
 
 
-@needs_kernel
-@pytest.mark.parametrize("rows, chunks", [(1, 2), (200, 1)] if DEV.type == "cpu" else [(1, 200), (2, 100)])
-def test_a_grid_search_that_cannot_run_at_once_is_refused(rows, chunks):
-    """Its programs wait for each other: more than the device runs at once (the
-    interpreter: one) would wait for ever."""
-    if DEV.type == "cpu" and rows > 1:
-        pytest.skip("off CUDA the limit is one chunk per row, whatever the rows")
-    plan = SamplingPlan(chunk=64, block=64, search_block=64, candidates=8, search_passes=1, search=SearchLaunch.GRID)
-    tokens = torch.full((rows,), -7, dtype=torch.int64, device=DEV)
-    with pytest.raises(InputError, match="^plan: expected a grid search"):
-        sample(torch.randn(rows, 64 * chunks, device=DEV), SamplingSettings.full(rows, temperature=1.0, top_p=0.9,
-                                                                                  device=DEV),
-               use_kernel=True, plan=plan, out=tokens)
-    assert (tokens == -7).all()
-
-
 # ------------------------------------------------------------------------------ the bench
 @needs_kernel
 def test_the_bench_runs_in_smoke_mode(capsys):
@@ -494,7 +472,7 @@ def test_the_kernels_compile_for_sm90_as_the_default_plans_launch_them():
 
 # ------------------------------------------------------------------------------ CUDA
 @pytest.mark.cuda
-@pytest.mark.parametrize("rows", [1, 4, 64])
+@pytest.mark.parametrize("rows", [1, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_full_vocabulary_matches_the_torch_path(rows, dtype, rng):
     v = 128256
@@ -505,36 +483,6 @@ def test_cuda_full_vocabulary_matches_the_torch_path(rows, dtype, rng):
     draft = torch.randint(-1, v, (rows,), device="cuda")
     got, want = verify(logits, settings, draft), verify(logits, settings, draft, use_kernel=False)
     assert_same_tokens(got[0], want[0], logits, settings, "verify", draft=draft)
-    tickets_back_at_zero()
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("rows", [1, 3])
-def test_cuda_the_grid_search_equals_the_passes_over_the_same_chunks(rows, rng):
-    """The grid search (every program of a row waiting for the others between steps) finds
-    the thresholds the passes find over the same chunks: the same tokens, many settings,
-    replayed in a graph (its barriers back at 0 after each replay)."""
-    v = 128256
-    grid = launch.plan_sampling(rows, v, torch.device("cuda"))
-    assert grid.search is SearchLaunch.GRID and grid.chunks(v) > 16
-    passes = dataclasses.replace(grid, search=SearchLaunch.PASSES, search_passes=2)
-    logits = random_logits(rng, rows, v, torch.bfloat16, "cuda")
-    settings = random_settings(rng, rows, v, "cuda")
-    got, want = torch.full((rows,), -7, dtype=torch.int64, device="cuda"), torch.empty(rows, dtype=torch.int64,
-                                                                                       device="cuda")
-    sample(logits, settings, out=got, plan=grid)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        sample(logits, settings, out=got, plan=grid)
-    for _ in range(20):
-        for mine, theirs in zip(settings.tensors(), random_settings(rng, rows, v, "cuda").tensors()):
-            mine.copy_(theirs)
-        logits.copy_(random_logits(rng, rows, v, torch.bfloat16, "cuda"))
-        got.fill_(-7)
-        graph.replay()
-        sample(logits, settings, out=want, plan=passes)
-        assert torch.equal(got, want), (got, want)
-        assert_same_tokens(got, sample(logits, settings, use_kernel=False), logits, settings, "grid search")
     tickets_back_at_zero()
 
 

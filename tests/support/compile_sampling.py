@@ -30,9 +30,8 @@ TARGET = GPUTarget("cuda", 90, 32)
 H200_SMS = 132
 POINTERS = dict(temp_ptr="*fp32", topk_ptr="*i64", topp_ptr="*fp32", minp_ptr="*fp32", seed_ptr="*i64",
                 pos_ptr="*i64", draft_ptr="*i64", q_ptr="*fp32", tok_ptr="*i64", pd_ptr="*fp32", ist_ptr="*i32",
-                fst_ptr="*fp32", ipart_ptr="*i32", fpart_ptr="*fp32", ticket_ptr="*i32", probs_ptr="*fp32",
-                barrier_ptr="*i32")
-TICKETED = ("_stats_kernel", "_search_kernel", "_grid_search_kernel", "_final_kernel", "_residual_kernel")
+                fst_ptr="*fp32", ipart_ptr="*i32", fpart_ptr="*fp32", ticket_ptr="*i32", probs_ptr="*fp32")
+TICKETED = ("_stats_kernel", "_search_kernel", "_final_kernel", "_residual_kernel")
 
 
 def compile_kernel(kernel, logits: str, constants: dict, ones=()):
@@ -46,20 +45,13 @@ def compile_kernel(kernel, logits: str, constants: dict, ones=()):
 
 def inspect(name: str, ptx: str) -> tuple[bool, str]:
     """(ok, what was found): the ticket atomic where the launch reduces; div.rn and no
-    lg2.approx where the kernel scales logits or draws noise; the grid search's barrier:
-    an acq_rel arrival and acquire loads while it waits (Triton lowers an atomic add of 0
-    to one; an atomic whose value is unused is dropped)."""
+    lg2.approx where the kernel scales logits or draws noise."""
     atomic = bool(re.search(r"atom\.global(?:\.gpu)?\.acq_rel(?:\.gpu)?\.add", ptx))
     div_rn = "div.rn.f32" in ptx
     approx_log = "lg2.approx" in ptx
-    barrier = [what for what, pattern in (("acq_rel arrival", r"atom\.global(?:\.gpu)?\.acq_rel(?:\.gpu)?\.add"),
-                                          ("acquire wait", r"ld\.global(?:\.gpu)?\.acquire"))
-               if re.search(pattern, ptx)]
-    grid = name == "_grid_search_kernel"
-    ok = (atomic or name not in TICKETED) and div_rn and not approx_log and (len(barrier) == 2 or not grid)
+    ok = (atomic or name not in TICKETED) and div_rn and not approx_log
     return ok, (f"{'ticket atomic' if atomic else 'no atomic'}, {'div.rn' if div_rn else 'NO div.rn'}"
-                f"{', lg2.approx (approximate log)' if approx_log else ''}"
-                f"{', barrier ' + ' + '.join(barrier or ['MISSING']) if grid else ''}")
+                f"{', lg2.approx (approximate log)' if approx_log else ''}")
 
 
 def cases():
@@ -73,9 +65,6 @@ def cases():
             flags = dict(HAS_DRAFT=draft, FULL_Q=full_q, BLOCK=plan.block)
             yield f"{label} stats {flags}", tp._stats_kernel, dtype, {**base, **flags}, ()
             yield f"{label} final {flags}", tp._final_kernel, dtype, {**base, **flags}, ()
-        if plan.search is launch.SearchLaunch.GRID:
-            yield f"{label} grid search", sk._grid_search_kernel, dtype, \
-                {**base, "BLOCK": plan.search_block, "STEPS": launch.GRID_STEPS}, ()
         for last in (False, True):
             yield f"{label} search LAST={last}", sk._search_kernel, dtype, \
                 {**base, "BLOCK": plan.search_block, "LAST": last}, ()
@@ -83,10 +72,10 @@ def cases():
         yield f"{label} probs", tp._probs_kernel, dtype, {"BLOCK": plan.block}, ()
     plan = launch.plan_sampling(1, 1, torch.device("cuda"), sm_count=H200_SMS)
     base = dict(launch.launch_constants(plan, 1), MC=plan.candidates, HAS_DRAFT=True, FULL_Q=True)
-    for kernel in (tp._stats_kernel, sk._search_kernel, sk._grid_search_kernel, tp._final_kernel, tp._residual_kernel):
-        block = plan.search_block if kernel in (sk._search_kernel, sk._grid_search_kernel) else plan.block
-        yield f"V=1 {kernel.__name__}", kernel, "fp32", \
-            {**base, "BLOCK": block, "LAST": True, "STEPS": launch.GRID_STEPS}, ("V", "stride_l", "n_chunks")
+    for kernel in (tp._stats_kernel, sk._search_kernel, tp._final_kernel, tp._residual_kernel):
+        block = plan.search_block if kernel is sk._search_kernel else plan.block
+        yield f"V=1 {kernel.__name__}", kernel, "fp32", {**base, "BLOCK": block, "LAST": True}, \
+            ("V", "stride_l", "n_chunks")
 
 
 def main() -> int:

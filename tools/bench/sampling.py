@@ -33,7 +33,7 @@ def sec_sampling(ctx) -> dict:
     step_us = step_time_us(model, ctx.rt, 1, ctx.repeats)
     if ctx.graphs:
         args = SimpleNamespace(vocab=vocab, scale=3.0, iters=max(ctx.repeats, 20), passes=None, candidates=None,
-                               chunk=None, search=None)
+                               chunk=None)
         flush = torch.empty(256 << 20, dtype=torch.int8, device=model.device)
         with torch.cuda.device(model.device):
             rows = [kb._measure(args, dtype, n, case, flush) for n in ROWS for case in SETTINGS]
