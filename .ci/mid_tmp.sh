@@ -1,6 +1,8 @@
-export OUT PYTHONPATH=$PWD PYTHONWARNINGS=ignore
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
-timeout 170 python3 -m pytest -m cuda -q -p no:cacheprovider -rfE tests/kernels/test_sampling.py tests/dispatch > $OUT/cuda_t.txt 2>&1; echo "cuda tests rc=$?"; tail -n 4 $OUT/cuda_t.txt | cut -c1-200
-timeout 200 python3 -m cudagraph_rt.kernels.sampling.bench --rows 1,4,64 --dtypes bf16 --iters 50 --kernels --sweep > $OUT/sampler.txt 2>&1; echo "sampler rc=$?"; grep -v -i warn $OUT/sampler.txt | grep -v "^sweep" | tail -n 22 | cut -c1-200; grep "^sweep" $OUT/sampler.txt | awk '{c[$3]++; if (c[$3]<=4) print}' | cut -c1-160
-timeout 150 python3 -u -m cudagraph_rt bench --sections dispatch --size bench > $OUT/dispatch_toy.txt 2>&1; echo "dispatch rc=$?"; grep -v -i "warn\|use case" $OUT/dispatch_toy.txt | tail -n 22 | cut -c1-200
-timeout 90 python3 -m cudagraph_rt demo --dispatch device --size bench --sequences 8 --slots 1 --max-new 96 --graphs on --profile $OUT/prof.txt > $OUT/demo1.txt 2>&1; grep -E "tokens/s|│ on" $OUT/demo1.txt | cut -c1-150; grep -E -A 28 "ncalls" $OUT/prof.txt | cut -c1-150
+export OUT PYTHONWARNINGS=ignore
+python3 -c "import torch, os; print('threads', torch.get_num_threads(), 'cpus', os.cpu_count(), 'affinity', len(os.sched_getaffinity(0)))"
+CGRT_GPU_TESTS_LIMIT=250 bash .ci/gpu tests > $OUT/tests_summary.txt 2>&1; echo "tests rc=$?"; grep "== group" $OUT/tests_summary.txt | cut -c1-140; grep -E "^(FAILED|ERROR)" $OUT/tests_summary.txt | head
+export PYTHONPATH=$PWD
+timeout 130 python3 -u -m cudagraph_rt bench --sections dispatch --size bench --json $OUT/dispatch_toy.json > $OUT/dispatch_toy.txt 2>&1; echo "dispatch toy rc=$?"; grep -E "^│ +[0-9]|device dispatch" $OUT/dispatch_toy.txt | cut -c1-200
+timeout 60 python3 -m cudagraph_rt demo --dispatch device --size bench --sequences 8 --slots 1 --max-new 96 --graphs on --profile $OUT/prof.txt > $OUT/demo1.txt 2>&1; grep -E "│ on" $OUT/demo1.txt | cut -c1-150; grep -E -A 12 "ncalls" $OUT/prof.txt | cut -c1-150
+left=$((585 - SECONDS)); echo "left $left s"
+[ $left -gt 60 ] && { timeout $left python3 -u -m cudagraph_rt bench --model hf:llama --size 1b --sections dispatch --json $OUT/dispatch_1b.json > $OUT/dispatch_1b.txt 2>&1; echo "dispatch 1b rc=$?"; grep -E "^│ +[0-9]|device dispatch|step at" $OUT/dispatch_1b.txt | cut -c1-200; }

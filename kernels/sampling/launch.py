@@ -31,7 +31,7 @@ from cudagraph_rt.kernels.sampling.settings import SamplingSettings
 
 __all__ = ["SamplingPlan", "SamplingWorkspace", "launch_sampler", "plan_sampling"]
 
-MAX_CHUNK, FEW_ROWS = 4096, 4  # the default plan's widest chunk; rows searched in 2 passes, not 3
+MAX_CHUNK, PASSES = 4096, 3  # the default plan's widest chunk and search passes
 _TILE_ELEMS = 4096  # search_block * candidates: the [tile, candidates] comparison of one search step
 
 
@@ -76,17 +76,17 @@ def _sm_count(device: torch.device) -> int:
 def plan_sampling(rows: int, vocab: int, device: torch.device, sm_count: int | None = None) -> SamplingPlan:
     """The default plan: about two programs per multiprocessor over all rows, in chunks of at
     most ``MAX_CHUNK`` entries (one row of a 128k vocabulary in ~128 chunks of 1024, 64 rows
-    in chunks of 4096), 16 candidates per search step, 2 search passes for a few rows and 3
-    for many (the fastest of the H200 sweep, ``kernels/sampling/bench.py --sweep``: the
-    last pass's reducer finishes a row's search alone, cheap for one row, a queue for 64).
+    in chunks of 4096), 16 candidates per search step, 3 search passes (the fastest of the
+    H200 sweeps, ``kernels/sampling/bench.py --sweep``: the last pass's reducer finishes a
+    row's search alone over the whole row, so too few passes cost 4x at 4 rows and more at
+    64; at one row 2 and 3 passes were within 1 %).
     ``sm_count``: the device's multiprocessors (default: asked of the device)."""
     device = torch.device(device)
     block = 1024 if device.type == "cuda" else 64
     want = max(1, _cdiv(2 * (sm_count or _sm_count(device)), max(rows, 1)))
     chunk = max(block, min(MAX_CHUNK, _cdiv(_cdiv(vocab, want), block) * block))
     candidates = 16 if device.type == "cuda" else 8
-    passes = 2 if rows <= FEW_ROWS else 3
-    return SamplingPlan(chunk, block, min(block, _TILE_ELEMS // candidates), candidates, search_passes=passes)
+    return SamplingPlan(chunk, block, min(block, _TILE_ELEMS // candidates), candidates, search_passes=PASSES)
 
 
 def _check_plan(plan: SamplingPlan) -> None:
